@@ -1,0 +1,44 @@
+"""The pipeline spec: the typed contract between the registry, the operator and the runtime.
+
+Pure pydantic; importing it never loads torch or an engine.
+"""
+
+from omni_runtime.spec.connectors import ConnectorsSpec, MooncakeSpec
+from omni_runtime.spec.enums import INPUT_PROCESSORS, ConnectorKind, Modality, MooncakeProtocol, StageKind
+from omni_runtime.spec.pipeline import CompanionSpec, EdgeSpec, ModelMatch, PipelineSpec, SpecError, StageSpec
+from omni_runtime.spec.resolved import (
+    ROUTER_PORT,
+    STAGE_HTTP_PORT,
+    STAGE_PORT,
+    EdgeOverride,
+    ResolvedPipeline,
+    RouterLimits,
+    StageDiscovery,
+    StageOverride,
+    resolve_pipeline,
+)
+
+__all__ = [
+    "INPUT_PROCESSORS",
+    "ROUTER_PORT",
+    "STAGE_HTTP_PORT",
+    "STAGE_PORT",
+    "CompanionSpec",
+    "ConnectorKind",
+    "ConnectorsSpec",
+    "EdgeOverride",
+    "EdgeSpec",
+    "Modality",
+    "ModelMatch",
+    "MooncakeProtocol",
+    "MooncakeSpec",
+    "PipelineSpec",
+    "ResolvedPipeline",
+    "RouterLimits",
+    "SpecError",
+    "StageDiscovery",
+    "StageKind",
+    "StageOverride",
+    "StageSpec",
+    "resolve_pipeline",
+]

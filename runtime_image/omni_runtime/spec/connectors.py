@@ -1,0 +1,42 @@
+"""Connector configuration: defaults for every edge plus Mooncake settings."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from omni_runtime.spec.enums import ConnectorKind, MooncakeProtocol
+
+__all__ = ["ConnectorsSpec", "MooncakeSpec"]
+
+
+class MooncakeSpec(BaseModel):
+    """Mooncake Store settings, used when any edge has kind `mooncake`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    protocol: MooncakeProtocol = Field(MooncakeProtocol.TCP, description="Transfer protocol between pods.")
+    device_name: str = Field("", description="RDMA device names (e.g. 'mlx5_0'); empty for TCP.")
+    global_segment_size: int = Field(
+        512 * 1024**2, ge=16 * 1024**2, description="Bytes each stage contributes to the store."
+    )
+    local_buffer_size: int = Field(
+        128 * 1024**2, ge=16 * 1024**2, description="Bytes of each stage's local transfer buffer."
+    )
+    master_port: int = Field(50051, ge=1, le=65535, description="Mooncake master RPC port.")
+    metadata_port: int = Field(8080, ge=1, le=65535, description="Mooncake HTTP metadata server port.")
+
+
+class ConnectorsSpec(BaseModel):
+    """How stage outputs move between stages unless an edge says otherwise."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    default: ConnectorKind = Field(
+        ConnectorKind.INLINE, description="Connector for edges that name none."
+    )
+    inline_max_bytes: int = Field(
+        4 * 1024**2,
+        ge=0,
+        description="Largest payload the inline connector accepts; larger ones need shm or mooncake.",
+    )
+    mooncake: MooncakeSpec = Field(default_factory=MooncakeSpec)

@@ -1,0 +1,60 @@
+"""Closed vocabularies shared by the pipeline spec, the CRDs and the runtime."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+__all__ = ["ConnectorKind", "Modality", "MooncakeProtocol", "StageKind", "INPUT_PROCESSORS"]
+
+
+class StageKind(str, Enum):
+    """Which engine family runs a stage."""
+
+    AR = "ar"
+    """Autoregressive language model on vLLM (thinker, talker, prompt enhancer)."""
+    DIFFUSION = "diffusion"
+    """Diffusion pipeline on diffusers (DiT + VAE)."""
+    GENERATION = "generation"
+    """Non-autoregressive module run chunk by chunk (codec-to-waveform, VAE decode)."""
+
+
+class ConnectorKind(str, Enum):
+    """How a stage output travels to the next stage."""
+
+    INLINE = "inline"
+    """Payload rides inside the control message; for small payloads."""
+    SHM = "shm"
+    """POSIX shared memory; only between stages in one pod (colocated)."""
+    MOONCAKE = "mooncake"
+    """Mooncake Store (master in the router pod) over TCP or RDMA; between pods."""
+
+
+class MooncakeProtocol(str, Enum):
+    """Transport Mooncake's transfer engine uses between pods."""
+
+    TCP = "tcp"
+    RDMA = "rdma"
+
+
+class Modality(str, Enum):
+    """Kinds of data a stage consumes or produces."""
+
+    TEXT = "text"
+    IMAGE = "image"
+    AUDIO = "audio"
+    VIDEO = "video"
+    HIDDEN = "hidden"
+    """Internal tensors (hidden states, codec tokens, latents): never returned to a client."""
+
+
+INPUT_PROCESSORS: dict[str, str] = {
+    "identity": "Pass the upstream output through unchanged.",
+    "ar_text_to_prompt": "Use the upstream AR stage's generated text as the downstream prompt "
+    "(prompt enhancer -> diffusion), keeping CFG companions paired.",
+    "thinker_to_talker": "Feed the thinker's hidden states and tokens to the talker (Qwen-Omni).",
+    "talker_to_code2wav": "Feed the talker's codec tokens to the code-to-waveform module in chunks.",
+    "dit_to_vae": "Feed diffusion latents to a separate VAE decode stage.",
+}
+"""Named transforms applied to an upstream output before the downstream stage sees it.
+
+The runtime registers one implementation per name; a test checks the two lists agree."""

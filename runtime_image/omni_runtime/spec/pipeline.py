@@ -1,0 +1,219 @@
+"""A pipeline's topology: stages, the edges between them, and their connectors.
+
+This is the contract between the registry (config/pipelines/*.yaml), the operator and the runtime.
+It is pure pydantic: importing it never pulls in torch or an engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from omni_runtime.spec.connectors import ConnectorsSpec
+from omni_runtime.spec.enums import INPUT_PROCESSORS, ConnectorKind, Modality, StageKind
+
+__all__ = ["CompanionSpec", "EdgeSpec", "ModelMatch", "PipelineSpec", "StageSpec", "SpecError"]
+
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+"""Stage and pipeline names become parts of Kubernetes object names (RFC 1123 labels)."""
+
+
+class SpecError(ValueError):
+    """A pipeline spec that cannot run; the message names the field and what to change."""
+
+
+class CompanionSpec(BaseModel):
+    """A CFG companion: the AR stage also runs a negative prompt, and both outputs reach the next stage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: str = Field("cfg_text", description="Tag carried by the companion request (seed: `cfg_text`).")
+    negative_prompt: str = Field(
+        "", description="Prompt used when the request gives no `negative_prompt` of its own."
+    )
+
+
+class StageSpec(BaseModel):
+    """One stage of a pipeline: what runs, and what it produces."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=NAME_PATTERN, max_length=40, description="Stage name, unique in the pipeline.")
+    kind: StageKind = Field(description="Engine family: ar (vLLM), diffusion (diffusers) or generation.")
+    model_subfolder: str = Field(
+        "", description="Folder inside the model that holds this stage's component; empty for the root."
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="Arguments passed through to the engine (vLLM or diffusers)."
+    )
+    sampling_params: dict[str, Any] = Field(
+        default_factory=dict, description="Default sampling parameters; a request may override them."
+    )
+    input_modalities: list[Modality] = Field(
+        default_factory=lambda: [Modality.TEXT], description="What the stage accepts."
+    )
+    output_modality: Modality = Field(Modality.TEXT, description="What the stage produces.")
+    final_output: bool = Field(False, description="Whether the stage's output is returned to the client.")
+    companions: list[CompanionSpec] = Field(
+        default_factory=list, description="CFG companions this (AR) stage runs beside each request."
+    )
+
+    @model_validator(mode="after")
+    def _companions_need_ar(self) -> StageSpec:
+        if self.companions and self.kind is not StageKind.AR:
+            raise ValueError(
+                f"stage {self.name!r}: companions are only supported on ar stages, not {self.kind.value}; "
+                "move them to the AR stage that feeds this one"
+            )
+        if self.final_output and self.output_modality is Modality.HIDDEN:
+            raise ValueError(
+                f"stage {self.name!r}: a final output cannot have output_modality 'hidden'; "
+                "set output_modality to text, image, audio or video"
+            )
+        return self
+
+
+class EdgeSpec(BaseModel):
+    """Data flow from one stage to another."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    source: str = Field(alias="from", description="Upstream stage name.")
+    target: str = Field(alias="to", description="Downstream stage name.")
+    connector: ConnectorKind | None = Field(
+        None, description="Connector for this edge; the pipeline default when unset."
+    )
+    window: int = Field(
+        0,
+        ge=0,
+        description="Stream the edge in chunks of this many items (tokens/codes); 0 sends the whole output.",
+    )
+    input_processor: str = Field(
+        "identity", description=f"Transform applied before the target sees the data: {sorted(INPUT_PROCESSORS)}."
+    )
+
+
+class ModelMatch(BaseModel):
+    """How a local model folder is recognised as this pipeline."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    architectures: list[str] = Field(
+        default_factory=list, description="`config.json` `architectures` entries that select this pipeline."
+    )
+    diffusers_classes: list[str] = Field(
+        default_factory=list, description="`model_index.json` `_class_name` values that select this pipeline."
+    )
+
+
+class PipelineSpec(BaseModel):
+    """A complete pipeline topology."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=NAME_PATTERN, max_length=40, description="Registry name of the topology.")
+    description: str = Field("", description="One line for people.")
+    match: ModelMatch = Field(default_factory=ModelMatch)
+    stages: list[StageSpec] = Field(min_length=1)
+    edges: list[EdgeSpec] = Field(default_factory=list)
+    connectors: ConnectorsSpec = Field(default_factory=ConnectorsSpec)
+
+    @model_validator(mode="after")
+    def _check_topology(self) -> PipelineSpec:
+        problems = topology_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def stage(self, name: str) -> StageSpec:
+        """The stage called `name`; raises SpecError listing the stages when there is none."""
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise SpecError(f"pipeline {self.name!r} has no stage {name!r}; its stages are {self.stage_names()}")
+
+    def stage_names(self) -> list[str]:
+        return [s.name for s in self.stages]
+
+    def edge_connector(self, edge: EdgeSpec) -> ConnectorKind:
+        """The connector an edge uses: its own, or the pipeline default."""
+        return edge.connector or self.connectors.default
+
+    def entry_stages(self) -> list[str]:
+        """Stages with no upstream edge: a request starts there."""
+        targets = {e.target for e in self.edges}
+        return [s.name for s in self.stages if s.name not in targets]
+
+    def downstream(self, name: str) -> list[EdgeSpec]:
+        return [e for e in self.edges if e.source == name]
+
+    def upstream(self, name: str) -> list[EdgeSpec]:
+        return [e for e in self.edges if e.target == name]
+
+    def topological_order(self) -> list[str]:
+        """Stage names, every stage after all of its upstream stages (declaration order breaks ties)."""
+        order = _topological_order(self.stage_names(), [(e.source, e.target) for e in self.edges])
+        assert order is not None, "validated pipelines are acyclic"
+        return order
+
+
+def topology_problems(spec: PipelineSpec) -> list[str]:
+    """Everything wrong with a topology, each naming the field and what to change."""
+    problems: list[str] = []
+    names = spec.stage_names()
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if name in seen:
+            problems.append(f"stages[{i}].name: {name!r} is used by another stage; stage names must be unique")
+        seen.add(name)
+    for i, edge in enumerate(spec.edges):
+        for field, value in (("from", edge.source), ("to", edge.target)):
+            if value not in seen:
+                problems.append(f"edges[{i}].{field}: no stage is named {value!r}; known stages are {names}")
+        if edge.source == edge.target:
+            problems.append(f"edges[{i}]: stage {edge.source!r} cannot feed itself")
+        if edge.input_processor not in INPUT_PROCESSORS:
+            problems.append(
+                f"edges[{i}].input_processor: {edge.input_processor!r} is unknown; "
+                f"use one of {sorted(INPUT_PROCESSORS)}"
+            )
+    pairs = [(e.source, e.target) for e in spec.edges]
+    for i, pair in enumerate(pairs):
+        if pair in pairs[:i]:
+            problems.append(f"edges[{i}]: the edge {pair[0]} -> {pair[1]} is declared twice")
+    if not problems and _topological_order(names, pairs) is None:
+        problems.append(f"edges: the stages form a cycle ({_describe_cycle(names, pairs)}); remove one edge of it")
+    if not any(s.final_output for s in spec.stages):
+        problems.append("stages: no stage has final_output: true, so a request would return nothing")
+    return problems
+
+
+def _topological_order(names: list[str], pairs: list[tuple[str, str]]) -> list[str] | None:
+    indegree = {n: 0 for n in names}
+    for _, target in pairs:
+        indegree[target] += 1
+    ready = [n for n in names if indegree[n] == 0]
+    order: list[str] = []
+    while ready:
+        node = ready.pop(0)
+        order.append(node)
+        for source, target in pairs:
+            if source == node:
+                indegree[target] -= 1
+                if indegree[target] == 0:
+                    ready.append(target)
+    return order if len(order) == len(names) else None
+
+
+def _describe_cycle(names: list[str], pairs: list[tuple[str, str]]) -> str:
+    # Walk from any node still blocked after Kahn's algorithm until a node repeats.
+    order = _topological_order(names, pairs) or []
+    remaining = [n for n in names if n not in order]
+    nexts = {s: t for s, t in pairs if s in remaining and t in remaining}
+    path, node = [], remaining[0]
+    while node not in path:
+        path.append(node)
+        node = nexts[node]
+    cycle = path[path.index(node):] + [node]
+    return " -> ".join(cycle)

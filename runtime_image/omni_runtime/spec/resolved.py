@@ -1,0 +1,186 @@
+"""The resolved pipeline: a registry topology with a deployment's overrides applied.
+
+The operator writes it into a ConfigMap and the local launcher into a file; the router and every stage
+server read it (`--config resolved.json`). It is the only configuration the runtime processes take.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from omni_runtime.spec.connectors import ConnectorsSpec
+from omni_runtime.spec.enums import ConnectorKind
+from omni_runtime.spec.pipeline import PipelineSpec, SpecError
+
+__all__ = [
+    "EdgeOverride",
+    "ResolvedPipeline",
+    "RouterLimits",
+    "StageDiscovery",
+    "StageOverride",
+    "resolve_pipeline",
+]
+
+STAGE_PORT = 8100
+"""Port of the stage server's ZeroMQ control socket."""
+STAGE_HTTP_PORT = 8101
+"""Port of the stage server's /healthz, /readyz and /metrics."""
+ROUTER_PORT = 8000
+"""Port of the router's OpenAI-compatible HTTP API."""
+
+
+class StageOverride(BaseModel):
+    """What a deployment changes on one stage of its topology."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    colocate_with: str | None = None
+
+
+class EdgeOverride(BaseModel):
+    """What a deployment changes on one edge of its topology."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    source: str = Field(alias="from")
+    target: str = Field(alias="to")
+    connector: ConnectorKind | None = None
+    window: int | None = Field(None, ge=0)
+
+
+class StageDiscovery(BaseModel):
+    """How the router finds a stage's replicas."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    static: list[str] = Field(
+        default_factory=list, description="Fixed replica addresses `host:port` (local mode)."
+    )
+    service: str | None = Field(
+        None, description="Kubernetes Service whose EndpointSlices list the replicas (cluster mode)."
+    )
+    namespace: str | None = None
+    port: int = STAGE_PORT
+
+
+class RouterLimits(BaseModel):
+    """Admission limits that keep the router responsive under load."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_concurrent_requests: int = Field(64, ge=1, description="Requests in flight before queueing.")
+    max_queued_requests: int = Field(256, ge=0, description="Requests waiting beyond that; more get 429.")
+    request_timeout_s: float = Field(600.0, gt=0, description="A request still running after this fails.")
+    max_body_bytes: int = Field(32 * 1024**2, ge=1024, description="Largest request body accepted.")
+
+
+class ResolvedPipeline(BaseModel):
+    """Everything the runtime processes of one deployed pipeline need to know."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="Deployment name (the OmniPipeline's name, or the local pipeline's).")
+    namespace: str = ""
+    model: str = Field(description="Model path inside the pod (or locally) the stages load from.")
+    served_model_name: str = Field(description="Model id clients put in `model`.")
+    topology: PipelineSpec
+    colocation: dict[str, str] = Field(
+        default_factory=dict, description="Stage name -> the stage whose pod it shares."
+    )
+    discovery: dict[str, StageDiscovery] = Field(default_factory=dict)
+    limits: RouterLimits = Field(default_factory=RouterLimits)
+
+    def stage_group(self, name: str) -> str:
+        """The pod group a stage runs in: its own name, or the stage it is colocated with."""
+        return self.colocation.get(name, name)
+
+
+def resolve_pipeline(
+    topology: PipelineSpec,
+    *,
+    name: str,
+    model: str,
+    served_model_name: str | None = None,
+    namespace: str = "",
+    stages: list[StageOverride] = (),  # type: ignore[assignment]
+    edges: list[EdgeOverride] = (),  # type: ignore[assignment]
+    connectors: ConnectorsSpec | None = None,
+    limits: RouterLimits | None = None,
+) -> ResolvedPipeline:
+    """Apply a deployment's overrides to a topology.
+
+    Raises SpecError naming the override when it refers to a stage or edge the topology lacks, or when
+    the result cannot run (for example an `shm` edge between stages in different pods).
+    """
+    spec = topology.model_copy(deep=True)
+    if connectors is not None:
+        spec.connectors = connectors
+    names = spec.stage_names()
+    colocation: dict[str, str] = {}
+    for i, override in enumerate(stages):
+        if override.name not in names:
+            raise SpecError(
+                f"stages[{i}].name: pipeline {topology.name!r} has no stage {override.name!r}; "
+                f"its stages are {names}"
+            )
+        stage = spec.stage(override.name)
+        stage.engine_args = {**stage.engine_args, **override.engine_args}
+        stage.sampling_params = {**stage.sampling_params, **override.sampling_params}
+        if override.colocate_with:
+            if override.colocate_with not in names or override.colocate_with == override.name:
+                raise SpecError(
+                    f"stages[{i}].colocateWith: {override.colocate_with!r} is not another stage of "
+                    f"{topology.name!r}; use one of {[n for n in names if n != override.name]}"
+                )
+            colocation[override.name] = override.colocate_with
+    # Chains (a -> b -> c) collapse onto the root stage, which owns the pod.
+    for stage_name in list(colocation):
+        seen = [stage_name]
+        while colocation.get(seen[-1]):
+            nxt = colocation[seen[-1]]
+            if nxt in seen:
+                raise SpecError(f"stages: colocateWith forms a loop {' -> '.join(seen + [nxt])}; break it")
+            seen.append(nxt)
+        colocation[stage_name] = seen[-1]
+
+    for i, override in enumerate(edges):
+        matching = [e for e in spec.edges if e.source == override.source and e.target == override.target]
+        if not matching:
+            known = [f"{e.source}->{e.target}" for e in spec.edges]
+            raise SpecError(
+                f"connectors.edges[{i}]: pipeline {topology.name!r} has no edge "
+                f"{override.source}->{override.target}; its edges are {known}"
+            )
+        if override.connector is not None:
+            matching[0].connector = override.connector
+        if override.window is not None:
+            matching[0].window = override.window
+
+    resolved = ResolvedPipeline(
+        name=name,
+        namespace=namespace,
+        model=model,
+        served_model_name=served_model_name or model,
+        topology=spec,
+        colocation=colocation,
+        limits=limits or RouterLimits(),
+    )
+    _check_connectors(resolved)
+    return resolved
+
+
+def _check_connectors(resolved: ResolvedPipeline) -> None:
+    spec = resolved.topology
+    for i, edge in enumerate(spec.edges):
+        kind = spec.edge_connector(edge)
+        same_pod = resolved.stage_group(edge.source) == resolved.stage_group(edge.target)
+        if kind is ConnectorKind.SHM and not same_pod:
+            raise SpecError(
+                f"edges[{i}] {edge.source}->{edge.target}: connector 'shm' needs both stages in one pod; "
+                f"set colocateWith on one of them, or use 'mooncake' or 'inline' for this edge"
+            )
