@@ -90,7 +90,8 @@ class EdgeSpec(BaseModel):
         description="Stream the edge in chunks of this many items (tokens/codes); 0 sends the whole output.",
     )
     input_processor: str = Field(
-        "identity", description=f"Transform applied before the target sees the data: {sorted(INPUT_PROCESSORS)}."
+        "identity",
+        description=f"Transform applied before the target sees the data: {sorted(INPUT_PROCESSORS)}.",
     )
 
 
@@ -165,7 +166,9 @@ def topology_problems(spec: PipelineSpec) -> list[str]:
     seen: set[str] = set()
     for i, name in enumerate(names):
         if name in seen:
-            problems.append(f"stages[{i}].name: {name!r} is used by another stage; stage names must be unique")
+            problems.append(
+                f"stages[{i}].name: {name!r} is used by another stage; stage names must be unique"
+            )
         seen.add(name)
     for i, edge in enumerate(spec.edges):
         for field, value in (("from", edge.source), ("to", edge.target)):
@@ -183,13 +186,23 @@ def topology_problems(spec: PipelineSpec) -> list[str]:
         if pair in pairs[:i]:
             problems.append(f"edges[{i}]: the edge {pair[0]} -> {pair[1]} is declared twice")
     if not problems and _topological_order(names, pairs) is None:
-        problems.append(f"edges: the stages form a cycle ({_describe_cycle(names, pairs)}); remove one edge of it")
+        cycle = _describe_cycle(names, pairs)
+        problems.append(f"edges: the stages form a cycle ({cycle}); remove one edge of it")
     if not any(s.final_output for s in spec.stages):
         problems.append("stages: no stage has final_output: true, so a request would return nothing")
     return problems
 
 
 def _topological_order(names: list[str], pairs: list[tuple[str, str]]) -> list[str] | None:
+    order = _kahn(names, pairs)
+    return order if len(order) == len(names) else None
+
+
+def _kahn(names: list[str], pairs: list[tuple[str, str]]) -> list[str]:
+    """Kahn's algorithm; the stages it could order (all of them unless there is a cycle).
+
+    Among stages ready at the same time, the one declared first goes first."""
+    position = {n: i for i, n in enumerate(names)}
     indegree = {n: 0 for n in names}
     for _, target in pairs:
         indegree[target] += 1
@@ -203,17 +216,22 @@ def _topological_order(names: list[str], pairs: list[tuple[str, str]]) -> list[s
                 indegree[target] -= 1
                 if indegree[target] == 0:
                     ready.append(target)
-    return order if len(order) == len(names) else None
+        ready.sort(key=position.__getitem__)
+    return order
 
 
 def _describe_cycle(names: list[str], pairs: list[tuple[str, str]]) -> str:
-    # Walk from any node still blocked after Kahn's algorithm until a node repeats.
-    order = _topological_order(names, pairs) or []
-    remaining = [n for n in names if n not in order]
-    nexts = {s: t for s, t in pairs if s in remaining and t in remaining}
+    # Every stage Kahn's algorithm leaves over has an upstream stage that is also left over, so walking
+    # upstream from any of them must revisit a stage; the walk between the two visits is a cycle.
+    ordered = set(_kahn(names, pairs))
+    remaining = [n for n in names if n not in ordered]
+    upstream: dict[str, str] = {}
+    for source, target in pairs:
+        if source in remaining and target in remaining:
+            upstream.setdefault(target, source)
     path, node = [], remaining[0]
     while node not in path:
         path.append(node)
-        node = nexts[node]
+        node = upstream[node]
     cycle = path[path.index(node):] + [node]
-    return " -> ".join(cycle)
+    return " -> ".join(reversed(cycle))
