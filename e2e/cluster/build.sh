@@ -24,20 +24,20 @@ ver="k8s.io/component-base/version"
 ldk8s="-s -w -X $ver.gitVersion=$k8s_version -X $ver.gitMajor=1 -X $ver.gitMinor=$minor -X $ver.gitTreeState=clean"
 ldk8s="$ldk8s -X k8s.io/client-go/pkg/version.gitVersion=$k8s_version"
 
-build() { # module-dir ldflags package...
+build() { # module-dir ldflags binary-name=package...
   local dir=$1 ld=$2; shift 2
-  for pkg in "$@"; do
-    local name=${pkg##*/}
+  for spec in "$@"; do
+    local name=${spec%%=*} pkg=${spec#*=}
     [ -x "$bin.partial/$name" ] && continue
     echo "building $name from $pkg" >&2
     (cd "$here/gomod/$dir" && go build -trimpath -ldflags "$ld" -o "$bin.partial/$name" "$pkg") >&2
   done
 }
-build kubernetes "$ldk8s" k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-  k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
-build etcd "-s -w" go.etcd.io/etcd/server/v3
-mv -f "$bin.partial/v3" "$bin.partial/etcd" 2>/dev/null || true
-build kwok "-s -w" sigs.k8s.io/kwok/cmd/kwok
-build helm "-s -w" helm.sh/helm/v3/cmd/helm
+k8s=k8s.io/kubernetes/cmd
+build kubernetes "$ldk8s" kube-apiserver=$k8s/kube-apiserver kube-controller-manager=$k8s/kube-controller-manager \
+  kube-scheduler=$k8s/kube-scheduler kubectl=$k8s/kubectl
+build etcd "-s -w" etcd=go.etcd.io/etcd/server/v3
+build kwok "-s -w" kwok=sigs.k8s.io/kwok/cmd/kwok
+build helm "-s -w" helm=helm.sh/helm/v3/cmd/helm
 rm -rf "$bin" && mv "$bin.partial" "$bin"
 echo "$bin"

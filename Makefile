@@ -1,0 +1,34 @@
+# The two commands of the README: `make demo` and `make test`. Both install what they need first.
+SHELL := /bin/bash
+PY := .venv/bin/python
+CLUSTER_DIR := .omnikube/cluster
+
+.PHONY: install test test-fast lint crds demo cluster-up cluster-down
+
+install:
+	@bash hack/bootstrap.sh
+
+## Every test: unit, cluster (real control plane) and end to end.
+test: install
+	$(PY) -m pytest -q
+
+## Unit tests only (no cluster, no model loads).
+test-fast: install
+	$(PY) -m pytest -q tests -m "not models"
+
+lint: install
+	.venv/bin/ruff check operator runtime_image tests e2e bench
+	.venv/bin/lint-imports
+
+## Regenerate crds/ from the models in omni_operator.
+crds: install
+	$(PY) -m omni_operator.crdgen --out crds/
+
+cluster-up: install
+	@$(PY) e2e/cluster/localcluster.py up --dir $(CLUSTER_DIR)
+
+cluster-down:
+	@$(PY) e2e/cluster/localcluster.py down --dir $(CLUSTER_DIR)
+
+demo: install
+	@bash hack/demo.sh

@@ -1,0 +1,49 @@
+"""Fixtures for the cluster tier: one real control plane per test session, a namespace per test."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "cluster"))
+
+from localcluster import LocalCluster  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """The local control plane, started once for the session and stopped at its end.
+
+    With OMNIKUBE_CLUSTER_DIR set (e.g. after `make cluster-up`) the tests use that running cluster
+    instead and leave it running.
+    """
+    existing = os.environ.get("OMNIKUBE_CLUSTER_DIR")
+    if existing:
+        yield LocalCluster.attach(Path(existing))
+        return
+    with LocalCluster(workdir=tmp_path_factory.mktemp("cluster")) as c:
+        c.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+        c.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/omnipipelines.omnikube.io",
+                  "crd/omnistages.omnikube.io")
+        yield c
+
+
+@pytest.fixture
+def namespace(cluster: LocalCluster) -> Iterator[str]:
+    """A fresh namespace, deleted (without waiting) after the test."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", name)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def kubectl_json(cluster: LocalCluster, *args: str) -> dict:
+    return json.loads(cluster.kubectl(*args, "-o", "json").stdout)

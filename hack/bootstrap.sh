@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs everything the tests and the demo need on a fresh Debian machine, reusing caches when present:
+#   apt packages, uv, the .venv (runtime on CPU + operator + dev tools), the control-plane binaries.
+# Idempotent: a second run takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(libibverbs1 librdmacm1 libnuma1 iproute2 openssl)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "bootstrap: apt-get install ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if ! command -v uv >/dev/null 2>&1; then
+  echo "bootstrap: installing uv"
+  "$PY" -m pip install -q "uv==0.13.8"
+fi
+UV=$(command -v uv || echo "$("$PY" -c 'import sysconfig;print(sysconfig.get_path("scripts"))')/uv")
+
+# Reinstall only when the dependency declarations changed.
+stamp=$(cat pyproject.toml requirements/cpu-overrides.txt | sha256sum | cut -c1-16)
+if [ ! -x .venv/bin/python ] || [ "$(cat .venv/.omnikube-stamp 2>/dev/null)" != "$stamp" ]; then
+  echo "bootstrap: creating .venv"
+  [ -x .venv/bin/python ] || "$UV" venv -q -p "$(command -v "$PY")" .venv
+  "$UV" pip install -q -p .venv/bin/python -e '.[operator,runtime-cpu,dev]' \
+    --override requirements/cpu-overrides.txt
+  echo "$stamp" > .venv/.omnikube-stamp
+fi
+
+echo "bootstrap: control-plane binaries"
+bash e2e/cluster/build.sh >/dev/null
+echo "bootstrap: done"
