@@ -1,0 +1,337 @@
+"""Types both CRDs use: accelerators, placement, resources, autoscaling, model cache, secrets, conditions."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Any, ClassVar
+
+from pydantic import Field
+
+from omni_operator.api.base import Bool, Int, KubeModel, Quantity, Rule, list_map, unique_rule
+from omni_runtime.spec.pipeline import NAME_PATTERN
+
+__all__ = [
+    "DEFAULT_IMAGE",
+    "DNS_SUBDOMAIN_PATTERN",
+    "MAX_STAGES",
+    "NAME_MAX_LENGTH",
+    "NAME_PATTERN",
+    "ObjectName",
+    "StageName",
+    "Accelerator",
+    "AcceleratorType",
+    "Autoscaling",
+    "Condition",
+    "ConditionStatus",
+    "EnvVar",
+    "HostPathSource",
+    "ImagePullPolicy",
+    "ModelCache",
+    "PVCSource",
+    "Placement",
+    "ResourceRequirements",
+    "SecretKeyRef",
+    "TaintEffect",
+    "Toleration",
+    "TolerationOperator",
+    "env_field",
+    "unique_env_rule",
+]
+
+DEFAULT_IMAGE = "ghcr.io/omnikube/runtime:0.1.0"
+"""The runtime image a pipeline runs unless its spec names another."""
+NAME_MAX_LENGTH = 40
+"""Stage names become parts of object names; 40 leaves room for the pipeline name and a suffix."""
+MAX_STAGES = 32
+"""Most stages a pipeline may configure; bounds the cost of the CEL rules over `stages`."""
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+"""Names of Secrets, ConfigMaps and PersistentVolumeClaims (RFC 1123 subdomain)."""
+
+StageName = Annotated[str, Field(pattern=NAME_PATTERN, min_length=1, max_length=NAME_MAX_LENGTH)]
+"""A stage name as the topology spells it (RFC 1123 label)."""
+ObjectName = Annotated[str, Field(pattern=DNS_SUBDOMAIN_PATTERN, min_length=1, max_length=253)]
+"""The name of a Kubernetes object in the same namespace."""
+
+
+class ImagePullPolicy(str, Enum):
+    """When the kubelet pulls the image."""
+
+    ALWAYS = "Always"
+    IF_NOT_PRESENT = "IfNotPresent"
+    NEVER = "Never"
+
+
+class AcceleratorType(str, Enum):
+    """The extended resource a stage's pods request, or `none` for CPU only."""
+
+    NVIDIA_GPU = "nvidia.com/gpu"
+    ASCEND_910 = "huawei.com/Ascend910"
+    AMD_GPU = "amd.com/gpu"
+    NONE = "none"
+
+
+class TolerationOperator(str, Enum):
+    """How a toleration matches a taint's value."""
+
+    EXISTS = "Exists"
+    EQUAL = "Equal"
+
+
+class TaintEffect(str, Enum):
+    """The taint effect a toleration matches."""
+
+    NO_SCHEDULE = "NoSchedule"
+    PREFER_NO_SCHEDULE = "PreferNoSchedule"
+    NO_EXECUTE = "NoExecute"
+
+
+class ConditionStatus(str, Enum):
+    """Whether a condition holds."""
+
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class SecretKeyRef(KubeModel):
+    """One key of a Secret in the object's namespace."""
+
+    name: str = Field(
+        min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Name of the Secret."
+    )
+    key: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="Key inside the Secret whose value is used.",
+    )
+
+
+class EnvVar(KubeModel):
+    """An environment variable set in every container the object runs."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=128,
+        pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$",
+        description="Variable name (letters, digits, '-', '_' and '.'; not starting with a digit).",
+    )
+    value: str = Field("", max_length=32768, description="Variable value; empty when unset.")
+
+
+class PVCSource(KubeModel):
+    """A PersistentVolumeClaim holding the model cache."""
+
+    claim_name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        description="Name of a PersistentVolumeClaim in the pipeline's namespace.",
+    )
+
+
+class HostPathSource(KubeModel):
+    """A folder on every node holding the model cache."""
+
+    path: str = Field(
+        min_length=1,
+        max_length=4096,
+        pattern=r"^/",
+        description="Absolute path of the folder on the node; it must exist on every node a stage may use.",
+    )
+
+
+class ModelCache(KubeModel):
+    """Where the stages read model weights from: a PersistentVolumeClaim or a node folder."""
+
+    pvc: PVCSource | None = Field(None, description="Use a PersistentVolumeClaim; set this or hostPath.")
+    host_path: HostPathSource | None = Field(None, description="Use a folder on the node; set this or pvc.")
+    mount_path: str = Field(
+        "/models",
+        min_length=1,
+        max_length=4096,
+        pattern=r"^/",
+        description="Absolute path where the cache is mounted in every container; a model given as a "
+        "relative path is looked up below it.",
+    )
+    read_only: Bool = Field(
+        False, description="Mount the cache read-only (the runtime then never downloads into it)."
+    )
+
+    validation_rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="has(self.pvc) != has(self.hostPath)",
+            message="modelCache: set exactly one of pvc or hostPath",
+            check=lambda m: (m.pvc is None) != (m.host_path is None),
+        ),
+    )
+
+
+class ResourceRequirements(KubeModel):
+    """Compute resources of each container, as in a Pod spec (accelerators are set by `accelerator`)."""
+
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict,
+        description="Resources the scheduler reserves, by resource name (cpu: 4, memory: 32Gi).",
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict,
+        description="Most the container may use, by resource name (memory: 64Gi).",
+    )
+
+
+class Accelerator(KubeModel):
+    """The accelerators each replica of a stage requests."""
+
+    type: AcceleratorType = Field(
+        description="Device resource each replica requests from its node; none runs on CPU."
+    )
+    count: Int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="Devices per replica; must be 1 or more unless type is none. Tensor-parallel "
+        "engine args should match it.",
+    )
+
+    validation_rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="self.type == 'none' || !has(self.count) || self.count > 0",
+            message="accelerator.count: 0 is not allowed when type is nvidia.com/gpu, "
+            "huawei.com/Ascend910 or amd.com/gpu; use 1 or more, or set type to none",
+            check=lambda m: m.type is AcceleratorType.NONE or m.count > 0,
+        ),
+    )
+
+
+class Toleration(KubeModel):
+    """A toleration, as in a Pod spec: lets the stage's pods run on nodes with a matching taint."""
+
+    key: str = Field(
+        "",
+        max_length=316,
+        description="Taint key to match; empty matches every key (then operator must be Exists).",
+    )
+    operator: TolerationOperator = Field(
+        TolerationOperator.EQUAL,
+        description="Exists matches any value of the key; Equal matches only `value`.",
+    )
+    value: str = Field("", max_length=63, description="Taint value to match; must be empty with Exists.")
+    effect: TaintEffect | None = Field(None, description="Taint effect to match; unset matches every effect.")
+    toleration_seconds: Int | None = Field(
+        None,
+        ge=0,
+        description="With effect NoExecute: seconds the pod stays bound after the taint appears; "
+        "unset means forever.",
+    )
+
+    validation_rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+            message="tolerations.value: must be empty when operator is Exists; drop value or use Equal",
+            check=lambda m: m.operator is not TolerationOperator.EXISTS or m.value == "",
+        ),
+        Rule(
+            cel="(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+            message="tolerations.key: an empty key matches every taint and needs operator Exists; "
+            "set key, or set operator to Exists",
+            check=lambda m: m.key != "" or m.operator is TolerationOperator.EXISTS,
+        ),
+    )
+
+
+class Autoscaling(KubeModel):
+    """Scale a stage on its queue depth between two bounds; the operator then never sets its replicas."""
+
+    min_replicas: Int = Field(1, ge=1, le=1000, description="Fewest replicas the autoscaler keeps.")
+    max_replicas: Int = Field(ge=1, le=1000, description="Most replicas the autoscaler creates.")
+    target_queue_depth: Int = Field(
+        8,
+        ge=1,
+        le=10000,
+        description="Requests waiting per replica (metric omnikube_stage_queue_depth) the autoscaler "
+        "aims for; above it, it adds replicas.",
+    )
+    scale_down_stabilization_seconds: Int = Field(
+        300,
+        ge=0,
+        le=3600,
+        description="Seconds the load must stay low before replicas are removed.",
+    )
+
+    validation_rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
+            message="autoscaling.minReplicas: must not exceed maxReplicas; lower minReplicas or raise "
+            "maxReplicas",
+            check=lambda m: m.min_replicas <= m.max_replicas,
+        ),
+    )
+
+
+class Condition(KubeModel):
+    """One aspect of the object's state, as in metav1.Condition."""
+
+    type: str = Field(
+        min_length=1, max_length=316, description="Condition type: Ready, Progressing or Degraded."
+    )
+    status: ConditionStatus = Field(description="Whether the condition holds.")
+    reason: str = Field(
+        "", max_length=1024, description="One CamelCase word a program can match (e.g. NoAcceleratorNode)."
+    )
+    message: str = Field(
+        "", max_length=32768, description="What was observed and what to change, for a person."
+    )
+    last_transition_time: str | None = Field(
+        None,
+        json_schema_extra={"format": "date-time"},
+        description="When status last changed (RFC 3339).",
+    )
+    observed_generation: Int | None = Field(
+        None, ge=0, description="metadata.generation the condition was computed from."
+    )
+
+
+class Placement(KubeModel):
+    """Scheduling fields shared by a pipeline's stage entries and OmniStages (not a CRD field itself)."""
+
+    accelerator: Accelerator | None = Field(
+        None, description="Accelerators each replica requests; unset runs on CPU."
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels a node must have to run the stage's pods."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Taints the stage's pods tolerate (e.g. huawei.com/Ascend910:NoSchedule).",
+    )
+    affinity: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Pod affinity, as in a Pod spec (nodeAffinity, podAffinity, podAntiAffinity); "
+        "passed through unchanged.",
+    )
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
+        description="CPU, memory and other requests and limits of each replica.",
+    )
+
+
+def unique_env_rule() -> Rule:
+    """The rule that environment variable names are unique (shared by both CRDs)."""
+    return unique_rule(
+        "env",
+        "env",
+        [("name", "name")],
+        message="env: variable names must be unique; keep one entry per name",
+    )
+
+
+def env_field() -> Any:
+    """The `env` field, with the same bounds wherever it appears."""
+    return Field(
+        default_factory=list,
+        max_length=64,
+        json_schema_extra=list_map("name"),
+        description="Environment variables set in every container.",
+    )
