@@ -1,0 +1,40 @@
+"""Pick a connector by kind: `make_connector(kind, spec, **runtime_info)`."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from omni_runtime.connectors.base import Connector
+from omni_runtime.spec.connectors import ConnectorsSpec
+from omni_runtime.spec.enums import ConnectorKind
+
+__all__ = ["make_connector"]
+
+
+def make_connector(
+    kind: ConnectorKind | str, spec: ConnectorsSpec | None = None, **runtime_info: Any
+) -> Connector:
+    """Build the connector for `kind` from the pipeline's connector spec plus what only the running
+    process knows (`runtime_info`): for shm `pipeline`, `owner`, `pool_max_bytes`, `copy_out`...;
+    for mooncake `pipeline`, `local_hostname`, `master_host` or `master_address`, `metadata_server`...
+    Unknown keys are an error, so a typo does not silently fall back to a default."""
+    try:
+        kind = ConnectorKind(kind)
+    except ValueError:
+        allowed = ", ".join(repr(k.value) for k in ConnectorKind)
+        raise ValueError(f"connector kind {kind!r} is not known; use one of {allowed}") from None
+    if kind is ConnectorKind.INLINE:
+        from omni_runtime.connectors.inline import InlineConnector as cls
+    elif kind is ConnectorKind.SHM:
+        from omni_runtime.connectors.shm import ShmConnector as cls
+    else:
+        from omni_runtime.connectors.mooncake import MooncakeConnector as cls
+    params = inspect.signature(cls.__init__).parameters
+    unknown = sorted(set(runtime_info) - {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY})
+    if unknown:
+        allowed = sorted(n for n, p in params.items() if p.kind is p.KEYWORD_ONLY)
+        raise TypeError(
+            f"make_connector({kind.value!r}): unknown runtime_info {unknown}; allowed: {allowed or 'none'}"
+        )
+    return cls(spec or ConnectorsSpec(), **runtime_info)
