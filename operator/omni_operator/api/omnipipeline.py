@@ -388,6 +388,12 @@ class OmniPipelineStatus(KubeModel):
         default_factory=list, json_schema_extra=list_map("name"), description="Replicas of each stage."
     )
     stages_ready: str = Field("", description="Stages with all replicas ready, over all stages (e.g. 2/3).")
+    router_generation: Int | None = Field(
+        None,
+        ge=0,
+        description="metadata.generation of the router Deployment as the operator last wrote it; a "
+        "different live generation means someone edited it, and the operator restores it.",
+    )
     topology: PipelineTopology | None = Field(None, description="The resolved topology.")
     endpoint: str = Field(
         "", description="In-cluster URL of the OpenAI-compatible API (http://<service>.<ns>.svc:<port>/v1)."

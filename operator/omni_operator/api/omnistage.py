@@ -108,6 +108,12 @@ class OmniStageStatus(KubeModel):
     replicas: Int = Field(0, ge=0, description="Pods that exist (the /scale subresource reports it).")
     ready_replicas: Int = Field(0, ge=0, description="Pods ready to serve.")
     selector: str = Field("", description="Label selector of the stage's pods, for /scale and HPA.")
+    workload_generation: Int | None = Field(
+        None,
+        ge=0,
+        description="metadata.generation of the stage Deployment as the operator last wrote it; a "
+        "different live generation means someone edited the Deployment, and the operator restores it.",
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
         json_schema_extra=list_map("type"),

@@ -1,0 +1,428 @@
+"""The operator against the real control plane: placement, convergence, idempotence, status, scaling.
+
+Real: kube-apiserver (admission, server-side apply, audit log), kube-scheduler (GPU/NPU placement),
+kube-controller-manager (Deployments, garbage collection, HPA), the operator as its own process.
+KWOK plays the kubelets, so pods become Running/Ready without running containers (the pod runner of
+the end-to-end tier runs them for real).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, kubectl_json
+
+pytestmark = pytest.mark.cluster
+
+OPERATOR_AGENT = "omnikube-operator/"
+SAMPLES = REPO / "config" / "samples"
+
+
+class OperatorProcess:
+    """`omnikube operator` as a real process; its log is kept for failure messages."""
+
+    def __init__(self, cluster, log_path: Path, identity: str) -> None:
+        self.cluster, self.log_path, self.identity = cluster, log_path, identity
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> OperatorProcess:
+        env = {**self.cluster.env(), "POD_NAME": self.identity, "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "omni_runtime.cli", "operator", "--kubeconfig",
+                 str(self.cluster.kubeconfig), "--lease-namespace", "default", "--resync-seconds", "600"],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, tmp_path_factory) -> Iterator[OperatorProcess]:
+    op = OperatorProcess(cluster, tmp_path_factory.mktemp("operator") / "operator.log", "operator-a").start()
+    yield op
+    op.stop()
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 60, what: str = "condition",
+             on_fail: Callable[[], str] = lambda: "") -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{on_fail()}")
+
+
+def condition(obj: dict, type_: str) -> dict:
+    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
+
+
+def get(cluster, namespace: str, kind: str, name: str) -> dict | None:
+    out = cluster.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
+    return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+def apply(cluster, namespace: str, obj: dict) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
+
+
+def wait_ready(cluster, operator, namespace: str, name: str, timeout: float = 90) -> dict:
+    def ready():
+        obj = get(cluster, namespace, "omnipipeline", name)
+        return obj if obj and condition(obj, "Ready").get("status") == "True" and \
+            obj["status"].get("observedGeneration") == obj["metadata"]["generation"] else None
+
+    return wait_for(ready, timeout, f"OmniPipeline {name} Ready",
+                    lambda: json.dumps((get(cluster, namespace, "omnipipeline", name) or {}).get("status"),
+                                       indent=1) + "\n" + operator.log())
+
+
+def sample(name: str) -> dict:
+    return yaml.safe_load((SAMPLES / f"{name}.yaml").read_text())
+
+
+def pipeline(name: str, topology: str, stages: list[dict], **spec) -> dict:
+    return {"apiVersion": "omnikube.io/v1alpha1", "kind": "OmniPipeline", "metadata": {"name": name},
+            "spec": {"model": f"/models/{name}", "pipeline": topology, "stages": stages, **spec}}
+
+
+def operator_writes(cluster, since: float) -> list[str]:
+    """Write requests the operator made after `since` (epoch seconds), lease renewals excluded."""
+    out = []
+    for line in cluster.audit_log.read_text().splitlines():
+        event = json.loads(line)
+        if not event.get("userAgent", "").startswith(OPERATOR_AGENT):
+            continue
+        ref = event.get("objectRef", {})
+        if ref.get("resource") == "leases" or event["verb"] in ("get", "list", "watch"):
+            continue
+        stamp = event["requestReceivedTimestamp"]
+        when = time.mktime(time.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone
+        if when >= since:
+            out.append(f"{event['verb']} {ref.get('resource')}/{ref.get('name')}")
+    return out
+
+
+def create_model_cache_pvc(cluster, namespace: str, claim: str) -> None:
+    """A PersistentVolume on a host folder and a claim bound to it, as a cluster admin would provide."""
+    pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{namespace}-{claim}"},
+          "spec": {"capacity": {"storage": "1Ti"}, "accessModes": ["ReadOnlyMany", "ReadWriteMany"],
+                   "storageClassName": "", "hostPath": {"path": "/var/lib/omnikube/models"},
+                   "claimRef": {"namespace": namespace, "name": claim}}}
+    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
+           "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv["metadata"]["name"],
+                    "resources": {"requests": {"storage": "1Ti"}}}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(pv))
+    apply(cluster, namespace, pvc)
+
+
+def deployments(cluster, namespace: str, pipeline_name: str) -> dict[str, dict]:
+    items = kubectl_json(cluster, "get", "deployments", "-n", namespace,
+                         "-l", f"omnikube.io/pipeline={pipeline_name}")["items"]
+    return {d["metadata"]["name"]: d for d in items}
+
+
+def template_hashes(cluster, namespace: str, pipeline_name: str) -> dict[str, str]:
+    return {n: d["spec"]["template"]["metadata"]["annotations"]["omnikube.io/template-hash"]
+            for n, d in deployments(cluster, namespace, pipeline_name).items()}
+
+
+# --- placement and readiness ---------------------------------------------------------------------
+
+
+def test_qwen3_omni_lands_on_gpu_nodes_and_becomes_ready(cluster, operator, namespace) -> None:
+    obj = sample("qwen3-omni")
+    cluster.kubectl("create", "secret", "generic", "hf-token", "-n", namespace, "--from-literal=token=x")
+    apply(cluster, namespace, obj)
+    cond = wait_for(lambda: (lambda c: c if c.get("status") == "True" else None)(
+        condition(get(cluster, namespace, "omnipipeline", obj["metadata"]["name"]) or {}, "Degraded")),
+        60, "Degraded without the model cache PVC", operator.log)
+    assert cond["reason"] == "ModelCacheMissing" and "model-cache" in cond["message"]
+    create_model_cache_pvc(cluster, namespace, "model-cache")
+    ready = wait_ready(cluster, operator, namespace, obj["metadata"]["name"])
+    name = obj["metadata"]["name"]
+    assert ready["status"]["stagesReady"] == "3/3"
+    assert ready["status"]["endpoint"] == f"http://{name}-router.{namespace}.svc:8000/v1"
+    assert [s["name"] for s in ready["status"]["stages"]] == ["thinker", "talker", "code2wav"]
+    # code2wav shares the talker's pods: two OmniStages, talker's pod has two containers.
+    stages = kubectl_json(cluster, "get", "omnistages", "-n", namespace)["items"]
+    assert sorted(s["spec"]["stage"] for s in stages) == ["talker", "thinker"]
+    pods = kubectl_json(cluster, "get", "pods", "-n", namespace, "-l", "omnikube.io/pipeline=" + name)["items"]
+    by_stage = {}
+    for pod in pods:
+        by_stage.setdefault(pod["metadata"]["labels"].get("omnikube.io/stage", "router"), []).append(pod)
+    for stage, gpus in (("thinker", "2"), ("talker", "1")):
+        (pod,) = by_stage[stage]
+        assert pod["spec"]["nodeName"].startswith("gpu-node-")
+        assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    assert [c["name"] for c in by_stage["talker"][0]["spec"]["containers"]] == ["talker", "code2wav"]
+    # The router runs a Mooncake master beside it because thinker->talker uses mooncake.
+    router = get(cluster, namespace, "deployment", f"{name}-router")
+    assert [c["name"] for c in router["spec"]["template"]["spec"]["containers"]] == ["router", "mooncake-master"]
+    events = kubectl_json(cluster, "get", "events", "-n", namespace,
+                          "--field-selector", f"involvedObject.name={name},reason=Ready")["items"]
+    assert events, "a Ready event is posted on the pipeline"
+
+
+def test_ascend_pipeline_lands_only_on_the_npu_node(cluster, operator, namespace) -> None:
+    obj = sample("ascend-chat")
+    create_model_cache_pvc(cluster, namespace, "model-cache")
+    apply(cluster, namespace, obj)
+    wait_ready(cluster, operator, namespace, obj["metadata"]["name"])
+    pods = kubectl_json(cluster, "get", "pods", "-n", namespace, "-l", "omnikube.io/stage=llm")["items"]
+    assert pods and {p["spec"]["nodeName"] for p in pods} == {"npu-node-0"}
+
+
+def test_more_gpus_than_any_node_has_is_degraded_with_the_reason(cluster, operator, namespace) -> None:
+    apply(cluster, namespace, pipeline("too-big", "text-chat",
+                                       [{"name": "llm", "accelerator": {"type": "nvidia.com/gpu", "count": 9}}]))
+
+    def degraded():
+        obj = get(cluster, namespace, "omnipipeline", "too-big")
+        cond = condition(obj or {}, "Degraded")
+        return cond if cond.get("status") == "True" else None
+
+    cond = wait_for(degraded, 60, "Degraded", operator.log)
+    assert cond["reason"] == "InsufficientAccelerator"
+    assert "nvidia.com/gpu" in cond["message"] and "stage llm" in cond["message"]
+    obj = get(cluster, namespace, "omnipipeline", "too-big")
+    assert condition(obj, "Ready")["status"] == "False"
+    events = kubectl_json(cluster, "get", "events", "-n", namespace, "--field-selector",
+                          "involvedObject.name=too-big,reason=InsufficientAccelerator")["items"]
+    assert events and events[0]["type"] == "Warning"
+
+
+@pytest.mark.parametrize("stages,reason,words", [
+    ([{"name": "no-such-stage"}], "UnknownStage", ["no-such-stage", "llm"]),
+], ids=["unknown-stage"])
+def test_spec_problems_the_schema_cannot_see_are_degraded(cluster, operator, namespace, stages, reason,
+                                                          words) -> None:
+    apply(cluster, namespace, pipeline("bad", "text-chat", stages))
+
+    def degraded():
+        cond = condition(get(cluster, namespace, "omnipipeline", "bad") or {}, "Degraded")
+        return cond if cond.get("status") == "True" else None
+
+    cond = wait_for(degraded, 30, "Degraded", operator.log)
+    assert cond["reason"] == reason
+    assert all(w in cond["message"] for w in words)
+    assert not kubectl_json(cluster, "get", "omnistages", "-n", namespace)["items"], "nothing is created"
+
+
+def test_unknown_pipeline_and_missing_connector_are_degraded(cluster, operator, namespace) -> None:
+    apply(cluster, namespace, pipeline("nopipe", "no-such-topology", []))
+    # shm between two stages in different pods cannot work.
+    apply(cluster, namespace, pipeline("noconn", "prompt-enhanced-t2i", [],
+                                       connectors={"edges": [{"from": "enhancer", "to": "dit", "kind": "shm"}]}))
+    for name, reason, word in (("nopipe", "UnknownPipeline", "text-chat"), ("noconn", "NoUsableConnector", "shm")):
+        cond = wait_for(lambda n=name: (lambda c: c if c.get("status") == "True" else None)(
+            condition(get(cluster, namespace, "omnipipeline", n) or {}, "Degraded")), 30, f"{name} Degraded",
+            operator.log)
+        assert cond["reason"] == reason and word in cond["message"]
+
+
+def test_missing_secret_is_degraded_until_created(cluster, operator, namespace) -> None:
+    obj = pipeline("needs-token", "text-chat", [{"name": "llm"}],
+                   runtime={"hfTokenSecret": {"name": "hf", "key": "token"}})
+    apply(cluster, namespace, obj)
+    cond = wait_for(lambda: (lambda c: c if c.get("reason") == "SecretMissing" else None)(
+        condition(get(cluster, namespace, "omnipipeline", "needs-token") or {}, "Degraded")), 30,
+        "SecretMissing", operator.log)
+    assert "hf" in cond["message"] and "kubectl create secret" in cond["message"]
+    cluster.kubectl("create", "secret", "generic", "hf", "-n", namespace, "--from-literal=token=x")
+    wait_ready(cluster, operator, namespace, "needs-token", timeout=90)
+
+
+# --- idempotence and convergence -----------------------------------------------------------------
+
+
+def test_unchanged_spec_causes_no_writes(cluster, operator, namespace) -> None:
+    apply(cluster, namespace, pipeline("steady", "prompt-enhanced-t2i", [{"name": "enhancer"}, {"name": "dit"}]))
+    wait_ready(cluster, operator, namespace, "steady")
+    time.sleep(3)  # let the last status write's own watch event come back and be reconciled
+    since = time.time()
+    # Touch the pipeline without changing its spec: an event, and a full reconcile, but nothing to do.
+    cluster.kubectl("annotate", "omnipipeline", "steady", "-n", namespace, "example.com/touched=yes")
+    time.sleep(8)
+    writes = [w for w in operator_writes(cluster, since) if namespace in w or "steady" in w]
+    assert writes == [], writes
+
+
+def test_changing_engine_args_rolls_only_that_stage(cluster, operator, namespace) -> None:
+    apply(cluster, namespace, pipeline("roll", "prompt-enhanced-t2i", [{"name": "enhancer"}, {"name": "dit"}]))
+    wait_ready(cluster, operator, namespace, "roll")
+    before = template_hashes(cluster, namespace, "roll")
+    apply(cluster, namespace, pipeline("roll", "prompt-enhanced-t2i",
+                                       [{"name": "enhancer", "engineArgs": {"max_model_len": 1024}},
+                                        {"name": "dit"}]))
+    wait_for(lambda: template_hashes(cluster, namespace, "roll")["roll-enhancer"] != before["roll-enhancer"],
+             30, "enhancer to roll", operator.log)
+    after = template_hashes(cluster, namespace, "roll")
+    assert after["roll-dit"] == before["roll-dit"]
+    assert after["roll-router"] == before["roll-router"]
+    ready = wait_ready(cluster, operator, namespace, "roll")
+    assert ready["status"]["stagesReady"] == "2/2"
+    stage = get(cluster, namespace, "omnistage", "roll-enhancer")
+    assert stage["spec"]["engineArgs"]["max_model_len"] == 1024
+
+
+def test_changing_replicas_changes_only_replicas(cluster, operator, namespace) -> None:
+    apply(cluster, namespace, pipeline("scale", "text-chat", [{"name": "llm"}]))
+    wait_ready(cluster, operator, namespace, "scale")
+    before = template_hashes(cluster, namespace, "scale")
+    apply(cluster, namespace, pipeline("scale", "text-chat", [{"name": "llm", "replicas": 3}]))
+    wait_for(lambda: deployments(cluster, namespace, "scale")["scale-llm"]["spec"]["replicas"] == 3, 30,
+             "3 replicas", operator.log)
+    assert template_hashes(cluster, namespace, "scale") == before
+    ready = wait_ready(cluster, operator, namespace, "scale")
+    assert ready["status"]["stages"] == [{"name": "llm", "replicas": 3, "readyReplicas": 3}]
+
+
+def test_stage_dropped_from_the_topology_is_removed(cluster, operator, namespace) -> None:
+    apply(cluster, namespace, pipeline("shrink", "prompt-enhanced-t2i", []))
+    wait_ready(cluster, operator, namespace, "shrink")
+    assert get(cluster, namespace, "omnistage", "shrink-enhancer")
+    apply(cluster, namespace, pipeline("shrink", "qwen-image", []))
+    wait_for(lambda: get(cluster, namespace, "omnistage", "shrink-enhancer") is None, 30, "enhancer removed",
+             operator.log)
+    wait_for(lambda: "shrink-enhancer" not in deployments(cluster, namespace, "shrink"), 30,
+             "enhancer Deployment garbage-collected")
+    ready = wait_ready(cluster, operator, namespace, "shrink")
+    assert ready["status"]["topology"]["stages"] == ["dit"]
+
+
+def test_deleting_the_pipeline_collects_everything(cluster, operator, namespace) -> None:
+    apply(cluster, namespace, pipeline("gone", "prompt-enhanced-t2i", []))
+    wait_ready(cluster, operator, namespace, "gone")
+    cluster.kubectl("delete", "omnipipeline", "gone", "-n", namespace)
+    kinds = "omnistages,deployments,services,configmaps,serviceaccounts,roles,rolebindings,poddisruptionbudgets"
+
+    def empty():
+        out = cluster.kubectl("get", kinds, "-n", namespace, "-l", "omnikube.io/pipeline=gone", "-o", "name")
+        return out.stdout.strip() == ""
+
+    wait_for(empty, 60, "garbage collection",
+             lambda: cluster.kubectl("get", kinds, "-n", namespace, "-o", "name").stdout)
+
+
+def test_hand_deleted_omnistage_and_hand_edited_deployment_are_restored(cluster, operator, namespace) -> None:
+    apply(cluster, namespace, pipeline("heal", "prompt-enhanced-t2i", []))
+    wait_ready(cluster, operator, namespace, "heal")
+    uid = get(cluster, namespace, "omnistage", "heal-dit")["metadata"]["uid"]
+    cluster.kubectl("delete", "omnistage", "heal-dit", "-n", namespace)
+    wait_for(lambda: (get(cluster, namespace, "omnistage", "heal-dit") or {"metadata": {"uid": uid}})
+             ["metadata"]["uid"] != uid, 30, "OmniStage recreated", operator.log)
+    wait_ready(cluster, operator, namespace, "heal")
+
+    cluster.kubectl("patch", "deployment", "heal-enhancer", "-n", namespace, "--type=merge",
+                    "-p", json.dumps({"spec": {"replicas": 4, "template": {"spec": {"containers": [
+                        {"name": "enhancer", "image": "example.com/hacked:1"}]}}}}))
+
+    def restored():
+        d = deployments(cluster, namespace, "heal")["heal-enhancer"]
+        return d["spec"]["replicas"] == 1 and \
+            d["spec"]["template"]["spec"]["containers"][0]["image"] != "example.com/hacked:1"
+
+    wait_for(restored, 30, "Deployment restored", operator.log)
+    wait_ready(cluster, operator, namespace, "heal")
+
+
+def test_operator_restart_mid_reconcile_converges_without_duplicates(cluster, operator, namespace) -> None:
+    names = [f"many-{i}" for i in range(12)]
+    docs = [pipeline(n, "prompt-enhanced-t2i", []) for n in names]
+    cluster.kubectl("apply", "-n", namespace, "-f", "-",
+                    input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+    time.sleep(1.5)
+    operator.stop(signal.SIGKILL)  # no chance to finish anything
+    operator.start()
+    for n in names:
+        wait_ready(cluster, operator, namespace, n, timeout=120)
+    stages = kubectl_json(cluster, "get", "omnistages", "-n", namespace)["items"]
+    assert sorted(s["metadata"]["name"] for s in stages) == sorted(
+        f"{n}-{s}" for n in names for s in ("enhancer", "dit"))
+    deps = kubectl_json(cluster, "get", "deployments", "-n", namespace)["items"]
+    assert len(deps) == len(names) * 3  # enhancer, dit, router each
+    rs = kubectl_json(cluster, "get", "replicasets", "-n", namespace)["items"]
+    assert len(rs) == len(names) * 3, "no Deployment rolled twice because of the restart"
+
+
+# --- scaling -------------------------------------------------------------------------------------
+
+
+def test_pipeline_spec_owns_replicas_without_autoscaling(cluster, operator, namespace) -> None:
+    apply(cluster, namespace, pipeline("owned", "text-chat", [{"name": "llm", "replicas": 2}]))
+    wait_ready(cluster, operator, namespace, "owned")
+    cluster.kubectl("scale", "omnistage/owned-llm", "-n", namespace, "--replicas=5")
+    wait_for(lambda: get(cluster, namespace, "omnistage", "owned-llm")["spec"]["replicas"] == 2, 30,
+             "replicas restored to the pipeline's 2", operator.log)
+
+
+def test_kubectl_scale_and_hpa_drive_an_autoscaled_stage(cluster, operator, namespace) -> None:
+    apply(cluster, namespace, pipeline("auto", "text-chat",
+                                       [{"name": "llm", "autoscaling": {"minReplicas": 1, "maxReplicas": 4}}]))
+    wait_ready(cluster, operator, namespace, "auto")
+    cluster.kubectl("scale", "omnistage/auto-llm", "-n", namespace, "--replicas=3")
+    wait_for(lambda: deployments(cluster, namespace, "auto")["auto-llm"]["spec"]["replicas"] == 3, 30,
+             "Deployment follows kubectl scale", operator.log)
+    wait_ready(cluster, operator, namespace, "auto")
+    assert get(cluster, namespace, "omnistage", "auto-llm")["spec"]["replicas"] == 3, "operator kept hands off"
+
+    # An HPA targets the OmniStage through /scale; its minReplicas (4) is above the current 3.
+    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+           "metadata": {"name": "auto-llm"},
+           "spec": {"scaleTargetRef": {"apiVersion": "omnikube.io/v1alpha1", "kind": "OmniStage",
+                                       "name": "auto-llm"},
+                    "minReplicas": 4, "maxReplicas": 4,
+                    "metrics": [{"type": "Resource", "resource": {
+                        "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}}}]}}
+    apply(cluster, namespace, hpa)
+    wait_for(lambda: get(cluster, namespace, "omnistage", "auto-llm")["spec"]["replicas"] == 4, 60,
+             "HPA scales the OmniStage", lambda: json.dumps(get(cluster, namespace, "hpa", "auto-llm")))
+    wait_for(lambda: deployments(cluster, namespace, "auto")["auto-llm"]["spec"]["replicas"] == 4, 30,
+             "Deployment follows the HPA", operator.log)
+    ready = wait_ready(cluster, operator, namespace, "auto")
+    assert ready["status"]["stages"][0]["replicas"] == 4
+
+
+# --- leader election -----------------------------------------------------------------------------
+
+
+def test_second_operator_replica_waits_then_takes_over(cluster, operator, namespace, tmp_path) -> None:
+    second = OperatorProcess(cluster, tmp_path / "b.log", "operator-b").start()
+    try:
+        time.sleep(4)
+        lease = kubectl_json(cluster, "get", "lease", "omnikube-operator", "-n", "default")
+        assert lease["spec"]["holderIdentity"] == "operator-a"
+        operator.stop()  # graceful: it releases the Lease
+        wait_for(lambda: kubectl_json(cluster, "get", "lease", "omnikube-operator", "-n", "default")
+                 ["spec"].get("holderIdentity") == "operator-b", 30, "operator-b to lead", second.log)
+        apply(cluster, namespace, pipeline("takeover", "text-chat", []))
+        wait_ready(cluster, second, namespace, "takeover")
+    finally:
+        second.stop()
+        operator.start()
+        wait_for(lambda: kubectl_json(cluster, "get", "lease", "omnikube-operator", "-n", "default")
+                 ["spec"].get("holderIdentity") == "operator-a", 40, "operator-a to lead again", operator.log)
+
+

@@ -1,0 +1,131 @@
+"""OmniPipeline -> its ConfigMap (the resolved pipeline) and one OmniStage per pod group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_operator.api import API_VERSION, OmniPipeline, PipelineStage
+from omni_operator.builders.meta import (
+    child_name,
+    content_hash,
+    labels,
+    owner_reference,
+    with_hash,
+)
+from omni_operator.resolve import group_members, uses_mooncake
+from omni_runtime.spec import ResolvedPipeline
+
+__all__ = ["CONFIG_KEY", "CONFIG_HASH_ANNOTATION", "build_pipeline_configmap", "build_omnistages",
+           "configmap_name", "omnistage_name", "router_name"]
+
+CONFIG_KEY = "resolved.json"
+CONFIG_HASH_ANNOTATION = "omnikube.io/config-hash"
+"""On an OmniStage: hash of the resolved config its pods read (its stages and their edges)."""
+
+
+def configmap_name(pipeline: str) -> str:
+    return child_name(pipeline, "config")
+
+
+def omnistage_name(pipeline: str, stage: str) -> str:
+    return child_name(pipeline, stage)
+
+
+def router_name(pipeline: str) -> str:
+    return child_name(pipeline, "router")
+
+
+def build_pipeline_configmap(owner: dict[str, Any], resolved: ResolvedPipeline) -> dict[str, Any]:
+    """The resolved pipeline as JSON, read by the router and every stage server."""
+    name = owner["metadata"]["name"]
+    return with_hash({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": configmap_name(name),
+            "namespace": owner["metadata"]["namespace"],
+            "labels": labels(name, "config"),
+            "ownerReferences": [owner_reference(owner)],
+        },
+        "data": {CONFIG_KEY: resolved.model_dump_json(by_alias=True, indent=2)},
+    })
+
+
+def _stage_overrides(pipeline: OmniPipeline) -> dict[str, PipelineStage]:
+    return {s.name: s for s in pipeline.spec.stages}
+
+
+def group_config_hash(resolved: ResolvedPipeline, members: list[str]) -> str:
+    """What the pods of a group read from the config: their stages, the edges touching them, connectors."""
+    topo = resolved.topology
+    return content_hash({
+        "stages": [topo.stage(m).model_dump(mode="json") for m in members],
+        "edges": [e.model_dump(mode="json", by_alias=True) for e in topo.edges
+                  if e.source in members or e.target in members],
+        "connectors": topo.connectors.model_dump(mode="json"),
+        "colocation": {m: resolved.stage_group(m) for m in members},
+        "model": resolved.model,
+    })
+
+
+def build_omnistages(owner: dict[str, Any], pipeline: OmniPipeline, resolved: ResolvedPipeline
+                     ) -> list[dict[str, Any]]:
+    """One OmniStage per pod group (a stage and those colocated with it), fully resolved."""
+    name = owner["metadata"]["name"]
+    namespace = owner["metadata"]["namespace"]
+    overrides = _stage_overrides(pipeline)
+    runtime = pipeline.spec.runtime
+    out = []
+    for root, members in group_members(resolved).items():
+        stage = resolved.topology.stage(root)
+        override = overrides.get(root) or PipelineStage(name=root)
+        spec: dict[str, Any] = {
+            "pipeline": name,
+            "stage": root,
+            "kind": stage.kind.value,
+            "replicas": (override.autoscaling.min_replicas if override.autoscaling else override.replicas),
+            "image": runtime.image,
+            "imagePullPolicy": runtime.image_pull_policy.value,
+            "model": resolved.model,
+            "configMap": configmap_name(name),
+            "shmSize": override.shm_size or runtime.shm_size,
+            "engineArgs": stage.engine_args,
+            "samplingParams": stage.sampling_params,
+        }
+        if members[1:]:
+            spec["colocated"] = members[1:]
+        if runtime.image_pull_secrets:
+            spec["imagePullSecrets"] = list(runtime.image_pull_secrets)
+        if runtime.model_cache:
+            spec["modelCache"] = runtime.model_cache.to_dict()
+        env = [e.to_dict() for e in runtime.env]
+        if uses_mooncake(resolved):
+            # The Mooncake master runs beside the router; stages reach it through the router Service.
+            mc = resolved.topology.connectors.mooncake
+            host = f"{router_name(name)}.{namespace}.svc"
+            env += [{"name": "OMNIKUBE_MOONCAKE_MASTER", "value": f"{host}:{mc.master_port}"},
+                    {"name": "OMNIKUBE_MOONCAKE_METADATA", "value": f"http://{host}:{mc.metadata_port}/metadata"}]
+        if env:
+            spec["env"] = env
+        if runtime.hf_token_secret:
+            spec["hfTokenSecret"] = runtime.hf_token_secret.to_dict()
+        if override.autoscaling:
+            spec["autoscaling"] = override.autoscaling.to_dict()
+        placement = override.to_dict()
+        for key in ("accelerator", "nodeSelector", "tolerations", "affinity", "resources"):
+            value = placement.get(key)
+            if value and (key != "resources" or any(value.values())):
+                spec[key] = value
+        out.append(with_hash({
+            "apiVersion": API_VERSION,
+            "kind": "OmniStage",
+            "metadata": {
+                "name": omnistage_name(name, root),
+                "namespace": namespace,
+                "labels": labels(name, "stage", root),
+                "annotations": {CONFIG_HASH_ANNOTATION: group_config_hash(resolved, members)},
+                "ownerReferences": [owner_reference(owner)],
+            },
+            "spec": spec,
+        }))
+    return out

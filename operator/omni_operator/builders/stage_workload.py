@@ -1,0 +1,184 @@
+"""OmniStage -> its Deployment and headless Service. Pure functions of the live OmniStage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_operator.api import AcceleratorType, OmniStage
+from omni_operator.builders.meta import (
+    TEMPLATE_HASH_ANNOTATION,
+    content_hash,
+    labels,
+    owner_reference,
+    selector_labels,
+    with_hash,
+)
+from omni_operator.builders.pipeline_objects import CONFIG_HASH_ANNOTATION, CONFIG_KEY
+from omni_operator.resolve import stage_ports
+
+__all__ = ["CONFIG_MOUNT", "build_stage_deployment", "build_stage_service", "pod_container_env",
+           "stage_selector", "model_volume"]
+
+CONFIG_MOUNT = "/etc/omnikube"
+RUNTIME_UID = 1000
+
+
+def stage_selector(stage: OmniStage) -> dict[str, str]:
+    return selector_labels(stage.spec.pipeline, "stage", stage.spec.stage)
+
+
+def pod_container_env(extra: list[dict[str, Any]], hf_token: dict[str, str] | None) -> list[dict[str, Any]]:
+    """Downward-API identity, the HF token from its Secret (never inline), then the user's env."""
+    env: list[dict[str, Any]] = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+    ]
+    if hf_token:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {**hf_token, "optional": False}}})
+    return env + extra
+
+
+def model_volume(model_cache: dict[str, Any] | None) -> tuple[list[dict], list[dict]]:
+    """(volumes, mounts) for the model cache."""
+    if not model_cache:
+        return [], []
+    if "pvc" in model_cache:
+        source = {"persistentVolumeClaim": {"claimName": model_cache["pvc"]["claimName"],
+                                            "readOnly": model_cache.get("readOnly", False)}}
+    else:
+        source = {"hostPath": {"path": model_cache["hostPath"]["path"], "type": "Directory"}}
+    mount = {"name": "model-cache", "mountPath": model_cache.get("mountPath", "/models"),
+             "readOnly": model_cache.get("readOnly", False)}
+    return [{"name": "model-cache", **source}], [mount]
+
+
+def _container(stage: OmniStage, name: str, index: int, *, with_accelerator: bool,
+               mounts: list[dict]) -> dict[str, Any]:
+    spec = stage.spec
+    port, http_port = stage_ports(index)
+    resources: dict[str, dict[str, Any]] = {"requests": {}, "limits": {}}
+    if index == 0:
+        resources = {k: dict(v) for k, v in spec.resources.to_dict().items()} if spec.resources else resources
+    accel = spec.accelerator
+    if with_accelerator and accel and accel.type is not AcceleratorType.NONE:
+        # Extended resources: requests must equal limits.
+        resources.setdefault("limits", {})[accel.type.value] = str(accel.count)
+        resources.setdefault("requests", {})[accel.type.value] = str(accel.count)
+    probe = {"httpGet": {"path": "/readyz", "port": "http" if index == 0 else http_port}}
+    container: dict[str, Any] = {
+        "name": name,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy.value,
+        "command": ["omnikube", "stage", "--config", f"{CONFIG_MOUNT}/{CONFIG_KEY}", "--stage", name,
+                    "--host", "0.0.0.0", "--port", str(port), "--http-port", str(http_port)],
+        "ports": [
+            {"name": "stage" if index == 0 else f"stage-{index}", "containerPort": port, "protocol": "TCP"},
+            {"name": "http" if index == 0 else f"http-{index}", "containerPort": http_port, "protocol": "TCP"},
+        ],
+        "env": pod_container_env([e.to_dict() for e in spec.env],
+                                 spec.hf_token_secret.to_dict() if spec.hf_token_secret else None),
+        "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
+        # Loading a model can take many minutes: the startup probe holds liveness off until ready once.
+        "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 180},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": probe["httpGet"]["port"]},
+                          "periodSeconds": 10, "failureThreshold": 6},
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            *mounts,
+        ],
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    if any(resources.get(k) for k in ("requests", "limits")):
+        container["resources"] = {k: v for k, v in resources.items() if v}
+    return container
+
+
+def build_stage_deployment(owner: dict[str, Any]) -> dict[str, Any]:
+    """The stage's Deployment: one container per stage of the pod group, sharing the pod's IPC."""
+    stage = OmniStage.model_validate(owner)
+    spec = stage.spec
+    volumes, mounts = model_volume(spec.model_cache.to_dict() if spec.model_cache else None)
+    members = [spec.stage, *spec.colocated]
+    containers = [
+        _container(stage, name, i, with_accelerator=(i == 0), mounts=mounts) for i, name in enumerate(members)
+    ]
+    pod_spec: dict[str, Any] = {
+        "containers": containers,
+        "volumes": [
+            {"name": "config", "configMap": {"name": spec.config_map}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.shm_size)}},
+            *volumes,
+        ],
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUNTIME_UID, "runAsGroup": RUNTIME_UID,
+                            "fsGroup": RUNTIME_UID, "seccompProfile": {"type": "RuntimeDefault"}},
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [t.to_dict() for t in spec.tolerations]
+    if spec.affinity:
+        pod_spec["affinity"] = spec.affinity
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+    # Pods roll when what they run changes: the spec minus replicas/autoscaling, plus their config.
+    template_inputs = stage.spec.to_dict()
+    for key in ("replicas", "autoscaling"):
+        template_inputs.pop(key, None)
+    template_hash = content_hash({"spec": template_inputs,
+                                  "config": stage.metadata.annotations.get(CONFIG_HASH_ANNOTATION, "")})
+    pod_labels = labels(spec.pipeline, "stage", spec.stage)
+    return with_hash({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": stage.metadata.name,
+            "namespace": stage.metadata.namespace,
+            "labels": pod_labels,
+            "ownerReferences": [owner_reference(owner)],
+        },
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": stage_selector(stage)},
+            # Bring a new replica up before taking an old one down: a stage never drops to zero.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 3,
+            "template": {
+                "metadata": {"labels": pod_labels, "annotations": {TEMPLATE_HASH_ANNOTATION: template_hash}},
+                "spec": pod_spec,
+            },
+        },
+    })
+
+
+def build_stage_service(owner: dict[str, Any]) -> dict[str, Any]:
+    """Headless Service: its EndpointSlices list the stage replicas the router balances over."""
+    stage = OmniStage.model_validate(owner)
+    members = [stage.spec.stage, *stage.spec.colocated]
+    ports = []
+    for i, _ in enumerate(members):
+        port, http_port = stage_ports(i)
+        suffix = "" if i == 0 else f"-{i}"
+        ports += [{"name": f"stage{suffix}", "port": port, "targetPort": port, "protocol": "TCP"},
+                  {"name": f"http{suffix}", "port": http_port, "targetPort": http_port, "protocol": "TCP"}]
+    return with_hash({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": stage.metadata.name,
+            "namespace": stage.metadata.namespace,
+            "labels": labels(stage.spec.pipeline, "stage", stage.spec.stage),
+            "ownerReferences": [owner_reference(owner)],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "selector": stage_selector(stage),
+            "ports": ports,
+            # Only ready replicas may receive work.
+            "publishNotReadyAddresses": False,
+        },
+    })

@@ -1,0 +1,258 @@
+"""Reconcile steps: fetch, call the builders, apply what differs, report status.
+
+Level-triggered: each call looks at the whole world for one object and makes it right, whatever event
+woke it. An unchanged world causes reads only: every object carries the hash of what it was built from,
+a live object with the same hash is left alone, and status is written only when it changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from omni_operator.api import API_VERSION, OmniPipeline, OmniStage, validation_messages
+from omni_operator.builders.meta import HASH_ANNOTATION, LABEL_COMPONENT, LABEL_PIPELINE
+from omni_operator.builders.pipeline_objects import (
+    build_omnistages,
+    build_pipeline_configmap,
+    router_name,
+)
+from omni_operator.builders.router import build_router_objects, router_endpoint
+from omni_operator.builders.stage_workload import build_stage_deployment, build_stage_service, stage_selector
+from omni_operator.kube import FIELD_MANAGER, KubeClient
+from omni_operator.resolve import resolve_cluster_pipeline
+from omni_operator.status.conditions import Condition, get_condition, now_rfc3339, set_condition
+from omni_operator.status.pipeline_status import PipelineObservation, pipeline_conditions
+from omni_operator.status.stage_status import selector_string, stage_conditions
+from omni_runtime.registry import PipelineRegistry, RegistryError
+from omni_runtime.spec import SpecError
+
+__all__ = ["Context", "TemporaryError", "reconcile_pipeline", "reconcile_stage"]
+
+log = logging.getLogger(__name__)
+
+class TemporaryError(RuntimeError):
+    """The world is not ready yet (a Secret is missing, an owner not found): retry with backoff."""
+
+
+@dataclass
+class Context:
+    """What reconcile steps share: the API client, the topology registry, where models are readable."""
+
+    kube: KubeClient
+    registry: PipelineRegistry
+    model_root: Path | None = None
+    writes: int = 0
+    events: list[str] = field(default_factory=list)
+
+
+async def _ensure(ctx: Context, desired: dict[str, Any], *, live: dict[str, Any] | None = None,
+                  fetched: bool = False, generation_seen: int | None = None) -> dict[str, Any]:
+    """Apply `desired` unless the live object already carries its hash (and, when `generation_seen` is
+    given, still has the generation we last wrote: someone else's edit changes it and is undone)."""
+    meta = desired["metadata"]
+    if not fetched:
+        live = await ctx.kube.get(desired["apiVersion"], desired["kind"], meta["name"], meta.get("namespace"))
+    if live is not None:
+        same_hash = (live["metadata"].get("annotations") or {}).get(HASH_ANNOTATION) == \
+            meta["annotations"][HASH_ANNOTATION]
+        untouched = generation_seen is None or live["metadata"].get("generation") == generation_seen
+        if same_hash and untouched:
+            return live
+    ctx.writes += 1
+    log.info("applying %s %s/%s", desired["kind"], meta.get("namespace"), meta["name"])
+    return await ctx.kube.apply(desired)
+
+
+async def _write_status(ctx: Context, obj: dict[str, Any], status: dict[str, Any]) -> bool:
+    current = obj.get("status") or {}
+    if all(current.get(k) == v for k, v in status.items()):
+        return False
+    ctx.writes += 1
+    meta = obj["metadata"]
+    await ctx.kube.merge_patch(obj["apiVersion"], obj["kind"], meta["name"], meta["namespace"],
+                               {"status": status}, subresource="status")
+    return True
+
+
+def _merge_conditions(obj: dict[str, Any], wanted: list[Condition]) -> tuple[list[dict], list[Condition]]:
+    """New condition list and the conditions whose status or reason changed (for Events)."""
+    conditions = list((obj.get("status") or {}).get("conditions", []))
+    generation = obj["metadata"].get("generation", 0)
+    flipped = []
+    for cond in wanted:
+        before = get_condition(conditions, cond.type)
+        conditions, _ = set_condition(conditions, cond, generation)
+        if before is None or before.get("status") != cond.status or before.get("reason") != cond.reason:
+            flipped.append(cond)
+    return conditions, flipped
+
+
+async def _post_events(ctx: Context, obj: dict[str, Any], flipped: list[Condition]) -> None:
+    """One Event per noteworthy transition: Degraded turning on, Ready turning on."""
+    for cond in flipped:
+        if cond.type == "Degraded" and cond.status == "True":
+            await _event(ctx, obj, "Warning", cond.reason, cond.message)
+        elif cond.type == "Ready" and cond.status == "True":
+            await _event(ctx, obj, "Normal", "Ready", cond.message)
+
+
+async def _event(ctx: Context, obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    meta = obj["metadata"]
+    ctx.writes += 1
+    ctx.events.append(f"{meta['name']}:{reason}")
+    now = now_rfc3339()
+    try:
+        await ctx.kube.create({
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "name": meta["name"],
+                               "namespace": meta["namespace"], "uid": meta["uid"]},
+            "type": type_, "reason": reason, "message": message[:1024],
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+            "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER,
+        })
+    except Exception as exc:  # an Event is best effort; never fail a reconcile on it
+        log.warning("could not post event %s on %s: %s", reason, meta["name"], exc)
+
+
+def _spec_problem(exc: Exception) -> Condition:
+    if isinstance(exc, ValidationError):
+        return Condition("Degraded", "True", "InvalidSpec", "; ".join(validation_messages(exc)))
+    text = str(exc)
+    if isinstance(exc, RegistryError):
+        reason = "UnknownPipeline"
+    elif "has no stage" in text:
+        reason = "UnknownStage"
+    elif "connector" in text:
+        reason = "NoUsableConnector"
+    else:
+        reason = "InvalidTopology"
+    return Condition("Degraded", "True", reason, text)
+
+
+async def _secret_problem(ctx: Context, pipeline: OmniPipeline, namespace: str) -> Condition | None:
+    refs = [("runtime.hfTokenSecret", pipeline.spec.runtime.hf_token_secret),
+            ("router.apiKeySecret", pipeline.spec.router.api_key_secret)]
+    for field_name, ref in refs:
+        if ref is None:
+            continue
+        secret = await ctx.kube.get("v1", "Secret", ref.name, namespace)
+        if secret is None or ref.key not in (secret.get("data") or {}) | (secret.get("stringData") or {}):
+            what = "not found" if secret is None else f"has no key {ref.key!r}"
+            return Condition("Degraded", "True", "SecretMissing",
+                             f"{field_name}: Secret {ref.name!r} {what} in namespace {namespace}; create it "
+                             f"(kubectl create secret generic {ref.name} --from-literal={ref.key}=...) "
+                             f"or remove {field_name}")
+    return None
+
+
+async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> None:
+    """Make an OmniPipeline's ConfigMap, OmniStages and router match its spec, then report status."""
+    live = await ctx.kube.get(API_VERSION, "OmniPipeline", name, namespace)
+    if live is None or live["metadata"].get("deletionTimestamp"):
+        return  # garbage collection removes what it owned
+    observation = PipelineObservation()
+    resolved = None
+    try:
+        pipeline = OmniPipeline.model_validate(live)
+        resolved = resolve_cluster_pipeline(pipeline, ctx.registry, ctx.model_root)
+    except (ValidationError, SpecError) as exc:
+        # The spec is wrong: say so and change nothing, so what runs keeps running.
+        observation.spec_problem = _spec_problem(exc)
+        pipeline = None
+
+    status: dict[str, Any] = {"observedGeneration": live["metadata"].get("generation")}
+    if pipeline is not None and resolved is not None:
+        observation.secret_problem = await _secret_problem(ctx, pipeline, namespace)
+        await _ensure(ctx, build_pipeline_configmap(live, resolved))
+        stages = []
+        for desired in build_omnistages(live, pipeline, resolved):
+            stages.append(await _ensure_omnistage(ctx, desired))
+        wanted = {s["metadata"]["name"] for s in stages}
+        for existing in await ctx.kube.list(API_VERSION, "OmniStage", namespace,
+                                            label_selector=f"{LABEL_PIPELINE}={name},{LABEL_COMPONENT}=stage"):
+            if existing["metadata"]["name"] not in wanted and _owned_by(existing, live):
+                ctx.writes += 1
+                log.info("deleting OmniStage %s/%s: its stage left the topology", namespace,
+                         existing["metadata"]["name"])
+                await ctx.kube.delete(API_VERSION, "OmniStage", existing["metadata"]["name"], namespace)
+        router = None
+        seen = (live.get("status") or {}).get("routerGeneration")
+        for desired in build_router_objects(live, pipeline, resolved):
+            if desired["kind"] == "Deployment":
+                router = await _ensure(ctx, desired, generation_seen=seen)
+                status["routerGeneration"] = router["metadata"].get("generation")
+            else:
+                await _ensure(ctx, desired)
+        groups = {s: resolved.stage_group(s) for s in resolved.topology.stage_names()}
+        observation.stages, observation.router, observation.groups = stages, router, groups
+        observation.stage_names = resolved.topology.topological_order()
+        topo = resolved.topology
+        status["topology"] = {
+            "pipeline": topo.name,
+            "stages": observation.stage_names,
+            "edges": [f"{e.source}->{e.target} ({topo.edge_connector(e).value})" for e in topo.edges],
+        }
+        status["endpoint"] = router_endpoint(pipeline, namespace)
+    else:
+        # Report what exists without touching it.
+        observation.stages = await ctx.kube.list(API_VERSION, "OmniStage", namespace,
+                                                 label_selector=f"{LABEL_PIPELINE}={name}")
+        observation.router = await ctx.kube.get("apps/v1", "Deployment", router_name(name), namespace)
+        old = (live.get("status") or {}).get("topology") or {}
+        observation.stage_names = old.get("stages", [])
+    per_stage, stages_ready, wanted_conditions = pipeline_conditions(observation)
+    conditions, flipped = _merge_conditions(live, wanted_conditions)
+    status.update({"stages": per_stage, "stagesReady": stages_ready, "conditions": conditions})
+    if await _write_status(ctx, live, status):
+        await _post_events(ctx, live, flipped)
+
+
+def _owned_by(obj: dict[str, Any], owner: dict[str, Any]) -> bool:
+    uid = owner["metadata"]["uid"]
+    return any(ref.get("uid") == uid for ref in obj["metadata"].get("ownerReferences", []))
+
+
+async def _ensure_omnistage(ctx: Context, desired: dict[str, Any]) -> dict[str, Any]:
+    """Apply an OmniStage without its replicas; set those through /scale (as kubectl scale and an HPA
+    do), only when the pipeline owns them (no autoscaling) or the stage is new."""
+    meta = desired["metadata"]
+    live = await ctx.kube.get(API_VERSION, "OmniStage", meta["name"], meta["namespace"])
+    replicas = desired["spec"].pop("replicas")
+    autoscaled = "autoscaling" in desired["spec"]
+    result = await _ensure(ctx, desired, live=live, fetched=True)
+    if live is None or (not autoscaled and result["spec"].get("replicas") != replicas):
+        ctx.writes += 1
+        await ctx.kube.merge_patch(API_VERSION, "OmniStage", meta["name"], meta["namespace"],
+                                   {"spec": {"replicas": replicas}}, subresource="scale")
+        result["spec"]["replicas"] = replicas
+    return result
+
+
+async def reconcile_stage(ctx: Context, namespace: str, name: str) -> None:
+    """Make an OmniStage's Deployment and Service match it, then report status."""
+    live = await ctx.kube.get(API_VERSION, "OmniStage", name, namespace)
+    if live is None or live["metadata"].get("deletionTimestamp"):
+        return
+    seen = (live.get("status") or {}).get("workloadGeneration")
+    deployment = await _ensure(ctx, build_stage_deployment(live), generation_seen=seen)
+    await _ensure(ctx, build_stage_service(live))
+    selector = stage_selector(OmniStage.model_validate(live))
+    pods = await ctx.kube.list("v1", "Pod", namespace, label_selector=selector_string(selector))
+    counts, wanted = stage_conditions(live, deployment, pods)
+    conditions, flipped = _merge_conditions(live, wanted)
+    status = {
+        "observedGeneration": live["metadata"].get("generation"),
+        **counts,
+        "selector": selector_string(selector),
+        "workloadGeneration": deployment["metadata"].get("generation"),
+        "conditions": conditions,
+    }
+    if await _write_status(ctx, live, status):
+        await _post_events(ctx, live, flipped)
+

@@ -1,0 +1,88 @@
+"""OmniPipeline status from its OmniStages and router Deployment. Pure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_operator.status.conditions import Condition, get_condition
+
+__all__ = ["PipelineObservation", "pipeline_conditions"]
+
+
+class PipelineObservation:
+    """What the pipeline reconcile saw: a spec problem, a secret problem, its stages and router."""
+
+    def __init__(self, *, spec_problem: Condition | None = None, secret_problem: Condition | None = None,
+                 stages: list[dict[str, Any]] | None = None, stage_names: list[str] | None = None,
+                 groups: dict[str, str] | None = None, router: dict[str, Any] | None = None) -> None:
+        self.spec_problem = spec_problem
+        self.secret_problem = secret_problem
+        self.stages = stages or []
+        self.stage_names = stage_names or []
+        self.groups = groups or {}
+        self.router = router
+
+
+def _stage_ready(stage: dict[str, Any]) -> bool:
+    status = stage.get("status") or {}
+    if status.get("observedGeneration") != stage["metadata"].get("generation"):
+        return False  # the stage has not yet acted on its current spec
+    cond = get_condition(status.get("conditions", []), "Ready")
+    return bool(cond and cond.get("status") == "True")
+
+
+def _group_ready(by_root: dict[str, dict[str, Any]], groups: dict[str, str], stage: str) -> bool:
+    """Whether the OmniStage of the pod group that runs `stage` is ready."""
+    group = by_root.get(groups.get(stage, stage))
+    return group is not None and _stage_ready(group)
+
+
+def _router_ready(router: dict[str, Any] | None) -> tuple[bool, str]:
+    if router is None:
+        return False, "router: its Deployment is being created"
+    ds = router.get("status", {})
+    want = router["spec"].get("replicas", 1)
+    current = ds.get("observedGeneration", 0) >= router["metadata"].get("generation", 0)
+    ok = current and ds.get("updatedReplicas", 0) == want == ds.get("replicas", 0) \
+        and ds.get("availableReplicas", 0) >= want
+    return ok, f"router: {ds.get('availableReplicas', 0)}/{want} replicas available"
+
+
+def pipeline_conditions(obs: PipelineObservation) -> tuple[list[dict[str, Any]], str, list[Condition]]:
+    """(per-stage status, "ready/total", [Ready, Progressing, Degraded])."""
+    by_root = {s["spec"]["stage"]: s for s in obs.stages}
+    per_stage = []
+    ready_count = 0
+    for name in obs.stage_names:
+        group = by_root.get(obs.groups.get(name, name))
+        desired = group["spec"].get("replicas", 1) if group else 0
+        ready = (group.get("status") or {}).get("readyReplicas", 0) if group else 0
+        per_stage.append({"name": name, "replicas": desired, "readyReplicas": ready})
+        ready_count += _group_ready(by_root, obs.groups, name)
+    stages_ready = f"{ready_count}/{len(obs.stage_names)}"
+    router_ok, router_msg = _router_ready(obs.router)
+
+    stage_problems = []
+    for stage in obs.stages:
+        cond = get_condition((stage.get("status") or {}).get("conditions", []), "Degraded")
+        if cond and cond.get("status") == "True":
+            stage_problems.append(Condition("Degraded", "True", cond.get("reason", "StageDegraded"),
+                                            cond.get("message", "")))
+    problem = obs.spec_problem or obs.secret_problem or (stage_problems[0] if stage_problems else None)
+    degraded = problem or Condition("Degraded", "False", "AsExpected", "")
+    all_ready = router_ok and obs.stage_names and ready_count == len(obs.stage_names)
+    if all_ready and obs.spec_problem is None:
+        ready = Condition("Ready", "True", "Available", f"router and {stages_ready} stages ready")
+        progressing = Condition("Progressing", "False", "Complete", "every stage runs the current spec")
+    else:
+        waiting = [name for name in obs.stage_names if not _group_ready(by_root, obs.groups, name)]
+        parts = [f"stages not ready: {', '.join(waiting)}"] if waiting else []
+        if not router_ok:
+            parts.append(router_msg)
+        message = "; ".join(parts) or (obs.spec_problem.message if obs.spec_problem else "")
+        reason = obs.spec_problem.reason if obs.spec_problem and not parts else (
+            problem.reason if problem else "Progressing")
+        ready = Condition("Ready", "False", reason, message)
+        progressing = Condition("Progressing", "False" if problem else "True",
+                                "Stalled" if problem else "RollingOut", message)
+    return per_stage, stages_ready, [ready, progressing, degraded]

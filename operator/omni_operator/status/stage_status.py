@@ -1,0 +1,100 @@
+"""OmniStage status from what its Deployment and pods show. Pure: observed objects in, status out."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from omni_operator.status.conditions import Condition
+
+__all__ = ["stage_conditions", "pod_problem", "selector_string"]
+
+_INSUFFICIENT = re.compile(r"Insufficient ([\w.-]+/[\w-]+|[\w-]+)")
+_ACCELERATORS = ("nvidia.com/gpu", "huawei.com/Ascend910", "amd.com/gpu")
+
+
+def selector_string(match_labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
+
+
+def pod_problem(pods: list[dict[str, Any]], stage: str) -> Condition | None:
+    """The most telling reason the stage's pods cannot serve, as a Degraded condition, or None."""
+    for pod in pods:
+        status = pod.get("status", {})
+        for cond in status.get("conditions", []):
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
+                    and cond.get("reason") == "Unschedulable":
+                message = cond.get("message", "")
+                if "persistentvolumeclaim" in message:
+                    return Condition("Degraded", "True", "ModelCacheMissing",
+                                     f"stage {stage}: its model cache volume is not available (scheduler: "
+                                     f"{message}); create the PersistentVolumeClaim or fix "
+                                     f"spec.runtime.modelCache")
+                missing = [r for r in _INSUFFICIENT.findall(message) if r in _ACCELERATORS]
+                if missing:
+                    return Condition("Degraded", "True", "InsufficientAccelerator",
+                                     f"stage {stage}: no node has enough free {missing[0]} for a replica "
+                                     f"(scheduler: {message}); add nodes with {missing[0]}, free some, "
+                                     f"or lower the stage's accelerator.count")
+                return Condition("Degraded", "True", "Unschedulable",
+                                 f"stage {stage}: its pods cannot be placed (scheduler: {message}); check the "
+                                 f"stage's nodeSelector, tolerations, affinity and resources")
+        for cs in status.get("containerStatuses", []) + status.get("initContainerStatuses", []):
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            reason = waiting.get("reason", "")
+            if reason == "CrashLoopBackOff":
+                last = ((cs.get("lastState") or {}).get("terminated") or {})
+                detail = f"exit code {last.get('exitCode')}" if last else "no exit code"
+                if last.get("message"):
+                    detail += f": {last['message'][-300:]}"
+                return Condition("Degraded", "True", "CrashLoop",
+                                 f"stage {stage}: container {cs.get('name')} keeps crashing "
+                                 f"({cs.get('restartCount', 0)} restarts, {detail}); read its logs with "
+                                 f"kubectl logs {pod['metadata']['name']} -c {cs.get('name')} --previous")
+            if reason in ("ImagePullBackOff", "ErrImagePull", "InvalidImageName"):
+                return Condition("Degraded", "True", "ImagePull",
+                                 f"stage {stage}: image {cs.get('image')} cannot be pulled ({reason}: "
+                                 f"{waiting.get('message', '')}); fix runtime.image or imagePullSecrets")
+            if reason in ("CreateContainerConfigError", "CreateContainerError"):
+                return Condition("Degraded", "True", "ContainerConfig",
+                                 f"stage {stage}: {waiting.get('message', reason)}")
+    return None
+
+
+def stage_conditions(stage: dict[str, Any], deployment: dict[str, Any] | None,
+                     pods: list[dict[str, Any]]) -> tuple[dict[str, int], list[Condition]]:
+    """(replica counts, [Ready, Progressing, Degraded]) for an OmniStage."""
+    name = stage["spec"]["stage"]
+    desired = stage["spec"].get("replicas", 1)
+    if deployment is None:
+        counts = {"replicas": 0, "readyReplicas": 0}
+        return counts, [
+            Condition("Ready", "False", "Creating", f"stage {name}: its Deployment is being created"),
+            Condition("Progressing", "True", "Creating", f"stage {name}: creating the Deployment"),
+            Condition("Degraded", "False", "AsExpected"),
+        ]
+    ds = deployment.get("status", {})
+    current = ds.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0)
+    replicas = ds.get("replicas", 0)
+    updated = ds.get("updatedReplicas", 0)
+    ready = ds.get("readyReplicas", 0)
+    available = ds.get("availableReplicas", 0)
+    counts = {"replicas": replicas, "readyReplicas": ready}
+    # Ready only when every pod runs the current template: never while old pods still serve.
+    rolled = current and updated == desired and replicas == desired
+    is_ready = rolled and ready >= desired and available >= desired
+    problem = pod_problem(pods, name)
+    degraded = problem or Condition("Degraded", "False", "AsExpected")
+    if is_ready:
+        ready_cond = Condition("Ready", "True", "ScaledToZero" if desired == 0 else "Available",
+                               f"stage {name}: {ready}/{desired} replicas ready")
+        progressing = Condition("Progressing", "False", "Complete", f"stage {name}: rollout complete")
+    else:
+        why = ("RollingOut" if not rolled else "WaitingForReplicas")
+        ready_cond = Condition("Ready", "False", why,
+                               f"stage {name}: {ready}/{desired} replicas ready, {updated} updated")
+        progressing = Condition("Progressing", "True" if problem is None else "False",
+                                why if problem is None else "Stalled",
+                                f"stage {name}: {updated}/{desired} replicas on the current spec, "
+                                f"{ready} ready")
+    return counts, [ready_cond, progressing, degraded]
