@@ -361,7 +361,7 @@ class LocalCluster:
     def _create_nodes(self) -> None:
         items = []
         for node in NODES:
-            capacity = {"cpu": "64", "memory": "512Gi", "pods": "110", "ephemeral-storage": "1Ti",
+            capacity = {"cpu": "64", "memory": "512Gi", "pods": "500", "ephemeral-storage": "1Ti",
                         **node["extended"]}
             items.append({
                 "apiVersion": "v1", "kind": "Node",

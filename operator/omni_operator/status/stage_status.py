@@ -25,7 +25,8 @@ def pod_problem(pods: list[dict[str, Any]], stage: str) -> Condition | None:
             if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
                     and cond.get("reason") == "Unschedulable":
                 message = cond.get("message", "")
-                if "persistentvolumeclaim" in message:
+                # Missing: 'persistentvolumeclaim "x" not found'; unbound: 'unbound immediate PersistentVolumeClaims'.
+                if "persistentvolumeclaim" in message.lower():
                     return Condition("Degraded", "True", "ModelCacheMissing",
                                      f"stage {stage}: its model cache volume is not available (scheduler: "
                                      f"{message}); create the PersistentVolumeClaim or fix "
