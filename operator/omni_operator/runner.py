@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from omni_operator.api import API_VERSION
 from omni_operator.handlers import PIPELINE, STAGE, Key
 from omni_operator.kube import KubeClient, KubeError
 from omni_operator.leader import LeaderElector
+from omni_operator.metrics import OperatorMetrics
 from omni_operator.reconcile import Context, reconcile_pipeline, reconcile_stage
 from omni_operator.workqueue import WorkQueue
 from omni_runtime.registry import load_registry
@@ -42,6 +44,7 @@ class OperatorConfig:
     lease_name: str = "omnikube-operator"
     identity: str = field(default_factory=lambda: os.environ.get("POD_NAME") or socket.gethostname())
     liveness_port: int | None = None
+    metrics_port: int | None = None
 
 
 async def _list_all(kube: KubeClient, namespaces: list[str]) -> list[Key]:
@@ -57,17 +60,31 @@ async def run_operator(config: OperatorConfig) -> None:
     kube = await KubeClient.from_environment(config.kubeconfig)
     ctx = Context(kube=kube, registry=load_registry(config.pipelines_dirs), model_root=config.model_root)
 
+    metrics = OperatorMetrics()
+    if config.metrics_port:
+        metrics.serve(config.metrics_port)
+
     async def handle(key: Key) -> None:
         kind, namespace, name = key
+        writes_before = ctx.writes
+        started = time.monotonic()
+        result = "error"
         try:
             if kind == PIPELINE:
                 await reconcile_pipeline(ctx, namespace, name)
             else:
                 await reconcile_stage(ctx, namespace, name)
+            result = "ok"
         except KubeError as exc:
             if exc.status == 403 and "being terminated" in str(exc):
+                result = "ok"
                 return  # the namespace is going away with everything in it: nothing to converge
             raise
+        finally:
+            metrics.reconciles.labels(kind, result).inc()
+            metrics.duration.labels(kind).observe(time.monotonic() - started)
+            metrics.writes.inc(ctx.writes - writes_before)
+            metrics.queue_depth.set(queue.depth())
 
     queue = WorkQueue(handle, workers=config.workers)
 
@@ -80,12 +97,14 @@ async def run_operator(config: OperatorConfig) -> None:
     resync: list[asyncio.Task] = []
 
     async def started() -> None:
+        metrics.leader.set(1)
         queue.start()
         for key in await _list_all(kube, config.namespaces):
             queue.add(key)
         resync.append(asyncio.create_task(resync_forever()))
 
     async def stopped() -> None:
+        metrics.leader.set(0)
         for task in resync:
             task.cancel()
         resync.clear()

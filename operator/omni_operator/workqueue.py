@@ -64,6 +64,9 @@ class WorkQueue:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
 
+    def depth(self) -> int:
+        return len(self._queued)
+
     def idle(self) -> bool:
         return not self._queued and not self._active and not self._delayed
 

@@ -1,0 +1,17 @@
+"""The dependency rules of ARCHITECTURE.md, checked by import-linter's contracts in pyproject.toml:
+the runtime never imports the operator, the spec stays pure, operator builders never touch the API."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_import_contracts_hold() -> None:
+    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    assert exe, "import-linter is part of the dev extra"
+    out = subprocess.run([exe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "0 broken" in out.stdout
