@@ -1,0 +1,91 @@
+"""The engine seam: what a stage server asks of the model it hosts.
+
+One implementation per stage kind (`ar` on vLLM AsyncLLM, `diffusion` on diffusers, `generation` on a
+torch module run chunk by chunk). The stage server only sees this interface, so the same server runs
+every kind, and the router never knows which engine is behind a stage.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_runtime.spec import ResolvedPipeline, StageSpec
+
+__all__ = ["Engine", "EngineError", "EngineInput", "EngineOutput", "InvalidRequest"]
+
+Payload = dict[str, Any]
+"""Same value types as connectors' Payload: tensors, bytes, str, numbers, None, lists/dicts of those."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (a stage-side fault: 5xx to the client)."""
+
+
+class InvalidRequest(ValueError):
+    """The request cannot run on this engine (too long a prompt, bad size...): 4xx to the client.
+
+    The message says what was wrong and what to change."""
+
+
+@dataclass
+class EngineInput:
+    """One unit of work for a stage.
+
+    `data` holds the stage's inputs after the edge's input processor ran: for an entry AR stage
+    `{"prompt": str}` or `{"messages": [...]}`, for a diffusion stage `{"prompt": str,
+    "negative_prompt": str | None}` or `{"prompt_embeds": tensor, ...}`, for a generation stage the
+    upstream tensors. `params` are the merged sampling parameters (stage defaults < request).
+    `role` is "primary" or a companion role (e.g. "cfg_text"); companions share `request_id`'s group.
+    """
+
+    request_id: str
+    data: Payload
+    params: dict[str, Any] = field(default_factory=dict)
+    role: str = "primary"
+
+
+@dataclass
+class EngineOutput:
+    """A piece of a stage's output. An engine yields one or more; the last has `finished=True`.
+
+    `data` for ar: `{"text": delta_text, "token_ids": [...]}` (deltas when streaming);
+    for diffusion: `{"images": [png bytes, ...]}`; for generation: `{"audio": tensor, ...}`.
+    `usage` on the last output: `{"prompt_tokens": int, "completion_tokens": int}` where it applies.
+    """
+
+    request_id: str
+    data: Payload
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+
+
+class Engine(ABC):
+    """A loaded model serving one stage."""
+
+    def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
+        self.pipeline = pipeline
+        self.stage = stage
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Load the model. The stage reports ready only after this returns."""
+
+    @abstractmethod
+    def generate(self, request: EngineInput) -> AsyncIterator[EngineOutput]:
+        """Run one request, yielding outputs as they come. Raise InvalidRequest or EngineError."""
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop a running request and free what it holds; unknown ids are ignored."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Release the model and every resource (processes, memory)."""
+
+    def stats(self) -> dict[str, float]:
+        """Gauges for /metrics (queue depth, running requests...); engines add what they know."""
+        return {}
