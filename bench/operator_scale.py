@@ -127,6 +127,8 @@ def main() -> int:
     parser.add_argument("--pipelines", type=int, default=100)
     parser.add_argument("--steady-seconds", type=float, default=60.0)
     args = parser.parse_args()
+    # Turn SIGTERM into an exception so the control plane below is always stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory() as tmp, LocalCluster(workdir=Path(tmp) / "cluster") as cluster:
         cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
         cluster.kubectl("wait", "--for=condition=Established", "crd/omnipipelines.omnikube.io",
