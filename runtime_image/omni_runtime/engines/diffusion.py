@@ -1,0 +1,487 @@
+"""The `diffusion` engine: a diffusers pipeline loaded from a local folder, with request batching.
+
+Requests that arrive within `batch_window_ms` of the oldest waiting one and agree on everything
+that a pipeline call shares (input kind, size, steps, guidance, images per prompt, whether a negative
+prompt is given, embedding shapes) run as ONE pipeline call, up to `max_batch_size` images. Each
+request gets its own CPU `torch.Generator` seeded with its seed, so its image depends only on its
+own seed and not on what it was batched with (beyond float rounding). Requests that do not fit run
+in a later call. One call runs at a time, in a worker thread, so the event loop stays responsive.
+
+Engine args (the rest go to `DiffusionPipeline.from_pretrained`):
+
+| key | default | meaning |
+|---|---|---|
+| `torch_dtype` | `float32` on CPU, `bfloat16` on CUDA | weights dtype name (given to diffusers as `dtype=`) |
+| `device` | `cuda` when available, else `cpu` | where the pipeline runs |
+| `batch_window_ms` | 10 | how long the oldest waiting request waits for company |
+| `max_batch_size` | 8 | most images (requests x `n`) in one pipeline call |
+| `max_pixels` | 4194304 (2048 x 2048) | largest height x width accepted |
+| `max_inference_steps` | 200 | most denoising steps accepted |
+
+Input (`EngineInput.data`): `{"prompt": str, "negative_prompt": str | None}`, or embeddings named as
+the pipeline's `__call__` names them (`prompt_embeds`, `pooled_prompt_embeds`, `negative_*`...), each
+with a leading batch axis of 1. Params: the pipeline's scalar call arguments (`height`, `width`,
+`num_inference_steps`, `guidance_scale`, ...) plus `seed` and `n` (images for this request).
+Output: `{"images": [png bytes, ...]}`; a stage whose `output_modality` is `hidden` gives
+`{"latents": tensor (n, C, h, w)}` instead (for a separate VAE stage, see `dit_to_vae`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import difflib
+import inspect
+import io
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.spec import Modality, ResolvedPipeline, StageSpec
+
+__all__ = ["DIFFUSION_ENGINE_ARGS", "DiffusionEngine"]
+
+log = logging.getLogger(__name__)
+
+DIFFUSION_ENGINE_ARGS: dict[str, Any] = {
+    "torch_dtype": None,
+    "device": None,
+    "batch_window_ms": 10.0,
+    "max_batch_size": 8,
+    "max_pixels": 2048 * 2048,
+    "max_inference_steps": 200,
+}
+"""Engine args this engine reads itself (None: chosen by device); see the module docstring."""
+
+_REGISTRY_ONLY = frozenset({"model_stage", "model_arch", "hf_config_name", "engine_output_type"})
+_CALL_ARGS_OWNED = frozenset(
+    {
+        "generator",
+        "latents",
+        "output_type",
+        "return_dict",
+        "callback",
+        "callback_steps",
+        "callback_on_step_end",
+        "callback_on_step_end_tensor_inputs",
+        "num_images_per_prompt",
+        "cross_attention_kwargs",
+        "joint_attention_kwargs",
+        "attention_kwargs",
+    }
+)
+"""Pipeline call arguments the engine sets itself; a request may not pass them."""
+
+
+@dataclass
+class _Job:
+    request_id: str
+    kind: str
+    """`text` or `embeds`."""
+    key: str
+    """Requests with equal keys may share a pipeline call."""
+    call: dict[str, Any]
+    """Call arguments shared by the batch (size, steps, guidance...)."""
+    n: int
+    seed: int
+    prompt: str | None = None
+    negative_prompt: str | None = None
+    embeds: dict[str, Any] = field(default_factory=dict)
+    arrival: float = 0.0
+    future: asyncio.Future | None = None
+    aborted: bool = False
+
+
+class DiffusionEngine(Engine):
+    """A diffusion stage on a diffusers pipeline, batching compatible requests.
+
+    `stats()`: `queue_depth`, `running_batch`, `last_batch_size` (requests), `last_batch_images`,
+    `last_batch_seconds`, `last_step_seconds`, `batches_total`. `batch_log` keeps the request ids of
+    the last 100 pipeline calls.
+    """
+
+    def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
+        super().__init__(pipeline, stage)
+        path = Path(pipeline.model)
+        self.model_path = str(path / stage.model_subfolder) if stage.model_subfolder else str(path)
+        args = {**DIFFUSION_ENGINE_ARGS, **stage.engine_args}
+        self.batch_window = float(args["batch_window_ms"]) / 1000.0
+        self.max_batch_size = int(args["max_batch_size"])
+        self.max_pixels = int(args["max_pixels"])
+        self.max_inference_steps = int(args["max_inference_steps"])
+        if self.max_batch_size < 1:
+            raise EngineError(f"stage {stage.name!r}: max_batch_size is {self.max_batch_size}; use 1 or more")
+        self._device_arg = args["device"]
+        self._dtype_arg = args["torch_dtype"]
+        self._load_kwargs = {
+            k: v
+            for k, v in stage.engine_args.items()
+            if k not in DIFFUSION_ENGINE_ARGS and k not in _REGISTRY_ONLY
+        }
+        self.latent_output = stage.output_modality is Modality.HIDDEN
+        self.pipe: Any = None
+        self.device = "cpu"
+        self.size_multiple = 8
+        self.default_size = 512
+        self.load_seconds = 0.0
+        self.batch_log: deque[list[str]] = deque(maxlen=100)
+        self._call_params: frozenset[str] = frozenset()
+        self._embed_params: frozenset[str] = frozenset()
+        self._pending: list[_Job] = []
+        self._arrived: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+        self._running: list[_Job] = []
+        self._current: asyncio.Future | None = None
+        self._stats = {
+            "last_batch_size": 0.0,
+            "last_batch_images": 0.0,
+            "last_batch_seconds": 0.0,
+            "last_step_seconds": 0.0,
+            "batches_total": 0.0,
+        }
+
+    # -- loading -----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        import torch
+
+        self.device = self._device_arg or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype_name = self._dtype_arg or ("float32" if self.device == "cpu" else "bfloat16")
+        dtype = getattr(torch, str(dtype_name), None)
+        if not isinstance(dtype, torch.dtype):
+            raise EngineError(
+                f"stage {self.stage.name!r}: torch_dtype {dtype_name!r} is not a torch dtype; "
+                "use float32, bfloat16 or float16"
+            )
+        started = time.monotonic()
+        try:
+            self.pipe = await asyncio.to_thread(self._load, dtype)
+        except Exception as exc:  # diffusers raises many types while loading; the message matters
+            raise EngineError(
+                f"stage {self.stage.name!r}: diffusers failed to load {self.model_path}: {exc}"
+            ) from exc
+        self.load_seconds = time.monotonic() - started
+        params = inspect.signature(self.pipe.__call__).parameters
+        self._embed_params = frozenset(
+            p for p in params if ("embeds" in p or p.endswith("_mask")) and not p.startswith("ip_adapter")
+        )
+        self._call_params = frozenset(
+            p
+            for p in params
+            if p not in _CALL_ARGS_OWNED
+            and p not in self._embed_params
+            and not p.startswith(("prompt", "negative_prompt", "ip_adapter"))
+            and p not in ("self", "image", "mask_image")
+        )
+        self.size_multiple = _size_multiple(self.pipe)
+        self.default_size = _default_size(self.pipe)
+        self._arrived = asyncio.Event()
+        self._worker = asyncio.create_task(self._loop(), name=f"diffusion-batcher-{self.stage.name}")
+        log.info(
+            "stage %s: diffusers loaded %s (%s, %s, %s) in %.1fs",
+            self.stage.name, self.model_path, type(self.pipe).__name__, self.device, dtype, self.load_seconds,
+        )
+
+    def _load(self, dtype: Any) -> Any:
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(
+            self.model_path, dtype=dtype, local_files_only=True, **self._load_kwargs
+        )
+        pipe = pipe.to(self.device)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    async def stop(self) -> None:
+        """Fail queued requests, let a running call finish, and release the pipeline."""
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await worker
+        if self._current is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._current)
+        for job in self._pending + self._running:
+            if job.future is not None and not job.future.done():
+                job.future.set_exception(EngineError(f"stage {self.stage.name!r} is stopping"))
+        self._pending.clear()
+        self._running = []
+        pipe, self.pipe = self.pipe, None
+        if pipe is not None:
+            del pipe
+            import gc
+
+            import torch
+
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def _parse(self, request: EngineInput) -> _Job:
+        name = self.stage.name
+        params = {**self.stage.sampling_params, **request.params}
+        if "num_images_per_prompt" in params:
+            params.setdefault("n", params.pop("num_images_per_prompt"))
+        negative = request.data.get("negative_prompt")
+        param_negative = params.pop("negative_prompt", None)
+        negative = param_negative if negative is None else negative
+        seed = params.pop("seed", None)
+        n = params.pop("n", 1)
+        unknown = sorted(set(params) - self._call_params)
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], self._call_params, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise InvalidRequest(
+                f"parameter {unknown[0]!r}{hint} is not supported by stage {name!r}; "
+                f"use seed, n or one of {sorted(self._call_params)}"
+            )
+        height = _int(params.setdefault("height", self.default_size), "height")
+        width = _int(params.setdefault("width", self.default_size), "width")
+        m = self.size_multiple
+        for label, value in (("height", height), ("width", width)):
+            if value <= 0 or value % m:
+                raise InvalidRequest(
+                    f"{label} {value} is not allowed: stage {name!r} needs a positive multiple of {m} "
+                    f"(VAE scale factor x patch size); use {max(m, value // m * m)} or {(value // m + 1) * m}"
+                )
+        if height * width > self.max_pixels:
+            raise InvalidRequest(
+                f"{width}x{height} is {height * width} pixels; stage {name!r} allows at most "
+                f"{self.max_pixels} (max_pixels); ask for a smaller image"
+            )
+        if "num_inference_steps" in params:
+            steps = _int(params["num_inference_steps"], "num_inference_steps")
+            if not 1 <= steps <= self.max_inference_steps:
+                raise InvalidRequest(
+                    f"num_inference_steps {steps} is out of range: stage {name!r} accepts 1 to "
+                    f"{self.max_inference_steps} (max_inference_steps)"
+                )
+        n = _int(n, "n")
+        if not 1 <= n <= self.max_batch_size:
+            raise InvalidRequest(
+                f"n {n} is out of range: stage {name!r} makes 1 to {self.max_batch_size} images per request "
+                "(max_batch_size)"
+            )
+        if seed is None:
+            seed = secrets.randbits(63)
+        seed = _int(seed, "seed")
+        if not 0 <= seed < 2**63:
+            raise InvalidRequest(f"seed {seed} is out of range; use 0 to {2**63 - 1}")
+
+        data = {k: v for k, v in request.data.items() if v is not None and k != "negative_prompt"}
+        embeds = {k: v for k, v in data.items() if k in self._embed_params}
+        if embeds:
+            extra = sorted(set(data) - set(embeds))
+            if extra or negative is not None:
+                raise InvalidRequest(
+                    f"stage {name!r} takes either text or embeddings, not both; got {sorted(request.data)}"
+                )
+            return self._embeds_job(request.request_id, params, embeds, n, seed)
+        if not isinstance(data.get("prompt"), str) or not data["prompt"].strip():
+            raise InvalidRequest(
+                f"stage {name!r} needs a non-empty 'prompt' string or prompt embeddings "
+                f"({sorted(self._embed_params)}); got {sorted(request.data)}"
+            )
+        extra = sorted(set(data) - {"prompt"})
+        if extra:
+            raise InvalidRequest(f"stage {name!r} does not take {extra}; send prompt and negative_prompt")
+        if negative is not None and not isinstance(negative, str):
+            raise InvalidRequest(f"negative_prompt must be a string, not {type(negative).__name__}")
+        key = repr(("text", sorted(params.items()), n, negative is not None))
+        return _Job(request.request_id, "text", key, params, n, seed, data["prompt"], negative)
+
+    def _embeds_job(self, rid: str, params: dict, embeds: dict, n: int, seed: int) -> _Job:
+        import torch
+
+        tensors = {}
+        for key, value in embeds.items():
+            tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+            if tensor.dim() < 2 or tensor.shape[0] != 1:
+                raise InvalidRequest(
+                    f"{key} has shape {tuple(tensor.shape)}; a request carries one prompt, so its leading "
+                    "(batch) axis must be 1, e.g. (1, tokens, dim) or (1, dim)"
+                )
+            tensors[key] = tensor
+        if not any(k in tensors for k in ("prompt_embeds", "pooled_prompt_embeds")):
+            raise InvalidRequest(f"embedding input needs prompt_embeds; got {sorted(tensors)}")
+        shapes = sorted((k, tuple(t.shape), str(t.dtype)) for k, t in tensors.items())
+        key = repr(("embeds", sorted(params.items()), n, shapes))
+        return _Job(rid, "embeds", key, params, n, seed, embeds=tensors)
+
+    async def generate(self, request: EngineInput) -> AsyncIterator[EngineOutput]:
+        if self.pipe is None or self._arrived is None:
+            raise EngineError(f"stage {self.stage.name!r} is not started")
+        job = self._parse(request)
+        loop = asyncio.get_running_loop()
+        job.arrival = loop.time()
+        job.future = loop.create_future()
+        self._pending.append(job)
+        self._arrived.set()
+        try:
+            result = await job.future
+        finally:
+            if job in self._pending:  # the consumer went away while the request waited
+                self._pending.remove(job)
+            job.aborted = job.aborted or not job.future.done()
+        if result is None:
+            yield EngineOutput(request.request_id, {}, finished=True, finish_reason="abort")
+            return
+        yield EngineOutput(request.request_id, result, finished=True, finish_reason="stop")
+
+    async def abort(self, request_id: str) -> None:
+        """Drop a queued request; a running one finishes its batch but its result is discarded."""
+        for job in list(self._pending):
+            if job.request_id == request_id:
+                self._pending.remove(job)
+                if job.future is not None and not job.future.done():
+                    job.future.set_result(None)
+        for job in self._running:
+            if job.request_id == request_id:
+                job.aborted = True
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "queue_depth": float(len(self._pending)),
+            "running_batch": float(len(self._running)),
+            **self._stats,
+        }
+
+    # -- batching ----------------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        assert self._arrived is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self._pending:
+                self._arrived.clear()
+                await self._arrived.wait()
+            first = self._pending[0]
+            deadline = first.arrival + self.batch_window
+            while self._pending and self._pending[0] is first and loop.time() < deadline:
+                if sum(j.n for j in self._pending if j.key == first.key) >= self.max_batch_size:
+                    break
+                self._arrived.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._arrived.wait(), deadline - loop.time())
+            if not self._pending or self._pending[0] is not first:
+                continue  # the oldest request was aborted while we gathered
+            batch, images = [], 0
+            for job in list(self._pending):
+                if job.key == first.key and images + job.n <= self.max_batch_size:
+                    batch.append(job)
+                    images += job.n
+                    self._pending.remove(job)
+            await self._run_batch(batch)
+
+    async def _run_batch(self, batch: list[_Job]) -> None:
+        self._running = batch
+        started = time.monotonic()
+        self._current = asyncio.ensure_future(asyncio.to_thread(self._call, batch))
+        try:
+            results = await asyncio.shield(self._current)
+        except Exception as exc:
+            ids = [j.request_id for j in batch]
+            log.exception("stage %s: pipeline call failed for %s", self.stage.name, ids)
+            error = EngineError(f"stage {self.stage.name!r}: the diffusion pipeline failed: {exc}")
+            for job in batch:
+                if job.future is not None and not job.future.done():
+                    job.future.set_exception(error)
+            return
+        finally:
+            self._current = None
+            self._running = []
+        seconds = time.monotonic() - started
+        steps = batch[0].call.get("num_inference_steps") or 1
+        self._stats.update(
+            last_batch_size=float(len(batch)),
+            last_batch_images=float(sum(j.n for j in batch)),
+            last_batch_seconds=seconds,
+            last_step_seconds=seconds / steps,
+            batches_total=self._stats["batches_total"] + 1,
+        )
+        self.batch_log.append([j.request_id for j in batch])
+        for job, result in zip(batch, results, strict=True):
+            if job.future is not None and not job.future.done():
+                job.future.set_result(None if job.aborted else result)
+
+    def _call(self, batch: list[_Job]) -> list[dict[str, Any]]:
+        """One pipeline call for `batch` (in a worker thread); one output payload per job."""
+        import torch
+
+        first = batch[0]
+        n = first.n
+        kwargs: dict[str, Any] = dict(first.call)
+        kwargs["num_images_per_prompt"] = n
+        # One CPU generator per request, reused for its n images: they depend on its seed alone, and
+        # CPU generators give the same noise whatever the device.
+        generators = []
+        for job in batch:
+            generators.extend([torch.Generator("cpu").manual_seed(job.seed)] * n)
+        kwargs["generator"] = generators
+        kwargs["output_type"] = "latent" if self.latent_output else "pil"
+        if first.kind == "text":
+            kwargs["prompt"] = [j.prompt for j in batch]
+            if first.negative_prompt is not None:
+                kwargs["negative_prompt"] = [j.negative_prompt for j in batch]
+        else:
+            dtype = self.pipe.dtype
+            for key in first.embeds:
+                kwargs[key] = torch.cat([j.embeds[key] for j in batch]).to(self.device, dtype)
+        with torch.inference_mode():
+            images = self.pipe(**kwargs).images
+        out = []
+        for i in range(len(batch)):
+            mine = images[i * n : (i + 1) * n]
+            if self.latent_output:
+                out.append({"latents": mine.detach().to("cpu")})
+            else:
+                out.append({"images": [_png(img) for img in mine]})
+        return out
+
+
+def _png(image: Any) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _int(value: Any, label: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise InvalidRequest(f"{label} must be an integer, not {value!r}")
+    return int(value)
+
+
+def _size_multiple(pipe: Any) -> int:
+    """What height and width must be multiples of: the VAE scale factor x the DiT's patch size.
+
+    Flux- and QwenImage-style pipelines pack 2x2 latent patches, whatever the transformer config says.
+    """
+    vae = int(getattr(pipe, "vae_scale_factor", 8) or 8)
+    patch = getattr(pipe, "patch_size", None)
+    if patch is None:
+        transformer = getattr(pipe, "transformer", None)
+        patch = getattr(getattr(transformer, "config", None), "patch_size", None) or 1
+    if type(pipe).__name__.startswith(("Flux", "QwenImage")):
+        patch = 2
+    return vae * int(patch)
+
+
+def _default_size(pipe: Any) -> int:
+    """The pipeline's own default edge in pixels (sample size x VAE scale factor)."""
+    vae = int(getattr(pipe, "vae_scale_factor", 8) or 8)
+    sample = getattr(pipe, "default_sample_size", None)
+    if sample is None:
+        denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
+        sample = getattr(getattr(denoiser, "config", None), "sample_size", None) or 64
+    if isinstance(sample, (list, tuple)):
+        sample = sample[0]
+    return int(sample) * vae

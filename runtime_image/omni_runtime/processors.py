@@ -1,0 +1,216 @@
+"""Input processors: turn an upstream stage's output into the downstream stage's `EngineInput.data`.
+
+One function per name in `omni_runtime.spec.INPUT_PROCESSORS`, all with the same shape:
+
+    processor(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> Payload
+
+`outputs` maps a role to that role's *whole* upstream output: `"primary"` always, plus one entry per
+CFG companion the upstream stage ran (`"cfg_text"`...). For an AR stage that is the accumulated text
+and token ids (the router joins the streamed deltas), not the last delta. With a streaming edge
+(`window` > 0) the router calls the processor once per window with that window's output.
+
+Tensors may arrive as torch tensors or numpy arrays (connectors hand back either); processors return
+torch tensors. A payload missing what a processor needs raises `ProcessorError`, naming the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_runtime.spec import StageSpec
+
+__all__ = [
+    "PROCESSORS",
+    "Processor",
+    "ProcessorContext",
+    "ProcessorError",
+    "apply_processor",
+    "ar_text_to_prompt",
+    "dit_to_vae",
+    "identity",
+    "talker_to_code2wav",
+    "thinker_to_talker",
+]
+
+Payload = dict[str, Any]
+PRIMARY = "primary"
+
+
+class ProcessorError(ValueError):
+    """An upstream output lacks what the edge's processor needs (a pipeline/engine mismatch: 5xx)."""
+
+
+@dataclass
+class ProcessorContext:
+    """What the router knows about the request when it feeds the next stage.
+
+    `request` holds the client's request fields the stages may use (for example `negative_prompt`).
+    """
+
+    request_id: str
+    request: dict[str, Any] = field(default_factory=dict)
+
+
+Processor = Callable[[StageSpec, dict[str, Payload], ProcessorContext], Payload]
+
+
+def _primary(upstream: StageSpec, outputs: dict[str, Payload]) -> Payload:
+    try:
+        return outputs[PRIMARY]
+    except KeyError:
+        raise ProcessorError(
+            f"stage {upstream.name!r} sent no {PRIMARY!r} output (got roles {sorted(outputs)}); "
+            "the router must pass the primary request's output under the role 'primary'"
+        ) from None
+
+
+def _need(upstream: StageSpec, payload: Payload, key: str, processor: str) -> Any:
+    if key not in payload or payload[key] is None:
+        raise ProcessorError(
+            f"{processor}: the output of stage {upstream.name!r} has no {key!r} "
+            f"(it has {sorted(payload)}); that stage must produce {key!r} for this edge"
+        )
+    return payload[key]
+
+
+def _tensor(value: Any):
+    import torch
+
+    return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+
+
+def identity(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> Payload:
+    """The primary output, unchanged (a shallow copy, so the caller may add keys)."""
+    return dict(_primary(upstream, outputs))
+
+
+def ar_text_to_prompt(
+    upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext
+) -> Payload:
+    """Prompt enhancer -> text-to-image: `{"text"}` outputs -> `{"prompt", "negative_prompt"}`.
+
+    The primary's text becomes `prompt`. The first companion of the upstream stage whose output
+    arrived (role `cfg_text` in the registry) gives `negative_prompt`; without one, the client's own
+    `negative_prompt` (from the context) is used, else None (the DiT then runs its default).
+    """
+    prompt = str(_need(upstream, _primary(upstream, outputs), "text", "ar_text_to_prompt")).strip()
+    if not prompt:
+        raise ProcessorError(
+            f"ar_text_to_prompt: stage {upstream.name!r} produced empty text for request "
+            f"{context.request_id!r}; raise its max_tokens or check its stop settings"
+        )
+    negative: str | None = None
+    for companion in upstream.companions:
+        if companion.role in outputs:
+            negative = str(_need(upstream, outputs[companion.role], "text", "ar_text_to_prompt")).strip()
+            break
+    else:
+        negative = context.request.get("negative_prompt")
+    return {"prompt": prompt, "negative_prompt": negative}
+
+
+def thinker_to_talker(
+    upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext
+) -> Payload:
+    """Thinker -> talker (Qwen-Omni).
+
+    Expects `hidden_states` (T, H): the thinker's last-layer hidden states over prompt and generated
+    tokens, `token_ids` (generated) and optionally `prompt_token_ids` and `text`. Gives the talker
+    `prompt_embeds` (T, H, float32) plus the thinker's token ids (prompt + generated) and text, which
+    talker models condition on.
+    """
+    import torch
+
+    payload = _primary(upstream, outputs)
+    hidden = _tensor(_need(upstream, payload, "hidden_states", "thinker_to_talker"))
+    if hidden.dim() == 3 and hidden.shape[0] == 1:
+        hidden = hidden[0]
+    if hidden.dim() != 2:
+        raise ProcessorError(
+            f"thinker_to_talker: hidden_states of stage {upstream.name!r} has shape {tuple(hidden.shape)}; "
+            "expected (tokens, hidden_size)"
+        )
+    token_ids = [int(t) for t in _need(upstream, payload, "token_ids", "thinker_to_talker")]
+    prompt_ids = [int(t) for t in payload.get("prompt_token_ids") or []]
+    all_ids = prompt_ids + token_ids
+    if prompt_ids and len(all_ids) != hidden.shape[0]:
+        raise ProcessorError(
+            f"thinker_to_talker: stage {upstream.name!r} sent {hidden.shape[0]} hidden states for "
+            f"{len(all_ids)} tokens (prompt {len(prompt_ids)} + generated {len(token_ids)}); they must match"
+        )
+    return {
+        "prompt_embeds": hidden.to(torch.float32),
+        "thinker_token_ids": all_ids,
+        "thinker_text": payload.get("text", ""),
+    }
+
+
+def talker_to_code2wav(
+    upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext
+) -> Payload:
+    """Talker -> code-to-waveform: codec codes -> `{"input": LongTensor (Q, T)}`.
+
+    Reads `codes` (T, Q) or (T,) when the talker gives a tensor, else `token_ids` (flat list: one
+    codebook). Trailing stop tokens (the upstream stage's `stop_token_ids`) are dropped: they end the
+    talker's sequence but are not audio. The generation stage chunks `input` along its last axis.
+    """
+    import torch
+
+    payload = _primary(upstream, outputs)
+    if payload.get("codes") is not None:
+        codes = _tensor(payload["codes"]).to(torch.long)
+        codes = codes.unsqueeze(1) if codes.dim() == 1 else codes
+    else:
+        ids = [int(t) for t in _need(upstream, payload, "token_ids", "talker_to_code2wav")]
+        stops = set(upstream.sampling_params.get("stop_token_ids") or [])
+        while ids and ids[-1] in stops:
+            ids.pop()
+        codes = torch.tensor(ids, dtype=torch.long).unsqueeze(1)
+    if codes.dim() != 2:
+        raise ProcessorError(
+            f"talker_to_code2wav: codes of stage {upstream.name!r} have shape {tuple(codes.shape)}; "
+            "expected (frames,) or (frames, codebooks)"
+        )
+    return {"input": codes.transpose(0, 1).contiguous()}
+
+
+def dit_to_vae(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> Payload:
+    """Diffusion (latent output) -> VAE decode stage: `{"latents": (B, C, h, w)}` -> `{"input": ...}`.
+
+    A single latent (C, h, w) gets a batch axis. The VAE stage decodes one image per batch item.
+    """
+    latents = _tensor(_need(upstream, _primary(upstream, outputs), "latents", "dit_to_vae"))
+    if latents.dim() == 3:
+        latents = latents.unsqueeze(0)
+    if latents.dim() < 4:
+        raise ProcessorError(
+            f"dit_to_vae: latents of stage {upstream.name!r} have shape {tuple(latents.shape)}; "
+            "expected (batch, channels, height, width)"
+        )
+    return {"input": latents}
+
+
+PROCESSORS: dict[str, Processor] = {
+    "identity": identity,
+    "ar_text_to_prompt": ar_text_to_prompt,
+    "thinker_to_talker": thinker_to_talker,
+    "talker_to_code2wav": talker_to_code2wav,
+    "dit_to_vae": dit_to_vae,
+}
+"""Implementations by name; the keys equal `INPUT_PROCESSORS`' (a test checks it)."""
+
+
+
+def apply_processor(
+    name: str, upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext
+) -> Payload:
+    """Run the processor called `name`; unknown names raise ProcessorError listing the known ones."""
+    try:
+        processor = PROCESSORS[name]
+    except KeyError:
+        raise ProcessorError(
+            f"input processor {name!r} is unknown; use one of {sorted(PROCESSORS)}"
+        ) from None
+    return processor(upstream, outputs, context)

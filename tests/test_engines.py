@@ -1,0 +1,599 @@
+"""Engines and input processors.
+
+Fast tests (no model) cover the processors, engine-arg handling and the factory. Tests marked
+`models` load the tiny random-weight models (built on first use in the model cache) with the real
+engines: vLLM AsyncLLM for `ar` (started once for the module: it is slow on CPU), diffusers for
+`diffusion` and an AutoencoderKL runner for `generation`. Diffusion runs 2 steps at 64x64.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import pytest_asyncio
+import torch
+
+from omni_runtime.engines.ar import (
+    CPU_ENGINE_DEFAULTS,
+    REGISTRY_ONLY_ENGINE_ARGS,
+    AREngine,
+    companion_requests,
+    cpu_defaults,
+)
+from omni_runtime.engines.base import EngineError, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.engines.diffusion import DiffusionEngine
+from omni_runtime.engines.factory import make_engine
+from omni_runtime.engines.generation import RUNNERS, GenerationEngine
+from omni_runtime.processors import (
+    PROCESSORS,
+    ProcessorContext,
+    ProcessorError,
+    apply_processor,
+)
+from omni_runtime.registry import get_pipeline
+from omni_runtime.spec import (
+    INPUT_PROCESSORS,
+    PipelineSpec,
+    ResolvedPipeline,
+    SpecError,
+    StageOverride,
+    StageSpec,
+    resolve_pipeline,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+pytestmark = pytest.mark.timeout(600)
+models = pytest.mark.models
+in_module_loop = pytest.mark.asyncio(loop_scope="module")
+
+MAX_MODEL_LEN = 256
+AR_ARGS = {"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": 64 * 1024**2, "seed": 0}
+DIT_ARGS = {"torch_dtype": "float32", "batch_window_ms": 20, "max_batch_size": 8}
+DIT_PARAMS = {"num_inference_steps": 2, "height": 64, "width": 64}
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _prompt_enhanced(model: str = "/models/none", **overrides: dict) -> ResolvedPipeline:
+    stages = [StageOverride(name=name, **fields) for name, fields in overrides.items()]
+    return resolve_pipeline(get_pipeline("prompt-enhanced-t2i"), name="t", model=model, stages=stages)
+
+
+async def _collect(engine, request: EngineInput) -> list[EngineOutput]:
+    return [out async for out in engine.generate(request)]
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(np.int16)
+
+
+def _our_children() -> set[int]:
+    """Child processes of this test process, without multiprocessing's resource tracker (a
+    process-wide singleton that lives as long as the interpreter)."""
+    pids = set()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            zombie = proc.status() == psutil.STATUS_ZOMBIE
+            if zombie or not any("resource_tracker" in part for part in proc.cmdline()):
+                pids.add(proc.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
+
+
+def _stage(name: str, **fields) -> dict:
+    return {"name": name, **fields}
+
+
+# --- processors (no model) ----------------------------------------------------------------------
+
+
+def test_processors_implement_every_registered_name() -> None:
+    assert set(PROCESSORS) == set(INPUT_PROCESSORS)
+
+
+def test_identity_passes_the_primary_output() -> None:
+    upstream = StageSpec(name="a", kind="ar")
+    outputs = {"primary": {"text": "hi", "token_ids": [1]}}
+    out = apply_processor("identity", upstream, outputs, ProcessorContext("r"))
+    assert out == {"text": "hi", "token_ids": [1]}
+    with pytest.raises(ProcessorError, match="primary"):
+        apply_processor("identity", upstream, {"cfg_text": {}}, ProcessorContext("r"))
+    with pytest.raises(ProcessorError, match="unknown"):
+        apply_processor("nope", upstream, {}, ProcessorContext("r"))
+
+
+def test_ar_text_to_prompt_pairs_the_companion_as_negative_prompt() -> None:
+    enhancer = get_pipeline("prompt-enhanced-t2i").stage("enhancer")
+    outputs = {"primary": {"text": " a red fox in snow \n"}, "cfg_text": {"text": "blurry, dark"}}
+    out = apply_processor("ar_text_to_prompt", enhancer, outputs, ProcessorContext("r"))
+    assert out == {"prompt": "a red fox in snow", "negative_prompt": "blurry, dark"}
+    # No companion output: the client's own negative prompt, else none.
+    ctx = ProcessorContext("r", {"negative_prompt": "ugly"})
+    fox = {"primary": {"text": "fox"}}
+    assert apply_processor("ar_text_to_prompt", enhancer, fox, ctx)["negative_prompt"] == "ugly"
+    plain = StageSpec(name="llm", kind="ar")
+    out = apply_processor("ar_text_to_prompt", plain, fox, ProcessorContext("r"))
+    assert out == {"prompt": "fox", "negative_prompt": None}
+    with pytest.raises(ProcessorError, match="empty text"):
+        apply_processor("ar_text_to_prompt", plain, {"primary": {"text": "  "}}, ProcessorContext("r"))
+
+
+def test_thinker_to_talker_hands_over_hidden_states_and_tokens() -> None:
+    thinker = get_pipeline("qwen3-omni").stage("thinker")
+    hidden = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float16)  # connectors may give numpy
+    payload = {"hidden_states": hidden, "prompt_token_ids": [1, 2, 3], "token_ids": [4, 5], "text": "hi"}
+    out = apply_processor("thinker_to_talker", thinker, {"primary": payload}, ProcessorContext("r"))
+    assert out["prompt_embeds"].dtype == torch.float32 and tuple(out["prompt_embeds"].shape) == (5, 8)
+    assert torch.allclose(out["prompt_embeds"], torch.from_numpy(hidden).float())
+    assert out["thinker_token_ids"] == [1, 2, 3, 4, 5] and out["thinker_text"] == "hi"
+    with pytest.raises(ProcessorError, match="5 hidden states for 6 tokens"):
+        bad = {**payload, "token_ids": [4, 5, 6]}
+        apply_processor("thinker_to_talker", thinker, {"primary": bad}, ProcessorContext("r"))
+    with pytest.raises(ProcessorError, match="'hidden_states'"):
+        apply_processor("thinker_to_talker", thinker, {"primary": {"token_ids": [1]}}, ProcessorContext("r"))
+
+
+def test_talker_to_code2wav_gives_codes_without_the_stop_token() -> None:
+    talker = get_pipeline("qwen2-5-omni").stage("talker")  # stop_token_ids: [8294]
+    out = apply_processor(
+        "talker_to_code2wav", talker, {"primary": {"token_ids": [7, 8, 9, 8294]}}, ProcessorContext("r")
+    )
+    assert out["input"].tolist() == [[7, 8, 9]]
+    codes = torch.arange(12).reshape(4, 3)  # (frames, codebooks)
+    out = apply_processor("talker_to_code2wav", talker, {"primary": {"codes": codes}}, ProcessorContext("r"))
+    assert out["input"].shape == (3, 4) and torch.equal(out["input"], codes.T)
+
+
+def test_dit_to_vae_gives_batched_latents() -> None:
+    dit = StageSpec(name="dit", kind="diffusion", output_modality="hidden")
+    latents = torch.zeros(16, 8, 8)
+    out = apply_processor("dit_to_vae", dit, {"primary": {"latents": latents}}, ProcessorContext("r"))
+    assert out["input"].shape == (1, 16, 8, 8)
+    with pytest.raises(ProcessorError, match="latents"):
+        apply_processor("dit_to_vae", dit, {"primary": {"images": []}}, ProcessorContext("r"))
+
+
+# --- engine args and factory (no model) ---------------------------------------------------------
+
+
+def test_cpu_defaults_fill_only_what_is_unset() -> None:
+    env: dict[str, str] = {}
+    args = cpu_defaults({"max_model_len": 64}, env)
+    assert args == {"max_model_len": 64, **CPU_ENGINE_DEFAULTS}
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    args = cpu_defaults({"enforce_eager": False}, env)
+    assert args == {"enforce_eager": False}  # the env's KV cache size wins over our default
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+
+
+def test_registry_only_engine_args_never_reach_vllm() -> None:
+    omni = resolve_pipeline(get_pipeline("qwen3-omni"), name="o", model="/models/none")
+    engine = AREngine(omni, omni.topology.stage("thinker"))
+    args = engine.engine_args()
+    assert not set(args) & REGISTRY_ONLY_ENGINE_ARGS
+    assert args["gpu_memory_utilization"] == 0.6 and args["trust_remote_code"] is True
+    bad = _prompt_enhanced(enhancer={"engine_args": {"max_model_length": 10}})
+    with pytest.raises(EngineError, match="'max_model_length' \\(did you mean 'max_model_len'\\?\\)"):
+        AREngine(bad, bad.topology.stage("enhancer")).engine_args()
+
+
+def test_companion_requests_use_the_negative_prompt() -> None:
+    stage = get_pipeline("prompt-enhanced-t2i").stage("enhancer")
+    primary = EngineInput("r1", {"prompt": "a fox"}, {"max_tokens": 8})
+    (companion,) = companion_requests(stage, primary)
+    assert companion.request_id == "r1#cfg_text" and companion.role == "cfg_text"
+    assert companion.data == {"prompt": stage.companions[0].negative_prompt}
+    assert companion.params == {"max_tokens": 8}
+    chat = EngineInput(
+        "r2",
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a fox"}]},
+        {"negative_prompt": "dark"},
+    )
+    (companion,) = companion_requests(stage, chat)
+    assert companion.data["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "dark"},
+    ]
+    assert companion.params == {}
+
+
+def test_make_engine_picks_the_engine_by_stage_kind() -> None:
+    pipeline = _prompt_enhanced()
+    assert type(make_engine(pipeline, "enhancer")) is AREngine
+    assert type(make_engine(pipeline, "dit")) is DiffusionEngine
+    with pytest.raises(SpecError, match="no stage 'vae'"):
+        make_engine(pipeline, "vae")
+    vae = _vae_pipeline("/models/none")
+    assert type(make_engine(vae, "vae")) is GenerationEngine
+    # The speech topologies' code2wav stages have no runner yet: the error says what to set.
+    omni = resolve_pipeline(get_pipeline("qwen3-omni"), name="o", model="/models/none")
+    with pytest.raises(EngineError, match="engine_args.runner to one of \\['vae_decode'\\]"):
+        make_engine(omni, "code2wav")
+    assert "vae_decode" in RUNNERS
+
+
+def _vae_pipeline(model: str) -> ResolvedPipeline:
+    """dit (diffusion, latent output) -> vae (generation, vae_decode), both from the tiny SD3 folder."""
+    registry_dit = get_pipeline("prompt-enhanced-t2i").stage("dit")
+    spec = PipelineSpec(
+        name="latent-t2i",
+        stages=[
+            _stage(
+                "dit",
+                kind="diffusion",
+                model_subfolder="dit",
+                engine_args=DIT_ARGS,
+                # the registry's DiT defaults (guidance 4.0), so images match the `dit` fixture's
+                sampling_params={**registry_dit.sampling_params, **DIT_PARAMS},
+                output_modality="hidden",
+            ),
+            _stage(
+                "vae",
+                kind="generation",
+                model_subfolder="dit",
+                engine_args={"runner": "vae_decode", "chunk_size": 1},
+                input_modalities=["hidden"],
+                output_modality="image",
+                final_output=True,
+            ),
+        ],
+        edges=[{"from": "dit", "to": "vae", "input_processor": "dit_to_vae"}],
+    )
+    return resolve_pipeline(spec, name="latent", model=model)
+
+
+# --- models: the tiny prompt-enhanced folder ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from omni_runtime.tiny_models import ensure
+
+    return ensure("tiny-prompt-enhanced-t2i")
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir / "enhancer")
+
+
+# --- models: ar ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def children_before_vllm() -> set[int]:
+    return _our_children()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def ar(model_dir: Path, children_before_vllm: set[int]):
+    pipeline = _prompt_enhanced(str(model_dir), enhancer={"engine_args": AR_ARGS})
+    engine = AREngine(pipeline, pipeline.topology.stage("enhancer"))
+    await engine.start()
+    print(f"\nvLLM load: {engine.load_seconds:.1f}s")
+    yield engine
+    await engine.stop()
+
+
+def _greedy(max_tokens: int, **more) -> dict:
+    return {"temperature": 0.0, "seed": 7, "max_tokens": max_tokens, "ignore_eos": True, **more}
+
+
+@models
+@in_module_loop
+async def test_ar_stream_deltas_join_to_the_whole_text(ar: AREngine, hf_tokenizer) -> None:
+    request = EngineInput("s1", {"prompt": "A photograph of a lighthouse"}, _greedy(24))
+    started = time.monotonic()
+    outs = await _collect(ar, request)
+    seconds = time.monotonic() - started
+    print(f"\nvLLM decode: {24 / seconds:.1f} tokens/s (one request, 24 tokens)")
+    assert len(outs) > 1 and all(not o.finished for o in outs[:-1]) and outs[-1].finished
+    text = "".join(o.data["text"] for o in outs)
+    ids = [t for o in outs for t in o.data["token_ids"]]
+    assert len(ids) == 24
+    assert text == hf_tokenizer.decode(ids, skip_special_tokens=True)
+    again = await _collect(ar, EngineInput("s2", request.data, request.params))
+    assert "".join(o.data["text"] for o in again) == text  # temperature 0, same seed: same text
+
+
+@models
+@in_module_loop
+async def test_ar_respects_max_tokens_and_reports_usage(ar: AREngine, hf_tokenizer) -> None:
+    prompt = "Two children fly a kite"
+    outs = await _collect(ar, EngineInput("m1", {"prompt": prompt}, _greedy(5)))
+    last = outs[-1]
+    assert sum(len(o.data["token_ids"]) for o in outs) == 5
+    assert last.finish_reason == "length"
+    assert last.usage == {"prompt_tokens": len(hf_tokenizer.encode(prompt)), "completion_tokens": 5}
+    assert all(o.usage is None for o in outs[:-1])
+
+
+@models
+@in_module_loop
+async def test_ar_runs_two_requests_concurrently(ar: AREngine) -> None:
+    a = EngineInput("c1", {"prompt": "A bowl of hot soup"}, _greedy(12))
+    b = EngineInput("c2", {"prompt": "The city wakes up slowly"}, _greedy(8))
+    both = await asyncio.gather(_collect(ar, a), _collect(ar, b))
+    assert {o.request_id for o in both[0]} == {"c1"} and {o.request_id for o in both[1]} == {"c2"}
+    assert both[0][-1].usage["completion_tokens"] == 12 and both[1][-1].usage["completion_tokens"] == 8
+    assert sum(len(o.data["token_ids"]) for o in both[1]) == 8
+
+
+@models
+@in_module_loop
+async def test_ar_runs_the_cfg_companion_beside_the_primary(ar: AREngine) -> None:
+    primary = EngineInput("p1", {"prompt": "a fox in snow"}, _greedy(40))
+    (companion,) = companion_requests(ar.stage, primary)
+    running: list[float] = []
+
+    async def watch() -> None:
+        while True:
+            running.append(ar.stats()["running_requests"])
+            await asyncio.sleep(0.005)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        outs = await asyncio.gather(_collect(ar, primary), _collect(ar, companion))
+    finally:
+        watcher.cancel()
+    assert max(running) == 2  # both were in vLLM at once: one continuous batch
+    assert outs[1][-1].request_id == "p1#cfg_text" and outs[1][-1].usage["completion_tokens"] == 40
+    assert outs[0][-1].usage["completion_tokens"] == 40
+
+
+@models
+@in_module_loop
+async def test_ar_abort_stops_a_running_request(ar: AREngine) -> None:
+    request = EngineInput("a1", {"prompt": "Write a short story"}, _greedy(200))
+    outs = []
+    async for out in ar.generate(request):
+        outs.append(out)
+        if len(outs) == 3:
+            await ar.abort("a1")
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert sum(len(o.data["token_ids"]) for o in outs) < 200
+    assert ar.llm.get_num_unfinished_requests() == 0
+    # A consumer that goes away aborts too.
+    gen = ar.generate(EngineInput("a2", request.data, request.params))
+    await gen.__anext__()
+    await gen.aclose()
+    await asyncio.sleep(0.1)
+    assert ar.llm.get_num_unfinished_requests() == 0
+
+
+@models
+@in_module_loop
+async def test_ar_rejects_unknown_sampling_params(ar: AREngine) -> None:
+    with pytest.raises(InvalidRequest, match="'temprature'.*did you mean 'temperature'"):
+        await _collect(ar, EngineInput("u1", {"prompt": "hi"}, {"temprature": 0.0}))
+    with pytest.raises(InvalidRequest, match="temperature"):
+        await _collect(ar, EngineInput("u2", {"prompt": "hi"}, {"temperature": -1.0}))
+    with pytest.raises(InvalidRequest, match="needs 'prompt', 'messages' or 'prompt_token_ids'"):
+        await _collect(ar, EngineInput("u3", {"text": "hi"}))
+
+
+@models
+@in_module_loop
+async def test_ar_rejects_a_prompt_longer_than_max_model_len(ar: AREngine, hf_tokenizer) -> None:
+    prompt = "word " * 400
+    with pytest.raises(InvalidRequest) as info:
+        await _collect(ar, EngineInput("l1", {"prompt": prompt}, _greedy(4)))
+    n = len(hf_tokenizer.encode(prompt))
+    assert f"is {n} tokens" in str(info.value) and f"max_model_len {MAX_MODEL_LEN}" in str(info.value)
+    with pytest.raises(InvalidRequest, match=f"is {MAX_MODEL_LEN} tokens"):
+        await _collect(ar, EngineInput("l2", {"prompt_token_ids": [5] * MAX_MODEL_LEN}, _greedy(4)))
+    assert ar.llm.get_num_unfinished_requests() == 0
+
+
+@models
+@in_module_loop
+async def test_ar_chat_messages_use_the_chat_template(ar: AREngine, hf_tokenizer) -> None:
+    messages = [{"role": "user", "content": "Describe the picture"}]
+    expected = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expected_ids = hf_tokenizer.encode(expected, add_special_tokens=False)
+    assert expected.startswith("<|im_start|>system\n") and expected.endswith("<|im_start|>assistant\n")
+    rendered = await ar.render_prompt({"messages": messages})
+    assert rendered["prompt_token_ids"] == expected_ids
+    outs = await _collect(ar, EngineInput("t1", {"messages": messages}, _greedy(3)))
+    assert outs[-1].usage == {"prompt_tokens": len(expected_ids), "completion_tokens": 3}
+
+
+@models
+@in_module_loop
+async def test_ar_stop_leaves_no_process_behind(ar: AREngine, children_before_vllm: set[int]) -> None:
+    assert _our_children() - children_before_vllm  # vLLM's engine core (and worker) are running
+    await ar.stop()
+    assert ar.llm is None
+    assert _our_children() == children_before_vllm
+    await ar.stop()  # idempotent
+
+
+# --- models: diffusion --------------------------------------------------------------------------
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def dit(model_dir: Path):
+    pipeline = _prompt_enhanced(str(model_dir), dit={"engine_args": DIT_ARGS, "sampling_params": DIT_PARAMS})
+    engine = DiffusionEngine(pipeline, pipeline.topology.stage("dit"))
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+async def _image(engine: DiffusionEngine, rid: str, prompt: str, **params) -> bytes:
+    outs = await _collect(engine, EngineInput(rid, {"prompt": prompt}, params))
+    assert len(outs) == 1 and outs[0].finished
+    return outs[0].data["images"][0]
+
+
+@models
+@in_module_loop
+async def test_diffusion_gives_a_png_of_the_requested_size(dit: DiffusionEngine) -> None:
+    from PIL import Image
+
+    started = time.monotonic()
+    png = await _image(dit, "d1", "a red apple on a table", seed=1)
+    print(f"\ndiffusion alone: {time.monotonic() - started:.2f}s per image (64x64, 2 steps)")
+    image = Image.open(io.BytesIO(png))
+    assert image.format == "PNG" and image.size == (64, 64)
+    wide = Image.open(io.BytesIO(await _image(dit, "d2", "a red apple", seed=1, width=96, height=32)))
+    assert wide.size == (96, 32)
+    outs = await _collect(dit, EngineInput("d3", {"prompt": "an apple"}, {"seed": 1, "n": 2}))
+    assert len(outs[0].data["images"]) == 2
+
+
+@models
+@in_module_loop
+async def test_diffusion_seed_decides_the_image(dit: DiffusionEngine) -> None:
+    first = await _image(dit, "e1", "a forest path", seed=11)
+    assert await _image(dit, "e2", "a forest path", seed=11) == first
+    assert await _image(dit, "e3", "a forest path", seed=12) != first
+
+
+@models
+@in_module_loop
+async def test_diffusion_batches_compatible_requests_without_changing_them(dit: DiffusionEngine) -> None:
+    prompts = ["a lighthouse", "a white horse", "a bowl of soup", "a sailing ship"]
+    alone = [await _image(dit, f"alone{i}", p, seed=100 + i) for i, p in enumerate(prompts)]
+    started = time.monotonic()
+    batched = await asyncio.gather(*(_image(dit, f"b{i}", p, seed=100 + i) for i, p in enumerate(prompts)))
+    seconds = time.monotonic() - started
+    print(f"\ndiffusion batch of 4: {seconds / 4:.2f}s per image ({seconds:.2f}s per call)")
+    assert sorted(dit.batch_log[-1]) == ["b0", "b1", "b2", "b3"]
+    assert dit.stats()["last_batch_size"] == 4 and dit.stats()["queue_depth"] == 0
+    for a, b in zip(alone, batched, strict=True):
+        assert np.abs(_pixels(a) - _pixels(b)).max() <= 2  # float rounding only
+    assert np.abs(_pixels(batched[0]) - _pixels(batched[1])).mean() > 5  # and they are different images
+
+
+@models
+@in_module_loop
+async def test_diffusion_keeps_incompatible_requests_apart(dit: DiffusionEngine) -> None:
+    calls = len(dit.batch_log)
+    await asyncio.gather(
+        _image(dit, "s64a", "a cat", seed=1),
+        _image(dit, "s32a", "a cat", seed=1, width=32, height=32),
+        _image(dit, "s64b", "a dog", seed=2),
+        _image(dit, "s32b", "a dog", seed=2, width=32, height=32),
+        _image(dit, "neg", "a dog", seed=2, negative_prompt="blurry"),
+    )
+    batches = sorted(sorted(b) for b in list(dit.batch_log)[calls:])
+    assert batches == [["neg"], ["s32a", "s32b"], ["s64a", "s64b"]]
+
+
+@models
+@in_module_loop
+async def test_diffusion_rejects_bad_sizes_and_steps(dit: DiffusionEngine) -> None:
+    with pytest.raises(InvalidRequest, match="height 60 is not allowed.*multiple of 16.*use 48 or 64"):
+        await _image(dit, "v1", "a cat", height=60)
+    with pytest.raises(InvalidRequest, match="at most 4194304"):
+        await _image(dit, "v2", "a cat", height=4096, width=4096)
+    with pytest.raises(InvalidRequest, match="num_inference_steps 0 is out of range"):
+        await _image(dit, "v3", "a cat", num_inference_steps=0)
+    with pytest.raises(InvalidRequest, match="'num_steps'"):
+        await _image(dit, "v4", "a cat", num_steps=3)
+    with pytest.raises(InvalidRequest, match="non-empty 'prompt'"):
+        await _collect(dit, EngineInput("v5", {"text": "a cat"}))
+
+
+@models
+@in_module_loop
+async def test_diffusion_abort_drops_a_queued_request(dit: DiffusionEngine) -> None:
+    calls = len(dit.batch_log)
+    running = asyncio.ensure_future(_collect(dit, EngineInput("q1", {"prompt": "a cat"}, {"seed": 1})))
+    queued = asyncio.ensure_future(
+        _collect(dit, EngineInput("q2", {"prompt": "a cat"}, {"seed": 1, "width": 32, "height": 32}))
+    )
+    while dit.stats()["running_batch"] == 0:
+        await asyncio.sleep(0.002)
+    assert dit.stats()["queue_depth"] == 1
+    await dit.abort("q2")
+    assert dit.stats()["queue_depth"] == 0
+    (aborted,) = await queued
+    assert aborted.finished and aborted.finish_reason == "abort" and "images" not in aborted.data
+    assert (await running)[0].data["images"]
+    # A running request's batch finishes, but its result is dropped.
+    running = asyncio.ensure_future(_collect(dit, EngineInput("q3", {"prompt": "a cat"}, {"seed": 1})))
+    while dit.stats()["running_batch"] == 0:
+        await asyncio.sleep(0.002)
+    await dit.abort("q3")
+    assert (await running)[0].finish_reason == "abort"
+    assert [b for b in list(dit.batch_log)[calls:]] == [["q1"], ["q3"]]
+
+
+@models
+@in_module_loop
+async def test_diffusion_takes_prompt_embeddings(dit: DiffusionEngine) -> None:
+    prompt, negative = "a red apple", "blurry"
+    with torch.inference_mode():
+        embeds, neg_embeds, pooled, neg_pooled = dit.pipe.encode_prompt(
+            prompt=prompt, prompt_2=None, prompt_3=None, negative_prompt=negative, device="cpu"
+        )
+    data = {
+        "prompt_embeds": embeds,
+        "negative_prompt_embeds": neg_embeds,
+        "pooled_prompt_embeds": pooled,
+        "negative_pooled_prompt_embeds": neg_pooled,
+    }
+    from_text = await _image(dit, "x1", prompt, seed=5, negative_prompt=negative)
+    outs = await _collect(dit, EngineInput("x2", data, {"seed": 5}))
+    assert np.abs(_pixels(outs[0].data["images"][0]) - _pixels(from_text)).max() <= 2
+    with pytest.raises(InvalidRequest, match="leading"):
+        await _collect(dit, EngineInput("x3", {**data, "prompt_embeds": embeds[0]}, {"seed": 5}))
+
+
+# --- models: generation -------------------------------------------------------------------------
+
+
+@models
+@in_module_loop
+async def test_generation_decodes_latents_chunk_by_chunk_in_order(
+    model_dir: Path, dit: DiffusionEngine
+) -> None:
+    pipeline = _vae_pipeline(str(model_dir))
+    latent_dit = make_engine(pipeline, "dit")
+    vae = make_engine(pipeline, "vae")
+    await latent_dit.start()
+    await vae.start()
+    try:
+        request = EngineInput("g1", {"prompt": "a lighthouse"}, {"seed": 3, "n": 3})
+        (out,) = await _collect(latent_dit, request)
+        assert tuple(out.data["latents"].shape) == (3, 16, 8, 8)
+        data = apply_processor("dit_to_vae", latent_dit.stage, {"primary": out.data}, ProcessorContext("g1"))
+        chunks = await _collect(vae, EngineInput("g1", data))
+        assert [c.data["chunk_index"] for c in chunks] == [0, 1, 2]
+        assert [c.finished for c in chunks] == [False, False, True]
+        assert all(c.data["num_chunks"] == 3 and len(c.data["images"]) == 1 for c in chunks)
+        # Each chunk is the image the one-stage pipeline makes for that position and seed.
+        (direct,) = await _collect(dit, EngineInput("g2", {"prompt": "a lighthouse"}, {"seed": 3, "n": 3}))
+        for chunk, png in zip(chunks, direct.data["images"], strict=True):
+            assert np.abs(_pixels(chunk.data["images"][0]) - _pixels(png)).max() <= 2
+
+        # Abort between chunks; bad input is the caller's fault.
+        outs = []
+        async for chunk in vae.generate(EngineInput("g3", data)):
+            outs.append(chunk)
+            await vae.abort("g3")
+        assert [o.finish_reason for o in outs] == [None, "abort"]
+        with pytest.raises(InvalidRequest, match="needs latents"):
+            await _collect(vae, EngineInput("g4", {"input": torch.zeros(2, 4, 8, 8)}))
+        with pytest.raises(InvalidRequest, match="'input'"):
+            await _collect(vae, EngineInput("g5", {"latents": torch.zeros(1)}))
+    finally:
+        await latent_dit.stop()
+        await vae.stop()
