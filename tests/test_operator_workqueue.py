@@ -1,0 +1,195 @@
+"""The reconcile work queue: keys deduplicated, one worker per key at a time, failures retried with backoff."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Hashable
+
+import pytest
+
+from omni_operator.workqueue import WorkQueue
+
+pytestmark = pytest.mark.timeout(10)
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 3.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "timed out waiting"
+        await asyncio.sleep(0.002)
+
+
+async def test_a_key_added_many_times_while_queued_runs_once():
+    calls: list[Hashable] = []
+
+    async def handler(key: Hashable) -> None:
+        calls.append(key)
+
+    queue = WorkQueue(handler, workers=4)
+    for _ in range(10):
+        queue.add(("default", "a"))
+    queue.add(("default", "b"))
+    queue.add(("other", "a"))
+    queue.start()
+    try:
+        await until(queue.idle)
+        await asyncio.sleep(0.02)  # nothing more arrives later
+    finally:
+        await queue.stop()
+    assert sorted(calls) == [("default", "a"), ("default", "b"), ("other", "a")]
+
+
+async def test_a_key_added_while_running_runs_once_more_after():
+    calls: list[str] = []
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def handler(key: str) -> None:
+        calls.append(key)
+        if len(calls) == 1:
+            started.set()
+            await release.wait()
+
+    queue = WorkQueue(handler, workers=4)
+    queue.start()
+    try:
+        queue.add("a")
+        await started.wait()
+        for _ in range(5):
+            queue.add("a")
+        await asyncio.sleep(0.02)
+        assert calls == ["a"]  # not started again while the first run is going
+        release.set()
+        await until(lambda: len(calls) == 2 and queue.idle())
+        await asyncio.sleep(0.02)
+    finally:
+        await queue.stop()
+    assert calls == ["a", "a"]
+
+
+async def test_a_key_never_runs_on_two_workers_at_once():
+    running: dict[str, int] = {}
+    most_per_key: dict[str, int] = {}
+    most_overall = 0
+    runs: dict[str, int] = {}
+
+    async def handler(key: str) -> None:
+        nonlocal most_overall
+        running[key] = running.get(key, 0) + 1
+        most_per_key[key] = max(most_per_key.get(key, 0), running[key])
+        most_overall = max(most_overall, sum(running.values()))
+        runs[key] = runs.get(key, 0) + 1
+        await asyncio.sleep(0.005)
+        running[key] -= 1
+
+    queue = WorkQueue(handler, workers=8)
+    queue.start()
+    try:
+        for _ in range(40):
+            for key in ("a", "b", "c"):
+                queue.add(key)
+            await asyncio.sleep(0.001)
+        await until(queue.idle)
+    finally:
+        await queue.stop()
+    assert most_per_key == {"a": 1, "b": 1, "c": 1}
+    assert most_overall > 1  # the workers did run different keys side by side
+    assert all(runs[key] > 1 for key in ("a", "b", "c"))  # events during a run were not lost
+
+
+async def test_a_failing_key_is_retried_with_growing_delays_and_its_count_resets_after_success():
+    loop = asyncio.get_running_loop()
+    times: list[float] = []
+    outcomes = iter([False, False, False, False, True,  # four failures, then success
+                     False, True])  # a later failure starts from the base delay again
+
+    async def handler(key: str) -> None:
+        times.append(loop.time())
+        if not next(outcomes):
+            raise RuntimeError("the world is not ready")
+
+    base = 0.05
+    queue = WorkQueue(handler, workers=2, base_delay=base, max_delay=10.0)
+    queue.start()
+    try:
+        queue.add("a")
+        await until(lambda: len(times) == 5 and queue.idle())
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        # Timers never fire early, so lower bounds hold however loaded the machine is.
+        for gap, expected in zip(gaps, (base, 2 * base, 4 * base, 8 * base), strict=True):
+            assert gap >= expected * 0.9, (gaps, expected)
+        queue.add("a")
+        await until(lambda: len(times) == 7 and queue.idle())
+        gap = times[6] - times[5]
+        assert base * 0.9 <= gap < 8 * base, gap  # not 16 * base: the success reset the count
+    finally:
+        await queue.stop()
+
+
+async def test_retry_delays_stop_growing_at_max_delay():
+    loop = asyncio.get_running_loop()
+    times: list[float] = []
+
+    async def handler(key: str) -> None:
+        times.append(loop.time())
+        if len(times) < 7:
+            raise RuntimeError("still failing")
+
+    queue = WorkQueue(handler, workers=1, base_delay=0.02, max_delay=0.03)
+    queue.start()
+    try:
+        queue.add("a")
+        await until(lambda: len(times) == 7 and queue.idle())
+    finally:
+        await queue.stop()
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert max(gaps) < 0.3, gaps  # uncapped, the last would be 0.64s
+
+
+async def test_stop_cancels_delayed_retries():
+    calls: list[str] = []
+
+    async def handler(key: str) -> None:
+        calls.append(key)
+        raise RuntimeError("fails")
+
+    queue = WorkQueue(handler, workers=2, base_delay=0.1)
+    queue.start()
+    queue.add("a")
+    await until(lambda: len(calls) == 1)  # the handler fails without awaiting: its run is over
+    assert not queue.idle()  # a retry is pending
+    await queue.stop()
+    assert queue.idle()
+    await asyncio.sleep(0.2)  # past the retry delay
+    assert queue.idle()  # the cancelled retry did not queue the key
+    queue.start()  # a restarted queue has nothing to do either
+    try:
+        await asyncio.sleep(0.05)
+    finally:
+        await queue.stop()
+    assert calls == ["a"]
+
+
+async def test_a_key_added_during_a_failing_run_runs_again_without_waiting_for_the_backoff():
+    loop = asyncio.get_running_loop()
+    times: list[float] = []
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def handler(key: str) -> None:
+        times.append(loop.time())
+        if len(times) == 1:
+            started.set()
+            await release.wait()
+            raise RuntimeError("fails once")
+
+    queue = WorkQueue(handler, workers=2, base_delay=5.0)
+    queue.start()
+    try:
+        queue.add("a")
+        await started.wait()
+        queue.add("a")  # a new event while the failing run is going
+        release.set()
+        await until(lambda: len(times) == 2)
+    finally:
+        await queue.stop()
+    assert times[1] - times[0] < 1.0
