@@ -176,8 +176,11 @@ async def main_async(args: argparse.Namespace) -> int:
     s, c = statistics.median(seq), statistics.median(conc)
     print(f"model={args.model} device={engine.device} size={args.size} steps={args.steps} "
           f"requests={args.requests} repeats={args.repeats}")
-    print(f"one at a time: {s:.3f} req/s   concurrency {args.concurrency}: {c:.3f} req/s   "
-          f"ratio={c / s:.2f}  (last batch: {int(stats.get('last_batch_size', 0))} requests)")
+    ratios = [b / a for a, b in zip(seq, conc, strict=True)]
+    print(f"one at a time: {s:.3f} req/s (min {min(seq):.3f}, max {max(seq):.3f})   concurrency "
+          f"{args.concurrency}: {c:.3f} req/s (min {min(conc):.3f}, max {max(conc):.3f})")
+    print(f"ratio={c / s:.2f}  (per repeat: {', '.join(f'{r:.2f}' for r in ratios)}; "
+          f"last batch: {int(stats.get('last_batch_size', 0))} requests)")
     print(f"raw pipeline, batch of {args.concurrency} vs {args.concurrency} single calls: {raw:.2f}x")
     return 0
 

@@ -138,6 +138,7 @@ class DiffusionEngine(Engine):
         self._worker: asyncio.Task | None = None
         self._running: list[_Job] = []
         self._current: asyncio.Future | None = None
+        self._encoding: asyncio.Future | None = None
         self._stats = {
             "last_batch_size": 0.0,
             "last_batch_images": 0.0,
@@ -208,6 +209,9 @@ class DiffusionEngine(Engine):
         if self._current is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._current)
+        if self._encoding is not None:  # results already computed reach their requests
+            with contextlib.suppress(Exception):
+                await self._encoding
         for job in self._pending + self._running:
             if job.future is not None and not job.future.done():
                 job.future.set_exception(EngineError(f"stage {self.stage.name!r} is stopping"))
@@ -409,7 +413,22 @@ class DiffusionEngine(Engine):
             batches_total=self._stats["batches_total"] + 1,
         )
         self.batch_log.append([j.request_id for j in batch])
-        for job, result in zip(batch, results, strict=True):
+        # Encode this batch's PNGs on another thread while the next batch runs on the device: the
+        # accelerator never waits for CPU-side encoding. One batch encodes at a time (bounded memory).
+        if self._encoding is not None:
+            await asyncio.shield(self._encoding)
+        self._encoding = asyncio.ensure_future(self._deliver(batch, results))
+
+    async def _deliver(self, batch: list[_Job], results: list[dict[str, Any]]) -> None:
+        try:
+            encoded = await asyncio.to_thread(_encode_results, results)
+        except Exception as exc:
+            error = EngineError(f"stage {self.stage.name!r}: encoding the images failed: {exc}")
+            for job in batch:
+                if job.future is not None and not job.future.done():
+                    job.future.set_exception(error)
+            return
+        for job, result in zip(batch, encoded, strict=True):
             if job.future is not None and not job.future.done():
                 job.future.set_result(None if job.aborted else result)
 
@@ -444,8 +463,13 @@ class DiffusionEngine(Engine):
             if self.latent_output:
                 out.append({"latents": mine.detach().to("cpu")})
             else:
-                out.append({"images": [_png(img) for img in mine]})
+                out.append({"images": list(mine)})  # PIL images; _encode_results makes PNGs
         return out
+
+
+def _encode_results(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """PIL images -> PNG bytes (latent results pass through)."""
+    return [{"images": [_png(img) for img in r["images"]]} if "images" in r else r for r in results]
 
 
 def _png(image: Any) -> bytes:
