@@ -439,6 +439,10 @@ def _stop_group(pid: int, grace: float = 10) -> None:
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         try:
+            os.waitpid(pid, os.WNOHANG)  # our own child: reap it, or its zombie keeps the group alive
+        except ChildProcessError:
+            pass
+        try:
             os.killpg(pid, 0)
         except ProcessLookupError:
             return
