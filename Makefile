@@ -23,6 +23,7 @@ lint: install
 ## Regenerate crds/ from the models in omni_operator.
 crds: install
 	$(PY) -m omni_operator.crdgen --out crds/
+	$(PY) hack/sync-chart-crds.py
 
 cluster-up: install
 	@$(PY) e2e/cluster/localcluster.py up --dir $(CLUSTER_DIR)

@@ -24,6 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="re-check every object this often (default: %(default)s)")
     op.add_argument("--no-leader-election", action="store_true", help="act without holding the Lease")
     op.add_argument("--lease-namespace", help="namespace of the leader Lease (default: $POD_NAMESPACE)")
+    op.add_argument("--lease-name", default="omnikube-operator",
+                    help="name of the leader Lease; one per operator installation (default: %(default)s)")
     op.add_argument("--liveness-port", type=int, help="serve kopf's /healthz on this port")
     op.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     op.set_defaults(func=_run_operator)
@@ -46,7 +48,7 @@ def _run_operator(args: argparse.Namespace) -> int:
         namespaces=args.namespace, kubeconfig=args.kubeconfig, model_root=args.model_cache,
         pipelines_dirs=args.pipelines_dir, workers=args.workers, resync_seconds=args.resync_seconds,
         leader_election=not args.no_leader_election, liveness_port=args.liveness_port,
-        metrics_port=args.metrics_port,
+        metrics_port=args.metrics_port, lease_name=args.lease_name,
     )
     if args.lease_namespace:
         config.lease_namespace = args.lease_namespace

@@ -72,4 +72,8 @@ def child_event(namespace: str, name: str, labels: dict, memo: kopf.Memo, **_: A
 
 @kopf.on.probe(id="leader")
 def leader_probe(memo: kopf.Memo, **_: Any) -> bool:
+    """Whether this replica leads; raises (failing /healthz) when the election loop has died."""
+    task = memo.get("election_task")
+    if task is not None and task.done():
+        raise RuntimeError("the leader election loop has stopped; restart the operator")
     return bool(memo.elector.leading) if memo.get("elector") else True

@@ -53,9 +53,13 @@ class LeaderElector:
                     log.warning("lease %s/%s: %s", self.namespace, self.name, exc)
                     acquired = False
                 if acquired and not self.leading:
-                    self.leading = True
                     log.info("became leader (lease %s/%s)", self.namespace, self.name)
-                    await self.on_started()
+                    try:
+                        await self.on_started()
+                        self.leading = True
+                    except Exception as exc:  # e.g. the first listing met a 429 while caches warm up
+                        log.warning("could not start leading (%s); trying again", exc)
+                        await self.on_stopped()
                 elif not acquired and self.leading:
                     self.leading = False
                     log.warning("lost leadership (lease %s/%s)", self.namespace, self.name)

@@ -230,7 +230,9 @@ async def _ensure_omnistage(ctx: Context, desired: dict[str, Any]) -> dict[str, 
         ctx.writes += 1
         await ctx.kube.merge_patch(API_VERSION, "OmniStage", meta["name"], meta["namespace"],
                                    {"spec": {"replicas": replicas}}, subresource="scale")
-        result["spec"]["replicas"] = replicas
+        # Read it back: its generation moved on, so its status is stale until the stage reconciles,
+        # and the pipeline must not call it ready meanwhile.
+        result = await ctx.kube.get(API_VERSION, "OmniStage", meta["name"], meta["namespace"]) or result
     return result
 
 

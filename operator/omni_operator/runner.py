@@ -57,6 +57,9 @@ async def _list_all(kube: KubeClient, namespaces: list[str]) -> list[Key]:
 
 
 async def run_operator(config: OperatorConfig) -> None:
+    if config.kubeconfig:
+        # kopf's own login reads $KUBECONFIG: point it at the same file our client uses.
+        os.environ["KUBECONFIG"] = config.kubeconfig
     kube = await KubeClient.from_environment(config.kubeconfig)
     ctx = Context(kube=kube, registry=load_registry(config.pipelines_dirs), model_root=config.model_root)
 
@@ -110,12 +113,13 @@ async def run_operator(config: OperatorConfig) -> None:
         resync.clear()
         await queue.stop()
 
-    memo = kopf.Memo(queue=queue, ctx=ctx, elector=None)
+    memo = kopf.Memo(queue=queue, ctx=ctx, elector=None, election_task=None)
     tasks = []
     if config.leader_election:
         memo.elector = LeaderElector(kube, namespace=config.lease_namespace, name=config.lease_name,
                                      identity=config.identity, on_started=started, on_stopped=stopped)
-        tasks.append(asyncio.create_task(memo.elector.run(), name="leader-election"))
+        memo.election_task = asyncio.create_task(memo.elector.run(), name="leader-election")
+        tasks.append(memo.election_task)
     else:
         await started()
 
