@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import uuid
@@ -12,10 +11,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "cluster"))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from clusterlib import REPO  # noqa: E402
 
 from localcluster import LocalCluster  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -45,5 +45,3 @@ def namespace(cluster: LocalCluster) -> Iterator[str]:
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
-def kubectl_json(cluster: LocalCluster, *args: str) -> dict:
-    return json.loads(cluster.kubectl(*args, "-o", "json").stdout)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, kubectl_json
+from clusterlib import REPO, kubectl_json
 
 pytestmark = pytest.mark.cluster
 
@@ -83,6 +83,7 @@ INVALID = [
      "spec.runtime.modelCache"),
     ("stages-wrong-type", _mutate("spec.stages", {"name": "thinker"}), "spec.stages"),
     ("unknown-field", _mutate("spec.stages.0.gpus", 2), "gpus"),
+    ("name-too-long-for-labels", _mutate("metadata.name", "p" * 64), "metadata.name"),
 ]
 
 
@@ -100,13 +101,24 @@ def test_crds_are_established_with_printer_columns(cluster) -> None:
     assert stage["spec"]["versions"][0]["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
 
 
+def _explain(cluster, path: str, timeout: float = 60) -> str:
+    """`kubectl explain`, waiting for the CRD's schema to reach the OpenAPI document (it lags Established)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = cluster.kubectl("explain", path, check=False)
+        if out.returncode == 0 or time.monotonic() > deadline:
+            assert out.returncode == 0, out.stderr
+            return out.stdout
+        time.sleep(1)
+
+
 def test_kubectl_explain_prints_field_descriptions(cluster) -> None:
-    out = cluster.kubectl("explain", "omnipipeline.spec.stages").stdout
+    out = _explain(cluster, "omnipipeline.spec.stages")
     for field in ("accelerator", "replicas", "engineArgs", "colocateWith", "autoscaling"):
         assert field in out
     # Every field line is followed by its description; no field is left undocumented.
     assert "<no description>" not in out
-    accel = cluster.kubectl("explain", "omnipipeline.spec.stages.accelerator.type").stdout
+    accel = _explain(cluster, "omnipipeline.spec.stages.accelerator.type")
     assert "nvidia.com/gpu" in accel and "huawei.com/Ascend910" in accel
 
 
@@ -133,7 +145,7 @@ def test_invalid_pipeline_is_rejected_naming_the_field(cluster, namespace: str, 
     assert out.returncode != 0, f"{case} was accepted"
     assert field in out.stderr, out.stderr
     # Rejected at admission: nothing was stored.
-    got = cluster.kubectl("get", "omnipipeline", case, "-n", namespace, check=False)
+    got = cluster.kubectl("get", "omnipipeline", obj["metadata"]["name"], "-n", namespace, check=False)
     assert got.returncode != 0
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, kubectl_json
+from clusterlib import REPO, kubectl_json
 
 pytestmark = pytest.mark.cluster
 

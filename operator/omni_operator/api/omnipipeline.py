@@ -404,6 +404,15 @@ class OmniPipeline(CustomResource):
     """A model served on Kubernetes as a pipeline of stages, each stage in its own pods, behind a
     router with an OpenAI-compatible API."""
 
+    validation_rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="size(self.metadata.name) <= 63",
+            message="metadata.name: at most 63 characters, since it becomes a label value on every object "
+            "of the pipeline; choose a shorter name",
+            check=lambda m: len(m.metadata.name) <= 63,
+        ),
+    )
+
     crd: ClassVar[CRDInfo] = CRDInfo(
         kind="OmniPipeline",
         plural="omnipipelines",
