@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent / "cluster"))
 sys.path.insert(0, str(Path(__file__).parent))
 
 from clusterlib import REPO  # noqa: E402
+from podrunner.fixtures import podrunner  # noqa: E402,F401 - the `podrunner` fixture (real processes for pods)
 
 from localcluster import LocalCluster  # noqa: E402
 
