@@ -549,3 +549,16 @@ def test_cli_render_a_missing_file_exits_1(tmp_path: Path):
     result = run_cli("-f", str(tmp_path / "absent.yaml"))
     assert result.returncode == 1
     assert result.stderr.startswith("error:") and "absent.yaml" in result.stderr
+
+
+def test_router_placement_reaches_the_router_pod_only() -> None:
+    toleration = {"key": "dedicated", "operator": "Equal", "value": "routers", "effect": "NoSchedule"}
+    manifest = {"apiVersion": "omnikube.io/v1alpha1", "kind": "OmniPipeline", "metadata": {"name": "placed"},
+                "spec": {"model": "/models/m", "pipeline": "text-chat",
+                         "router": {"nodeSelector": {"pool": "cpu"}, "tolerations": [toleration]}}}
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in render(manifest)}
+    router = objects[("Deployment", "placed-router")]["spec"]["template"]["spec"]
+    assert router["nodeSelector"] == {"pool": "cpu"}
+    assert router["tolerations"] == [toleration]
+    stage = objects[("Deployment", "placed-llm")]["spec"]["template"]["spec"]
+    assert "nodeSelector" not in stage and "tolerations" not in stage

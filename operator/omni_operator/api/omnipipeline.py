@@ -39,6 +39,7 @@ from omni_operator.api.common import (
     ResourceRequirements,
     SecretKeyRef,
     StageName,
+    Toleration,
     env_field,
     unique_env_rule,
 )
@@ -168,6 +169,16 @@ class RouterSpec(KubeModel):
     )
     limits: RouterLimitsConfig = Field(
         default_factory=RouterLimitsConfig, description="Concurrency, queue, timeout and body limits."
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels a node must have to run the router pods."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=32, description="Taints the router pods tolerate."
+    )
+    affinity: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Router pod affinity, as in a Pod spec; passed through unchanged.",
     )
 
 

@@ -47,6 +47,17 @@ def _mooncake_master(resolved: ResolvedPipeline, image: str, pull_policy: str) -
     }
 
 
+def _placement(router: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if router.node_selector:
+        out["nodeSelector"] = dict(router.node_selector)
+    if router.tolerations:
+        out["tolerations"] = [t.to_dict() for t in router.tolerations]
+    if router.affinity:
+        out["affinity"] = router.affinity
+    return out
+
+
 def build_router_objects(owner: dict[str, Any], pipeline: OmniPipeline, resolved: ResolvedPipeline
                          ) -> list[dict[str, Any]]:
     """Every object of the router, each carrying its content hash."""
@@ -113,6 +124,7 @@ def build_router_objects(owner: dict[str, Any], pipeline: OmniPipeline, resolved
                 "metadata": {"labels": lbl,
                              "annotations": {TEMPLATE_HASH_ANNOTATION: _router_config_hash(resolved)}},
                 "spec": {
+                    **_placement(router),
                     "serviceAccountName": rname,
                     "containers": containers,
                     "volumes": [{"name": "config", "configMap": {"name": configmap_name(name)}}],
