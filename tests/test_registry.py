@@ -34,6 +34,7 @@ BUILTIN = {
     "qwen-image",
     "flux",
     "wan2-2-t2v",
+    "stable-diffusion-3",
     "text-chat",
     "prompt-enhanced-t2i",
 }
@@ -127,6 +128,7 @@ def test_qwen2_5_omni_matches_its_architecture() -> None:
         ("qwen-image", "QwenImagePipeline", "image"),
         ("flux", "FluxPipeline", "image"),
         ("wan2-2-t2v", "WanPipeline", "video"),
+        ("stable-diffusion-3", "StableDiffusion3Pipeline", "image"),
     ],
 )
 def test_single_stage_diffusion_pipelines(name: str, diffusers_class: str, modality: str) -> None:
@@ -185,7 +187,8 @@ def test_names_and_aliases(typed: str, name: str) -> None:
 
 
 def test_aliases_listing() -> None:
-    assert default_registry().aliases() == {"qwen2.5-omni": "qwen2-5-omni", "wan2.2-t2v": "wan2-2-t2v"}
+    assert default_registry().aliases() == {"qwen2.5-omni": "qwen2-5-omni", "wan2.2-t2v": "wan2-2-t2v",
+                                            "sd3": "stable-diffusion-3"}
 
 
 def test_unknown_name_lists_the_known_ones() -> None:
@@ -217,7 +220,8 @@ def test_resolve_from_config_json(tmp_path: Path, architectures: list[str], pipe
 
 @pytest.mark.parametrize(
     ("class_name", "pipeline"),
-    [("FluxPipeline", "flux"), ("QwenImagePipeline", "qwen-image"), ("WanPipeline", "wan2-2-t2v")],
+    [("FluxPipeline", "flux"), ("QwenImagePipeline", "qwen-image"), ("WanPipeline", "wan2-2-t2v"),
+     ("StableDiffusion3Pipeline", "stable-diffusion-3")],
 )
 def test_resolve_from_model_index_json(tmp_path: Path, class_name: str, pipeline: str) -> None:
     assert resolve_model_pipeline(str(model_dir(tmp_path, class_name=class_name))).name == pipeline
