@@ -35,7 +35,103 @@ def _list_pipelines(args: argparse.Namespace) -> int:
     return 0
 
 
-BUILTIN_COMMANDS: list[Command] = [_pipelines_command]
+def _stage_command(sub: argparse._SubParsersAction) -> None:
+    from omni_runtime.spec import STAGE_HTTP_PORT, STAGE_PORT
+
+    parser = sub.add_parser("stage", help="run one stage server (engine + protocol socket + probes)")
+    parser.add_argument("--config", required=True, help="resolved pipeline JSON")
+    parser.add_argument("--stage", required=True, help="stage name in the pipeline")
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=STAGE_PORT, help=f"protocol port (default {STAGE_PORT})")
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=STAGE_HTTP_PORT,
+        help=f"/healthz /readyz /metrics port (default {STAGE_HTTP_PORT})",
+    )
+    parser.add_argument(
+        "--replica", default=None, help="replica name for metrics and shm segments (default: host name)"
+    )
+    parser.add_argument("--advertise-host", default="127.0.0.1", help="this pod's address for Mooncake transfers")
+    parser.add_argument("--mooncake-master-host", default="127.0.0.1", help="host of the Mooncake master (router pod)")
+    parser.add_argument(
+        "--shm-pool-bytes",
+        type=int,
+        default=64 * 1024**2,
+        help="idle shm bytes kept for reuse (0: unlink when released)",
+    )
+    parser.set_defaults(func=_run_stage)
+
+
+def _run_stage(args: argparse.Namespace) -> int:
+    import socket
+
+    from omni_runtime.stage.connectors import ConnectorSettings
+    from omni_runtime.stage.main import run
+
+    replica = args.replica or socket.gethostname()
+    settings = ConnectorSettings(
+        owner=f"{args.stage}-{replica}",
+        shm_pool_bytes=args.shm_pool_bytes,
+        mooncake_host=args.advertise_host,
+        mooncake_master_host=args.mooncake_master_host,
+    )
+    return run(
+        args.config, args.stage, host=args.host, port=args.port, http_port=args.http_port, replica=replica,
+        connectors=settings,
+    )  # fmt: skip
+
+
+def _router_command(sub: argparse._SubParsersAction) -> None:
+    from omni_runtime.spec import ROUTER_PORT
+
+    parser = sub.add_parser("router", help="run the OpenAI-compatible router (holds no model)")
+    parser.add_argument("--config", required=True, help="resolved pipeline JSON")
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=ROUTER_PORT, help=f"HTTP port (default {ROUTER_PORT})")
+    parser.add_argument(
+        "--kubeconfig", default=None, help="kubeconfig for EndpointSlice discovery (default: in-cluster)"
+    )
+    parser.add_argument(
+        "--ping-timeout",
+        type=float,
+        default=10.0,
+        help="seconds without a message before a stage replica counts as hung (default 10)",
+    )
+    parser.set_defaults(func=_run_router)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from omni_runtime.router.main import run
+
+    level = "debug" if args.verbose else "info"
+    return run(
+        args.config,
+        host=args.host,
+        port=args.port,
+        kubeconfig=args.kubeconfig,
+        log_level=level,
+        ping_timeout_s=args.ping_timeout,
+    )
+
+
+def _serve_command(sub: argparse._SubParsersAction) -> None:
+    from omni_runtime.launcher import add_serve_arguments
+
+    parser = sub.add_parser(
+        "serve", help="serve a model folder or a pipeline YAML locally: one process per stage plus the router"
+    )
+    add_serve_arguments(parser)
+    parser.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from omni_runtime.launcher import serve_from_args
+
+    return serve_from_args(args)
+
+
+BUILTIN_COMMANDS: list[Command] = [_pipelines_command, _stage_command, _router_command, _serve_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

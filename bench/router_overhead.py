@@ -1,0 +1,167 @@
+"""Router overhead: chat through omnikube's router + stage vs the same model behind vLLM's own server.
+
+    .venv/bin/python bench/router_overhead.py [--requests 32] [--max-tokens 32]
+
+Both sides serve the tiny Qwen2 chat model with the same engine arguments, one after the other (never
+at once: they would fight over the cores). The same streaming workload, sent with the official `openai`
+client, measures TTFT (request sent -> first content token) and TPOT ((last - first token) / (tokens - 1))
+at concurrency 1 and 16. Prints medians and the ratios omnikube / vLLM; the target is <= 1.10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+from openai import AsyncOpenAI
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINE_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 256 * 1024**2, "enforce_eager": True, "seed": 0}
+ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1", "NO_PROXY": "*"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with opener.open(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not ready after {timeout}s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def start_vllm(model: Path, port: int, log: Path) -> subprocess.Popen:
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
+            "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"]),
+            "--enforce-eager", "--seed", "0", "--disable-log-requests"]
+    return subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **ENV})
+
+
+def start_omnikube(model: Path, port: int, workdir: Path) -> subprocess.Popen:
+    spec = {"model": str(model), "pipeline": "text-chat", "name": "bench", "served_model_name": "tiny",
+            "stages": [{"name": "llm", "engine_args": ENGINE_ARGS}],
+            "limits": {"max_concurrent_requests": 64, "max_queued_requests": 256}}
+    path = workdir / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    args = [sys.executable, "-m", "omni_runtime.cli", "serve", str(path), "--port", str(port),
+            "--run-dir", str(workdir / "run")]
+    return subprocess.Popen(args, stdout=(workdir / "serve.log").open("wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env={**os.environ, **ENV})
+
+
+async def one_request(client: AsyncOpenAI, i: int, max_tokens: int) -> tuple[float, float] | None:
+    started = time.perf_counter()
+    first = last = None
+    tokens = 0
+    stream = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": f"Tell me about the number {i}."}],
+        max_tokens=max_tokens, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            tokens += 1
+    if first is None or tokens < 2:
+        return None
+    return first - started, (last - first) / (tokens - 1)
+
+
+async def workload(base_url: str, concurrency: int, requests: int, max_tokens: int) -> tuple[float, float]:
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def run(i: int):
+        async with sem:
+            return await one_request(client, i, max_tokens)
+
+    await asyncio.gather(*(run(i) for i in range(min(4, requests))))  # warm-up
+    results = [r for r in await asyncio.gather(*(run(i) for i in range(requests))) if r]
+    await client.close()
+    if len(results) < requests // 2:
+        raise RuntimeError(f"only {len(results)} of {requests} requests streamed tokens")
+    return statistics.median(r[0] for r in results), statistics.median(r[1] for r in results)
+
+
+def measure(name: str, base_url: str, args: argparse.Namespace) -> dict[int, tuple[float, float]]:
+    out = {}
+    for c in (1, 16):
+        ttft, tpot = asyncio.run(workload(base_url, c, args.requests, args.max_tokens))
+        out[c] = (ttft, tpot)
+        print(f"{name:9} concurrency {c:2}: TTFT {ttft * 1000:8.1f} ms   TPOT {tpot * 1000:7.2f} ms", flush=True)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    from omni_runtime.tiny_models import ensure
+
+    model = ensure("tiny-qwen2-chat")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        port = free_port()
+        proc = start_vllm(model, port, work / "vllm.log")
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health", proc)
+            vllm = measure("vLLM", f"http://127.0.0.1:{port}/v1", args)
+        finally:
+            stop(proc)
+        port = free_port()
+        proc = start_omnikube(model, port, work)
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health", proc)
+            ours = measure("omnikube", f"http://127.0.0.1:{port}/v1", args)
+        except Exception:
+            print((work / "serve.log").read_text()[-3000:], file=sys.stderr)
+            raise
+        finally:
+            stop(proc)
+    print()
+    for c in (1, 16):
+        print(f"concurrency {c:2}: TTFT ratio {ours[c][0] / vllm[c][0]:.2f}   TPOT ratio {ours[c][1] / vllm[c][1]:.2f}"
+              "   (omnikube / vLLM; target <= 1.10)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The router's FastAPI application: serving classes, routes, error mapping, body limit, metrics."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from omni_runtime.metrics import Router as M
+from omni_runtime.router.admission import Admission
+from omni_runtime.router.errors import OmniError, RequestTooLarge, error_response
+from omni_runtime.router.orchestrator import Orchestrator
+from omni_runtime.router.pool import StagePool
+from omni_runtime.router.routes import ROUTES, router
+from omni_runtime.router.serving.base import RouterContext
+from omni_runtime.router.serving.chat import ServingChat
+from omni_runtime.router.serving.images import ServingImages
+from omni_runtime.router.serving.models import ServingModels
+from omni_runtime.spec import ResolvedPipeline
+
+__all__ = ["build_app"]
+
+
+@dataclass
+class _Serving:
+    chat: ServingChat
+    images: ServingImages
+    models: ServingModels
+
+
+def build_app(
+    pipeline: ResolvedPipeline,
+    pool: StagePool | None = None,
+    *,
+    api_client: Any = None,
+    ping_timeout_s: float = 10.0,
+) -> FastAPI:
+    """The router app for `pipeline`. The pool (made from the pipeline's discovery unless given) starts
+    and stops with the app's lifespan; `ping_timeout_s`: silence after which a replica counts as hung."""
+    pool = pool or StagePool(pipeline, api_client=api_client, ping_timeout_s=ping_timeout_s)
+    name = pipeline.name
+
+    def gauges(in_flight: int, queued: int) -> None:
+        M.in_flight.labels(name).set(in_flight)
+        M.queue_depth.labels(name).set(queued)
+
+    limits = pipeline.limits
+    admission = Admission(limits.max_concurrent_requests, limits.max_queued_requests, on_change=gauges)
+    ctx = RouterContext(pipeline=pipeline, pool=pool, orchestrator=Orchestrator(pipeline, pool), admission=admission)
+    gauges(0, 0)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await pool.start()
+        try:
+            yield
+        finally:
+            await pool.stop()
+
+    app = FastAPI(title=f"omnikube router: {pipeline.served_model_name}", lifespan=lifespan, docs_url=None,
+                  redoc_url=None)  # fmt: skip
+    app.state.context = ctx
+    app.state.serving = _Serving(ServingChat(ctx), ServingImages(ctx), ServingModels(ctx))
+    app.include_router(router)
+
+    async def handle(request: Request, exc: Exception):
+        return error_response(exc)
+
+    for exc_type in (OmniError, RequestValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(exc_type, handle)
+    app.add_middleware(_Guard, max_bytes=limits.max_body_bytes, pipeline=name)
+    return app
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised from `receive` once a streamed body passes the limit. An HTTPException, so FastAPI's body
+    parsing re-raises it instead of turning it into a 400."""
+
+
+class _Guard:
+    """Refuses bodies over `max_bytes` with 413 and counts every answer by endpoint and status."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, pipeline: str) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.pipeline = pipeline
+
+    def _too_large(self, size: str) -> RequestTooLarge:
+        return RequestTooLarge(
+            f"the request body is {size} bytes; this server accepts at most {self.max_bytes} bytes "
+            "(router limit max_body_bytes); send smaller inputs"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in ROUTES else "other"
+        status = 500
+        started = False
+
+        async def send_counted(message: Message) -> None:
+            nonlocal status, started
+            if message["type"] == "http.response.start":
+                status, started = message["status"], True
+            await send(message)
+
+        try:
+            length = int(dict(scope.get("headers") or []).get(b"content-length", b"0") or 0)
+        except ValueError:
+            length = 0
+        try:
+            if length > self.max_bytes:
+                await error_response(self._too_large(str(length)))(scope, receive, send_counted)
+                return
+            received = 0
+
+            async def receive_limited() -> Message:
+                nonlocal received
+                message = await receive()
+                if message["type"] == "http.request":
+                    received += len(message.get("body", b""))
+                    if received > self.max_bytes:
+                        raise _BodyTooLarge(413, self._too_large(f"more than {self.max_bytes}").message)
+                return message
+
+            try:
+                await self.app(scope, receive_limited, send_counted)
+            except _BodyTooLarge as err:
+                if not started:
+                    await error_response(err)(scope, receive, send_counted)
+        finally:
+            M.requests.labels(self.pipeline, endpoint, str(status)).inc()
+            if status >= 400:
+                M.errors.labels(self.pipeline, endpoint, _ERROR_TYPES.get(status, str(status))).inc()
+
+
+_ERROR_TYPES = {
+    400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError", 429: "RateLimitError",
+    499: "ClientClosedRequest", 500: "InternalServerError", 502: "BadGatewayError",
+    503: "ServiceUnavailableError", 504: "TimeoutError",
+}  # fmt: skip

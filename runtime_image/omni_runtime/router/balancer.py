@@ -1,0 +1,54 @@
+"""A stage's replicas and least-outstanding-requests balancing over the usable ones."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from typing import Protocol
+
+from omni_runtime.router.errors import StageUnavailable
+
+__all__ = ["Balanceable", "ReplicaSet"]
+
+
+class Balanceable(Protocol):
+    address: str
+    outstanding: int
+
+    @property
+    def usable(self) -> bool: ...
+
+    def describe(self) -> str: ...
+
+
+class ReplicaSet:
+    """The replicas of one stage, by address."""
+
+    def __init__(self, stage: str) -> None:
+        self.stage = stage
+        self.replicas: dict[str, Balanceable] = {}
+        self._turn = itertools.count()
+
+    def pick(self, exclude: Iterable[str] = ()) -> Balanceable:
+        """The usable replica with the fewest outstanding works; ties rotate, so equal replicas share.
+
+        Raises StageUnavailable describing every replica when none is usable."""
+        skip = set(exclude)
+        usable = [r for a, r in self.replicas.items() if r.usable and a not in skip]
+        if not usable:
+            raise StageUnavailable(self._why_none())
+        least = min(r.outstanding for r in usable)
+        tied = sorted((r for r in usable if r.outstanding == least), key=lambda r: r.address)
+        return tied[next(self._turn) % len(tied)]
+
+    def usable(self) -> list[Balanceable]:
+        return [r for r in self.replicas.values() if r.usable]
+
+    def _why_none(self) -> str:
+        if not self.replicas:
+            return (
+                f"stage {self.stage!r} has no replicas (discovery lists none yet); "
+                "retry shortly, or check that the stage's pods are running and ready"
+            )
+        states = ", ".join(r.describe() for _, r in sorted(self.replicas.items()))
+        return f"stage {self.stage!r} has no ready replica ({states}); retry shortly"

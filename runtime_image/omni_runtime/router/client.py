@@ -1,0 +1,231 @@
+"""The router's connection to one stage replica: a ZeroMQ DEALER, pings, and the works running there.
+
+A replica is *up* while it answers pings and says it is ready. It goes *down* when its connection drops
+(socket monitor) or when nothing came from it for `ping_timeout_s` (a hung process): every work
+running on it is then told (`on_lost`), so the request fails at once instead of waiting for its
+timeout. It comes back up by itself when it answers again (ZeroMQ reconnects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from omni_runtime.metrics import Router as M
+from omni_runtime.stage import protocol as P
+
+__all__ = ["ReplicaClient", "ReplicaState", "WorkSink"]
+
+log = logging.getLogger(__name__)
+
+WorkSink = Callable[[P.Message | None, list[Any], str | None], None]
+"""Called with (message, payload frames, None) for each message of a work, or (None, [], reason) once
+when the replica is lost while the work runs."""
+
+
+class ReplicaState(str, enum.Enum):
+    CONNECTING = "connecting"
+    """No pong yet (or the stage is still loading its engine)."""
+    UP = "up"
+    DOWN = "down"
+
+
+class ReplicaClient:
+    """One stage replica, reached at `address` (`host:port`)."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        pipeline: str,
+        stage: str,
+        address: str,
+        *,
+        ping_interval_s: float = 0.5,
+        ping_timeout_s: float = 10.0,
+    ) -> None:
+        self.pipeline = pipeline
+        self.stage = stage
+        self.address = address
+        self.ping_interval_s = ping_interval_s
+        self.ping_timeout_s = ping_timeout_s
+        self.state = ReplicaState.CONNECTING
+        self.reason = "not answered yet"
+        self.draining = False
+        """Discovery no longer lists it: no new work; closed once its works end."""
+        self.outstanding = 0
+        self.rtt_s = 0.0
+        self._sinks: dict[str, WorkSink] = {}
+        self._nonce = itertools.count()
+        self._last_pong = 0.0
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue messages for a replica not connected
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._sock.connect(f"tcp://{address}")
+        self._tasks: list[asyncio.Task] = []
+        self._labels = (pipeline, stage, address)
+        self._closed = False
+        M.replica_up.labels(*self._labels).set(0)
+        M.stage_outstanding.labels(*self._labels).set(0)
+
+    def __repr__(self) -> str:
+        return f"<replica {self.stage}@{self.address} {self.state.value} outstanding={self.outstanding}>"
+
+    def describe(self) -> str:
+        """`address state (reason)`, for error messages."""
+        text = f"{self.address} {'draining' if self.draining else self.state.value}"
+        return f"{text} ({self.reason})" if self.reason else text
+
+    @property
+    def usable(self) -> bool:
+        return self.state is ReplicaState.UP and not self.draining and not self._closed
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._recv_loop(), name=f"recv-{self.stage}@{self.address}"),
+            asyncio.create_task(self._ping_loop(), name=f"ping-{self.stage}@{self.address}"),
+            asyncio.create_task(self._monitor_loop(), name=f"monitor-{self.stage}@{self.address}"),
+        ]
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._lose("the router stopped using this replica")
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            self._sock.disable_monitor()
+        self._monitor.close(0)
+        self._sock.close(0)
+        M.replica_up.labels(*self._labels).set(0)
+
+    # -- works ---------------------------------------------------------------------------------
+
+    def submit(self, submit: P.Submit, payload: dict[str, Any] | None, sink: WorkSink) -> None:
+        """Send a work; its messages go to `sink`. Raises ConnectionError when it cannot be sent."""
+        if not self.usable:
+            raise ConnectionError(f"stage {self.stage!r} replica {self.address} is {self.state.value}")
+        self._sinks[submit.id] = sink
+        self.outstanding += 1
+        M.stage_outstanding.labels(*self._labels).set(self.outstanding)
+        try:
+            self.send(submit, payload)
+        except ConnectionError:
+            self.finish(submit.id)
+            raise
+
+    def finish(self, work_id: str) -> None:
+        """The work ended (finished, failed, aborted, lost): stop routing its messages."""
+        if self._sinks.pop(work_id, None) is not None:
+            self.outstanding -= 1
+            M.stage_outstanding.labels(*self._labels).set(self.outstanding)
+
+    def send(self, message: P.Message, payload: dict[str, Any] | None = None) -> None:
+        frames = P.encode(message, payload)
+        # NOBLOCK on an asyncio socket: the send happens now and its future is already done; with
+        # IMMEDIATE it fails (EAGAIN) when the replica is not connected.
+        future = self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames) == 1)
+        err = future.exception() if future.done() else None
+        if err is not None:
+            reason = err.strerror if isinstance(err, zmq.ZMQError) else str(err)
+            raise ConnectionError(f"cannot reach stage {self.stage!r} replica {self.address}: {reason}")
+
+    def try_send(self, message: P.Message) -> bool:
+        try:
+            self.send(message)
+        except ConnectionError:
+            return False
+        return True
+
+    # -- loops ---------------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            self._last_pong = time.monotonic()  # any message shows the replica is alive
+            try:
+                message, rest = P.decode(frames)
+            except P.ProtocolError as err:
+                log.warning("replica %s/%s: %s", self.stage, self.address, err)
+                continue
+            if isinstance(message, P.Pong):
+                self._on_pong(message)
+                continue
+            sink = self._sinks.get(getattr(message, "id", ""))
+            if sink is None:
+                self._orphan(message)
+                continue
+            if isinstance(message, P.Failed) or (isinstance(message, P.Output) and message.finished):
+                self.finish(message.id)
+            try:
+                sink(message, rest, None)
+            except Exception:
+                log.exception("replica %s/%s: handling %s failed", self.stage, self.address, message)
+
+    def _orphan(self, message: P.Message) -> None:
+        """A message for a work the router forgot (aborted): release the handles it carries."""
+        if isinstance(message, P.Output) and message.handles:
+            self.try_send(P.Release(handles=[i.handle for i in message.handles]))
+
+    def _on_pong(self, pong: P.Pong) -> None:
+        now = time.monotonic()
+        self._last_pong = now
+        if pong.sent_at:
+            self.rtt_s = max(0.0, now - pong.sent_at)
+        if pong.ready and self.state is not ReplicaState.UP:
+            log.info("stage %s replica %s is up", self.stage, self.address)
+            self.state, self.reason = ReplicaState.UP, ""
+            M.replica_up.labels(*self._labels).set(1)
+        elif not pong.ready and self.state is not ReplicaState.CONNECTING:
+            self._mark(ReplicaState.CONNECTING, "its engine is loading")
+
+    async def _ping_loop(self) -> None:
+        while True:
+            self.try_send(P.Ping(nonce=next(self._nonce), sent_at=time.monotonic()))
+            await asyncio.sleep(self.ping_interval_s)
+            silent = time.monotonic() - self._last_pong
+            if self.state is ReplicaState.UP and silent > self.ping_timeout_s:
+                self._mark(ReplicaState.DOWN, f"it stopped answering pings ({silent:.1f}s without a pong)")
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            frames = await self._monitor.recv_multipart()
+            event = parse_monitor_message(frames)["event"]
+            if event == zmq.EVENT_DISCONNECTED and self.state is not ReplicaState.DOWN:
+                self._mark(ReplicaState.DOWN, "its connection was lost")
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._lose("its connection was lost")
+
+    def _mark(self, state: ReplicaState, reason: str) -> None:
+        was = self.state
+        self.state, self.reason = state, reason
+        M.replica_up.labels(*self._labels).set(0)
+        if was is ReplicaState.UP:
+            log.warning("stage %s replica %s is %s: %s", self.stage, self.address, state.value, reason)
+        self._lose(reason)
+
+    def _lose(self, reason: str) -> None:
+        sinks, self._sinks = self._sinks, {}
+        self.outstanding = 0
+        M.stage_outstanding.labels(*self._labels).set(0)
+        for sink in sinks.values():
+            try:
+                sink(None, [], reason)
+            except Exception:
+                log.exception("replica %s/%s: notifying a lost work failed", self.stage, self.address)

@@ -1,0 +1,103 @@
+"""Every stage's replicas, kept in step with discovery: one ReplicaClient per address."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import zmq.asyncio
+
+from omni_runtime.router.balancer import ReplicaSet
+from omni_runtime.router.client import ReplicaClient
+from omni_runtime.router.discovery import Discovery, make_discovery
+from omni_runtime.spec import ResolvedPipeline, StageDiscovery
+
+__all__ = ["StagePool"]
+
+log = logging.getLogger(__name__)
+
+
+class StagePool:
+    """Replica sets of all stages of a pipeline; `start()` begins discovery and connections."""
+
+    def __init__(
+        self,
+        pipeline: ResolvedPipeline,
+        *,
+        api_client: Any | None = None,
+        discoveries: dict[str, Discovery] | None = None,
+        ping_interval_s: float = 0.5,
+        ping_timeout_s: float = 10.0,
+    ) -> None:
+        self.pipeline = pipeline
+        self.sets = {name: ReplicaSet(name) for name in pipeline.topology.stage_names()}
+        self.ping_interval_s = ping_interval_s
+        self.ping_timeout_s = ping_timeout_s
+        self._discoveries = discoveries or {
+            name: make_discovery(pipeline.discovery.get(name, StageDiscovery()), pipeline.namespace, api_client)
+            for name in self.sets
+        }
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._reaper: asyncio.Task | None = None
+
+    def __getitem__(self, stage: str) -> ReplicaSet:
+        return self.sets[stage]
+
+    def clients(self) -> list[ReplicaClient]:
+        return [c for s in self.sets.values() for c in s.replicas.values()]  # type: ignore[misc]
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        for name, discovery in self._discoveries.items():
+            self._tasks.append(
+                asyncio.create_task(discovery.run(lambda addrs, n=name: self._update(n, addrs)), name=f"disc-{name}")
+            )
+        self._reaper = asyncio.create_task(self._reap(), name="pool-reaper")
+
+    async def stop(self) -> None:
+        for task in [*self._tasks, *([self._reaper] if self._reaper else [])]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in self.clients()), return_exceptions=True)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    def ready(self) -> dict[str, int]:
+        """Usable replicas per stage."""
+        return {name: len(s.usable()) for name, s in self.sets.items()}
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Until every stage has a usable replica (TimeoutError otherwise)."""
+        async with asyncio.timeout(timeout_s):
+            while not all(self.ready().values()):
+                await asyncio.sleep(0.1)
+
+    def _update(self, stage: str, addresses: set[str]) -> None:
+        assert self._ctx is not None
+        replicas = self.sets[stage].replicas
+        for address in addresses - set(replicas):
+            client = ReplicaClient(
+                self._ctx, self.pipeline.name, stage, address,
+                ping_interval_s=self.ping_interval_s, ping_timeout_s=self.ping_timeout_s,
+            )  # fmt: skip
+            client.start()
+            replicas[address] = client
+            log.info("stage %s: replica %s added", stage, address)
+        for address in set(replicas) - addresses:
+            client = replicas[address]  # type: ignore[assignment]
+            client.draining = True
+            log.info("stage %s: replica %s removed by discovery; draining", stage, address)
+        for address in addresses:
+            replicas[address].draining = False  # type: ignore[attr-defined]
+
+    async def _reap(self) -> None:
+        """Close draining replicas once no work of ours runs there."""
+        while True:
+            await asyncio.sleep(1.0)
+            for replica_set in self.sets.values():
+                for address, client in list(replica_set.replicas.items()):
+                    if client.draining and client.outstanding == 0:  # type: ignore[attr-defined]
+                        del replica_set.replicas[address]
+                        await client.close()  # type: ignore[attr-defined]

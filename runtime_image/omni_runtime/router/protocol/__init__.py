@@ -1,0 +1,1 @@
+"""OpenAI request and response models, one module per endpoint (pydantic)."""

@@ -1,0 +1,65 @@
+"""`POST /v1/images/generations` and `/v1/images/edits`: request and response models.
+
+Only `response_format: b64_json` exists (the router keeps no files to link to). `size` is `WxH`;
+`seed`, `negative_prompt`, `num_inference_steps`, `guidance_scale` and vLLM-Omni's
+`sampling_params_list` (one dict per stage) come through `extra_body`.
+Each returned image carries `revised_prompt`: the prompt the image stage actually received (after a
+prompt-enhancing stage), and `revised_negative_prompt` likewise.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["ImageData", "ImageGenerationRequest", "ImagesResponse", "parse_size"]
+
+_SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX×]\s*(\d{1,5})\s*$")
+
+
+class ImageGenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    n: int = Field(1, ge=1, le=10)
+    size: str | None = Field(None, description="WIDTHxHEIGHT, e.g. 512x512; 'auto' or unset: the stage default.")
+    response_format: str | None = "b64_json"
+    quality: str | None = None
+    style: str | None = None
+    background: str | None = None
+    output_format: str | None = None
+    user: str | None = None
+    seed: int | None = None
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = Field(None, ge=0.0)
+    sampling_params_list: list[dict[str, Any]] | None = Field(
+        None, description="vLLM-Omni: parameters per stage, in the pipeline's topological order."
+    )
+
+
+class ImageData(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    b64_json: str
+    revised_prompt: str | None = None
+
+
+class ImagesResponse(BaseModel):
+    created: int = Field(default_factory=lambda: int(time.time()))
+    data: list[ImageData]
+    usage: dict[str, Any] | None = None
+
+
+def parse_size(size: str | None) -> tuple[int, int] | None:
+    """(width, height) from `WxH`; None for unset or 'auto'. ValueError says the accepted form."""
+    if size is None or size.strip().lower() == "auto":
+        return None
+    match = _SIZE.match(size)
+    if not match or int(match.group(1)) < 1 or int(match.group(2)) < 1:
+        raise ValueError(f"size {size!r} is not WIDTHxHEIGHT; use a form like '512x512' (or 'auto')")
+    return int(match.group(1)), int(match.group(2))

@@ -1,0 +1,54 @@
+"""The HTTP routes: thin functions handing each request to its serving class."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response
+
+from omni_runtime.metrics import render
+from omni_runtime.router.protocol.chat import ChatCompletionRequest
+from omni_runtime.router.protocol.images import ImageGenerationRequest
+from omni_runtime.router.protocol.models import ModelList
+
+__all__ = ["ROUTES", "router"]
+
+router = APIRouter()
+
+ROUTES = ("/v1/chat/completions", "/v1/images/generations", "/v1/images/edits", "/v1/models", "/health",
+          "/metrics")  # fmt: skip
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+    return await raw.app.state.serving.chat.create(body, raw)
+
+
+@router.post("/v1/images/generations")
+async def images_generations(body: ImageGenerationRequest, raw: Request) -> Response:
+    return await raw.app.state.serving.images.generate(body, raw)
+
+
+@router.post("/v1/images/edits")
+async def images_edits(raw: Request) -> Response:
+    return await raw.app.state.serving.images.edit(raw)
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def models(raw: Request) -> ModelList:
+    return raw.app.state.serving.models.list()
+
+
+@router.get("/health")
+async def health(raw: Request) -> Response:
+    ready = raw.app.state.context.pool.ready()
+    ok = all(ready.values())
+    body = {"status": "ok" if ok else "unavailable", "ready_replicas": ready}
+    if not ok:
+        body["message"] = f"stages without a ready replica: {sorted(s for s, n in ready.items() if not n)}"
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+@router.get("/metrics")
+async def metrics() -> Response:
+    data, content_type = render()
+    return Response(data, media_type=content_type)

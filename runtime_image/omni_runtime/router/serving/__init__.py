@@ -1,0 +1,1 @@
+"""One serving class per OpenAI endpoint; they share `ServingBase`."""

@@ -1,0 +1,247 @@
+"""What every serving class shares: model checks, admission, the timeout, client-disconnect
+cancellation, running the choices of a request, and streaming their events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from omni_runtime.metrics import Router as M
+from omni_runtime.router.admission import Admission
+from omni_runtime.router.errors import BadRequest, ClientGone, NotFound, RequestTimedOut
+from omni_runtime.router.orchestrator import Orchestrator, PipelineRequest, RunResult, StageEvent
+from omni_runtime.router.plan import producible_modalities
+from omni_runtime.router.pool import StagePool
+from omni_runtime.spec import ResolvedPipeline
+
+__all__ = ["EventStream", "ManagedStream", "RouterContext", "ServingBase"]
+
+
+@dataclass
+class RouterContext:
+    """What the serving classes work with; one per router process."""
+
+    pipeline: ResolvedPipeline
+    pool: StagePool
+    orchestrator: Orchestrator
+    admission: Admission
+
+    @property
+    def model_name(self) -> str:
+        return self.pipeline.served_model_name
+
+
+class ServingBase:
+    endpoint = ""
+
+    def __init__(self, ctx: RouterContext) -> None:
+        self.ctx = ctx
+        self.pipeline = ctx.pipeline
+        self.topology = ctx.pipeline.topology
+        self.limits = ctx.pipeline.limits
+
+    # -- checks --------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None, *, required: bool = True) -> None:
+        if model is None and not required:
+            return
+        names = {self.ctx.model_name, self.pipeline.name}
+        if model not in names:
+            raise NotFound(
+                f"The model `{model}` does not exist. This server serves `{self.ctx.model_name}` (see GET /v1/models)",
+                param="model",
+            )
+
+    def producible(self) -> list[str]:
+        return producible_modalities(self.topology)
+
+    def check_modalities(self, wanted: list[str] | None) -> list[str]:
+        can = self.producible()
+        if wanted is None:
+            return can
+        if not wanted:
+            raise BadRequest(f"modalities is empty; use a subset of {can}", param="modalities")
+        unknown = [m for m in wanted if m not in can]
+        if unknown:
+            raise BadRequest(
+                f"modalities {unknown} cannot be produced by model `{self.ctx.model_name}` "
+                f"(pipeline {self.topology.name}); it can produce {can}",
+                param="modalities",
+            )
+        return list(dict.fromkeys(wanted))
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    # -- running -------------------------------------------------------------------------------
+
+    async def run_choices(
+        self, requests: list[PipelineRequest], emit: Callable[[StageEvent], Awaitable[None] | None]
+    ) -> list[RunResult]:
+        """Run every choice concurrently; the first failure cancels the others (each cleans up)."""
+        tasks = [asyncio.create_task(self.ctx.orchestrator.run(r, emit)) for r in requests]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def timed_out(self) -> RequestTimedOut:
+        t = self.limits.request_timeout_s
+        return RequestTimedOut(
+            f"the request did not finish within {t:g}s (router limit request_timeout_s); it was stopped "
+            "in every stage. Ask for less work (fewer tokens, steps, images) or raise the limit"
+        )
+
+    async def run_to_end(
+        self,
+        raw: Request,
+        requests: list[PipelineRequest],
+        emit: Callable[[StageEvent], Awaitable[None] | None],
+    ) -> list[RunResult]:
+        """Admission, then every choice to its end, under the request timeout; cancelled when the
+        client disconnects."""
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.limits.request_timeout_s):
+                slot = await self.ctx.admission.acquire()
+                try:
+                    return await _until_disconnected(raw, self.run_choices(requests, emit))
+                finally:
+                    slot.release()
+        except TimeoutError:
+            raise self.timed_out() from None
+        finally:
+            M.e2el.labels(self.pipeline.name, self.endpoint).observe(time.monotonic() - started)
+
+    async def open_stream(self, requests: list[PipelineRequest]) -> EventStream:
+        """Admit and start the choices; returns once the first event is there, so that errors before
+        any output (bad prompt, no replica) still get their HTTP status."""
+        deadline = asyncio.get_running_loop().time() + self.limits.request_timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                slot = await self.ctx.admission.acquire()
+        except TimeoutError:
+            raise self.timed_out() from None
+        stream = EventStream(self, requests, slot, deadline)
+        try:
+            await stream.prime()
+        except BaseException:
+            await stream.close()
+            raise
+        return stream
+
+
+class EventStream:
+    """The running choices of a streamed request and their final-output events."""
+
+    def __init__(self, serving: ServingBase, requests: list[PipelineRequest], slot: Any, deadline: float):
+        self.serving = serving
+        self.slot = slot
+        self.deadline = deadline
+        self.started = time.monotonic()
+        self.queue: asyncio.Queue[StageEvent] = asyncio.Queue()
+        self.results: list[RunResult] = []
+        self.task = asyncio.create_task(self._run(requests))
+        self._first: StageEvent | None = None
+        self._closed = False
+
+    async def _run(self, requests: list[PipelineRequest]) -> None:
+        self.results = await self.serving.run_choices(requests, self.queue.put_nowait)
+
+    async def prime(self) -> None:
+        self._first = await self._next()
+
+    async def _next(self) -> StageEvent | None:
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                if not self.queue.empty():
+                    return self.queue.get_nowait()
+                getter = asyncio.ensure_future(self.queue.get())
+                try:
+                    await asyncio.wait({getter, self.task}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not getter.done():
+                        getter.cancel()
+                if getter.done() and not getter.cancelled():
+                    return getter.result()
+                if not self.queue.empty():
+                    return self.queue.get_nowait()
+                self.task.result()  # raises the run's error
+                return None
+        except TimeoutError:
+            raise self.serving.timed_out() from None
+
+    async def __aiter__(self) -> AsyncIterator[StageEvent]:
+        if self._first is not None:
+            first, self._first = self._first, None
+            yield first
+        while (event := await self._next()) is not None:
+            yield event
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        self.slot.release()
+        M.e2el.labels(self.serving.pipeline.name, self.serving.endpoint).observe(time.monotonic() - self.started)
+
+
+class ManagedStream(StreamingResponse):
+    """A streaming response that always runs `cleanup`, even when the client is gone before the body
+    starts (Starlette then never iterates the body, so a generator's `finally` would not run)."""
+
+    def __init__(self, content: Any, cleanup: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await asyncio.shield(self._cleanup())
+
+
+async def _until_disconnected(raw: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it when the HTTP client disconnects (then raise ClientGone)."""
+    task = asyncio.ensure_future(work)
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while not task.done():
+            message = await raw.receive()
+            if message["type"] == "http.disconnect":
+                gone = True
+                task.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if gone and not _cancelling():
+            raise ClientGone("the client disconnected; the request was stopped in every stage") from None
+        raise
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await watcher
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return bool(task is not None and task.cancelling())

@@ -1,0 +1,93 @@
+"""The connectors one stage process uses, one per kind, made on first use and timed into metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_runtime.connectors import Connector, Handle, make_connector
+from omni_runtime.metrics import Stage as M
+from omni_runtime.spec import ConnectorKind, ResolvedPipeline
+
+__all__ = ["ConnectorSet", "ConnectorSettings"]
+
+
+@dataclass
+class ConnectorSettings:
+    """What only the running stage process knows about its connectors."""
+
+    owner: str = "stage"
+    """Names this process's shm segments (`omnikube-<pipeline>-<owner>-p<pid>-...`)."""
+    shm_pool_bytes: int = 64 * 1024**2
+    """Idle shm bytes kept for reuse; 0 unlinks each segment soon after it is released."""
+    mooncake_host: str = "127.0.0.1"
+    """This pod's address as other pods reach it (Mooncake transfer engine)."""
+    mooncake_master_host: str = "127.0.0.1"
+    """Host of the Mooncake master and metadata server (the router pod); ports come from the spec."""
+    extra: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Additional `make_connector` keyword arguments by kind."""
+
+
+class ConnectorSet:
+    """Lazily built connectors of a stage process, by kind; `put`/`get`/`release` through them."""
+
+    def __init__(self, pipeline: ResolvedPipeline, stage: str, settings: ConnectorSettings) -> None:
+        self.pipeline = pipeline
+        self.stage = stage
+        self.settings = settings
+        self._connectors: dict[ConnectorKind, Connector] = {}
+
+    def connector(self, kind: ConnectorKind | str) -> Connector:
+        kind = ConnectorKind(kind)
+        found = self._connectors.get(kind)
+        if found is None:
+            found = self._connectors[kind] = make_connector(
+                kind, self.pipeline.topology.connectors, **self._runtime_info(kind)
+            )
+        return found
+
+    def _runtime_info(self, kind: ConnectorKind) -> dict[str, Any]:
+        s = self.settings
+        info: dict[str, Any] = {}
+        if kind is ConnectorKind.SHM:
+            info = {"pipeline": self.pipeline.name, "owner": s.owner, "pool_max_bytes": s.shm_pool_bytes}
+        elif kind is ConnectorKind.MOONCAKE:
+            info = {
+                "pipeline": self.pipeline.name,
+                "local_hostname": s.mooncake_host,
+                "master_host": s.mooncake_master_host,
+            }
+        return {**info, **s.extra.get(kind.value, {})}
+
+    async def put(self, kind: str, target: str, key: str, payload: dict[str, Any]) -> Handle:
+        started = time.perf_counter()
+        handle = await self.connector(kind).put(self.stage, target, key, payload)
+        self._observe(kind, "put", handle.nbytes, started)
+        return handle
+
+    async def get(self, handle: Handle) -> dict[str, Any]:
+        started = time.perf_counter()
+        data = await self.connector(handle.kind).get(handle)
+        self._observe(handle.kind.value, "get", handle.nbytes, started)
+        return data
+
+    async def release(self, handle: Handle) -> None:
+        await self.connector(handle.kind).release(handle)
+
+    def trim(self) -> None:
+        """Let the shm pool unlink idle segments beyond its limit (consumers release in other
+        processes; the owner notices on its next put, or here)."""
+        shm = self._connectors.get(ConnectorKind.SHM)
+        if shm is not None:
+            shm.trim()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        for conn in self._connectors.values():
+            conn.close()
+        self._connectors.clear()
+
+    def _observe(self, kind: str, op: str, nbytes: int, started: float) -> None:
+        labels = (self.pipeline.name, self.stage, kind, op)
+        M.connector_bytes.labels(*labels).inc(nbytes)
+        M.connector_seconds.labels(*labels).observe(time.perf_counter() - started)

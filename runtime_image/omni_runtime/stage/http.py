@@ -1,0 +1,69 @@
+"""The stage server's HTTP side: /healthz (alive), /readyz (engine loaded), /metrics (Prometheus)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import TYPE_CHECKING
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from omni_runtime.metrics import render
+
+if TYPE_CHECKING:
+    from omni_runtime.stage.server import StageServer
+
+__all__ = ["ProbeServer", "start_http"]
+
+
+def build_app(server: StageServer) -> Starlette:
+    async def healthz(_: Request) -> Response:
+        return JSONResponse({"status": "alive", "stage": server.stage})
+
+    async def readyz(_: Request) -> Response:
+        if server.ready:
+            works = {w.id: w.phase for w in server.works.values()}
+            return JSONResponse({"status": "ready", "stage": server.stage, "running": len(works), "works": works})
+        reason = "engine failed to load" if server._load_error else "engine loading"
+        return JSONResponse({"status": reason, "stage": server.stage}, status_code=503)
+
+    async def metrics(_: Request) -> Response:
+        body, content_type = render()
+        return Response(body, media_type=content_type)
+
+    return Starlette(routes=[Route("/healthz", healthz), Route("/readyz", readyz), Route("/metrics", metrics)])
+
+
+class ProbeServer:
+    """uvicorn serving the probe app on the running event loop."""
+
+    def __init__(self, app: Starlette, host: str, port: int) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]), name="stage-http")
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(self.task, 5)
+        self.sock.close()
+
+
+async def start_http(server: StageServer, host: str, port: int) -> ProbeServer:
+    probe = ProbeServer(build_app(server), host, port)
+    probe.start()
+    return probe

@@ -1,0 +1,36 @@
+"""Applying an edge's input processor to the upstream outputs a stage received.
+
+The processors live in `omni_runtime.processors` (one per name in `spec.INPUT_PROCESSORS`); they take
+one upstream stage's outputs by role (`primary`, companions). A stage fed by several upstream stages
+runs the processor once per upstream stage and merges the results (later stages win on equal keys).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_runtime.spec import PipelineSpec
+from omni_runtime.stage.protocol import Input
+
+__all__ = ["process_inputs"]
+
+
+def process_inputs(
+    name: str,
+    loaded: list[tuple[Input, dict[str, Any]]],
+    topology: PipelineSpec,
+    *,
+    request_id: str,
+    request: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The engine input built from upstream outputs by the processor called `name`."""
+    from omni_runtime.processors import ProcessorContext, apply_processor
+
+    by_source: dict[str, dict[str, dict[str, Any]]] = {}
+    for item, data in loaded:
+        by_source.setdefault(item.source, {})[item.role] = data
+    context = ProcessorContext(request_id=request_id, request=dict(request or {}))
+    out: dict[str, Any] = {}
+    for source, outputs in by_source.items():
+        out.update(apply_processor(name, topology.stage(source), outputs, context))
+    return out

@@ -1,0 +1,53 @@
+"""`omnikube stage`: run one stage server until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from omni_runtime.spec import ResolvedPipeline
+from omni_runtime.stage.connectors import ConnectorSettings
+from omni_runtime.stage.server import StageServer
+
+__all__ = ["run", "serve"]
+
+log = logging.getLogger(__name__)
+
+
+async def serve(
+    config: str | Path,
+    stage: str,
+    *,
+    host: str,
+    port: int,
+    http_port: int,
+    replica: str,
+    connectors: ConnectorSettings,
+) -> int:
+    pipeline = ResolvedPipeline.model_validate_json(Path(config).read_text(encoding="utf-8"))
+    server = StageServer(
+        pipeline, stage, host=host, port=port, http_port=http_port, replica=replica, connectors=connectors
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    waiter = asyncio.create_task(stop.wait())
+    serving = asyncio.create_task(server.serve_forever())
+    await asyncio.wait({waiter, serving}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if serving.done() and serving.exception() is not None:
+        log.error("%s", serving.exception())
+        code = 1
+    waiter.cancel()
+    serving.cancel()
+    log.info("stage %s: stopping", stage)
+    await server.stop()
+    return code
+
+
+def run(config: str | Path, stage: str, **kwargs) -> int:
+    return asyncio.run(serve(config, stage, **kwargs))

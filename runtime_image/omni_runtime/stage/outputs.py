@@ -1,0 +1,86 @@
+"""Folding engine output pieces together, and counting the items of a windowed edge.
+
+An engine yields `EngineOutput.data` pieces (deltas when it streams). The stage server folds them into
+one payload for a downstream edge (window 0), for a non-streaming final output, or into one chunk of
+`window` items for a windowed edge.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ITEM_KEYS", "count_items", "merge", "summarize"]
+
+ITEM_KEYS = ("codes", "codec_codes", "token_ids", "hidden_states", "latents", "audio")
+"""Keys whose length counts a piece's items (first one present wins): codec codes, tokens, frames."""
+
+_CAT_LAST = {"audio", "waveform"}
+"""Time runs along the last dimension of these (channels x samples)."""
+
+
+def merge(into: dict[str, Any] | None, piece: dict[str, Any]) -> dict[str, Any]:
+    """Fold `piece` (a delta) into `into`: strings and bytes concatenate, lists extend, tensors and
+    arrays concatenate (along the last dimension for audio, else the first), dicts merge recursively,
+    anything else takes the newest value."""
+    if into is None:
+        return dict(piece)
+    out = dict(into)
+    for key, value in piece.items():
+        if key not in out or out[key] is None:
+            out[key] = value
+        else:
+            out[key] = _fold(key, out[key], value)
+    return out
+
+
+def _fold(key: str, old: Any, new: Any) -> Any:
+    if new is None:
+        return old
+    if isinstance(old, str) and isinstance(new, str):
+        return old + new
+    if isinstance(old, bytes | bytearray) and isinstance(new, bytes | bytearray):
+        return bytes(old) + bytes(new)
+    if isinstance(old, list) and isinstance(new, list):
+        return old + new
+    if isinstance(old, dict) and isinstance(new, dict):
+        return merge(old, new)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
+        if old.ndim == 0 or new.ndim == 0:
+            return new
+        return torch.cat([old, new], dim=-1 if key in _CAT_LAST else 0)
+    if isinstance(old, np.ndarray) and isinstance(new, np.ndarray):
+        if old.ndim == 0 or new.ndim == 0:
+            return new
+        return np.concatenate([old, new], axis=-1 if key in _CAT_LAST else 0)
+    return new
+
+
+def count_items(data: dict[str, Any] | None) -> int:
+    """Items in a piece, for windowed edges: the length of its first `ITEM_KEYS` entry, else 1."""
+    if not data:
+        return 0
+    for key in ITEM_KEYS:
+        value = data.get(key)
+        if value is None:
+            continue
+        if isinstance(value, list | tuple):
+            return len(value)
+        shape = getattr(value, "shape", None)
+        if shape is not None and len(shape) > 0:
+            return int(shape[-1] if key in _CAT_LAST else shape[0])
+    return 1
+
+
+def summarize(data: dict[str, Any], limit: int = 2000) -> dict[str, Any]:
+    """The JSON-friendly, short values of a payload (strings, numbers), for `Output.info`."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, str):
+            out[key] = value[:limit]
+        elif isinstance(value, bool | int | float) or value is None:
+            out[key] = value
+    return out

@@ -1,0 +1,202 @@
+"""The router <-> stage protocol: msgspec msgpack messages over ZeroMQ, payload tensors as raw frames.
+
+One ZeroMQ multipart message is `[header, *frames]` (a ROUTER socket adds the peer identity in front).
+`header` is one of the tagged structs below, msgpack-encoded; `frames` are the raw frames of the one
+payload the message carries (`Submit.data`, `Output.data`), produced by `connectors.codec`. Handles
+travel inside the header: an `InlineHandle` carries its bytes there, `shm`/`mooncake` handles a few
+hundred bytes of addressing. PROTOCOL.md next to this file is the prose version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import msgspec
+
+from omni_runtime.connectors.base import AnyHandle
+from omni_runtime.connectors.codec import decode_payload, encode_payload
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Abort",
+    "EdgeOut",
+    "ErrorKind",
+    "Failed",
+    "Feed",
+    "Input",
+    "Message",
+    "Output",
+    "Ping",
+    "Pong",
+    "ProtocolError",
+    "Release",
+    "Submit",
+    "decode",
+    "encode",
+    "payload_of",
+]
+
+PROTOCOL_VERSION = 1
+
+ErrorKind = Literal["invalid_request", "engine_error", "connector_error", "unavailable", "protocol_error"]
+"""`invalid_request` maps to 4xx (the client must change the request); every other kind to 5xx."""
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be decoded, or one that breaks the protocol's rules."""
+
+
+class Input(msgspec.Struct, frozen=True, kw_only=True):
+    """One upstream output delivered to a stage as a connector handle."""
+
+    source: str
+    """Upstream stage that produced it."""
+    role: str = "primary"
+    """Role of the upstream work ("primary" or a companion role such as "cfg_text")."""
+    seq: int = 0
+    """Orders the chunks of a windowed edge (increasing); whole outputs have one handle."""
+    last: bool = True
+    """The producer's last handle for this edge (chunks before it say False)."""
+    handle: AnyHandle
+
+
+class EdgeOut(msgspec.Struct, frozen=True, kw_only=True):
+    """A downstream edge the stage must produce handles for."""
+
+    target: str
+    connector: str
+    """Connector kind: inline, shm or mooncake."""
+    window: int = 0
+    """Items per chunk handle; 0 puts one handle with the whole output at the end."""
+
+
+class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
+    """Router -> stage: start one unit of work."""
+
+    id: str
+    """Work id, unique per router over time: `<request id>.<choice>.<stage>.<role>`."""
+    request_id: str
+    stage: str
+    role: str = "primary"
+    data: bool = False
+    """True when the message frames carry an inline payload (entry stages: prompt, messages...)."""
+    inputs: list[Input] = []
+    """Upstream outputs as handles; the stage `get`s and `release`s every one of them."""
+    input_processor: str = "identity"
+    """Name of the edge's input processor applied to `inputs` before the engine sees them."""
+    more_inputs: bool = False
+    """True when more input chunks follow in `Feed` messages (windowed upstream edge)."""
+    params: dict[str, Any] = {}
+    """Request sampling parameters; merged over the stage's defaults by the stage."""
+    context: dict[str, Any] = {}
+    """Client request fields the input processor may use (e.g. `negative_prompt`)."""
+    final: bool = False
+    """Send engine outputs back inline (`Output.data`): the client sees this stage's output."""
+    stream: bool = False
+    """With `final`: send every engine output as it comes (deltas); else only merged at the end."""
+    edges: list[EdgeOut] = []
+    """Downstream edges to `put` this work's output on."""
+
+
+class Feed(msgspec.Struct, frozen=True, kw_only=True, tag="feed"):
+    """Router -> stage: more input chunks for a work submitted with `more_inputs`."""
+
+    id: str
+    inputs: list[Input] = []
+    last: bool = False
+    """No more chunks follow."""
+
+
+class Abort(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):
+    """Router -> stage: stop a work, release its input handles and the handles it created."""
+
+    id: str
+    reason: str = ""
+
+
+class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
+    """Router -> stage: release handles nobody will consume (sent to the producer of each)."""
+
+    handles: list[AnyHandle]
+
+
+class Ping(msgspec.Struct, frozen=True, kw_only=True, tag="ping"):
+    nonce: int
+    sent_at: float = 0.0
+
+
+class Pong(msgspec.Struct, frozen=True, kw_only=True, tag="pong"):
+    nonce: int
+    sent_at: float = 0.0
+    """Echo of `Ping.sent_at`, so the router measures the round trip."""
+    ready: bool = False
+    """The engine has loaded; the router sends work only to ready replicas."""
+    stage: str = ""
+    running: int = 0
+    """Works running on this replica (all routers together)."""
+    version: int = PROTOCOL_VERSION
+
+
+class Output(msgspec.Struct, frozen=True, kw_only=True, tag="output"):
+    """Stage -> router: a piece of a work's output. The last one of a work has `finished`."""
+
+    id: str
+    seq: int
+    """0, 1, ... per work, in sending order."""
+    data: bool = False
+    """True when the frames carry an inline payload (final-output data)."""
+    handles: list[Input] = []
+    """Handles for downstream edges (`Input.source` is this stage; `handle.target` the edge target)."""
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+    info: dict[str, Any] = {}
+    """What the stage wants the router to know (the prompt it ran, timings); JSON-friendly values."""
+
+
+class Failed(msgspec.Struct, frozen=True, kw_only=True, tag="failed"):
+    """Stage -> router: the work failed; it ends here (no `Output(finished)` follows)."""
+
+    id: str
+    kind: ErrorKind
+    message: str
+
+
+Message = Submit | Feed | Abort | Release | Ping | Pong | Output | Failed
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message, payload: dict[str, Any] | None = None) -> list[Any]:
+    """The multipart frames of `message`; `payload` (for `data=True` messages) follows as codec frames."""
+    if payload is None:
+        return [_encoder.encode(message)]
+    header, frames = encode_payload(payload)
+    return [_encoder.encode(message), header, *frames]
+
+
+def decode(frames: Sequence[Any]) -> tuple[Message, list[Any]]:
+    """The message and the payload frames after it (codec header first), or ProtocolError."""
+    if not frames:
+        raise ProtocolError("empty multipart message; expected a msgpack header frame")
+    try:
+        message = _decoder.decode(_buffer(frames[0]))
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise ProtocolError(f"undecodable protocol header ({err}); router and stage versions differ?") from err
+    return message, [_buffer(f) for f in frames[1:]]
+
+
+def payload_of(message: Submit | Output, rest: list[Any]) -> dict[str, Any] | None:
+    """The inline payload carried after the header, or None when the message has none."""
+    if not message.data:
+        return None
+    if not rest:
+        raise ProtocolError(f"{type(message).__name__} {message.id!r} says data=True but carries no frames")
+    return decode_payload(rest[0], rest[1:])
+
+
+def _buffer(frame: Any) -> Any:
+    """zmq.Frame (copy=False receives) -> its buffer; bytes stay bytes."""
+    return frame.buffer if hasattr(frame, "buffer") else frame

@@ -1,0 +1,499 @@
+"""The stage server: one engine behind a ZeroMQ ROUTER socket, plus /healthz, /readyz, /metrics.
+
+Every `Submit` becomes a task that gets its input handles, runs the edge's input processor and the
+engine, sends final outputs inline and downstream outputs as handles it `put`s, and releases every
+input handle it was given, whatever happens. `Abort` cancels that task; the handles the work created
+and the router has not seen taken are released too. See PROTOCOL.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from omni_runtime.connectors import ConnectorError, Handle
+from omni_runtime.engines.base import Engine, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.metrics import Stage as M
+from omni_runtime.processors import ProcessorError
+from omni_runtime.spec import ResolvedPipeline
+from omni_runtime.stage import protocol as P
+from omni_runtime.stage.connectors import ConnectorSet, ConnectorSettings
+from omni_runtime.stage.inputs import process_inputs
+from omni_runtime.stage.outputs import count_items, merge, summarize
+
+__all__ = ["StageServer"]
+
+log = logging.getLogger(__name__)
+
+PEER_TIMEOUT_S = 15.0
+"""Works of a router that has sent nothing (not even a ping) for this long are aborted."""
+
+
+@dataclass(eq=False)
+class _Work:
+    submit: P.Submit
+    peer: bytes
+    started: float = field(default_factory=time.perf_counter)
+    task: asyncio.Task | None = None
+    feed: asyncio.Queue = field(default_factory=asyncio.Queue)
+    held: list[Handle] = field(default_factory=list)
+    """Input handles received and not yet released."""
+    created: list[Handle] = field(default_factory=list)
+    """Handles this work `put` (released on abort)."""
+    seq: int = 0
+    running_engine_id: str | None = None
+    closing: bool = False
+    """Past its last output or failure: an abort no longer cancels it."""
+    phase: str = "queued"
+    """Where the work is (inputs, engine, outputs, aborting...), for /readyz and debugging."""
+
+    @property
+    def id(self) -> str:
+        return self.submit.id
+
+
+class StageServer:
+    """Serves one stage of `pipeline` on `host:port` (protocol) and `host:http_port` (probes)."""
+
+    def __init__(
+        self,
+        pipeline: ResolvedPipeline,
+        stage: str,
+        *,
+        engine: Engine | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        http_port: int | None = 0,
+        replica: str = "0",
+        connectors: ConnectorSettings | None = None,
+        peer_timeout_s: float = PEER_TIMEOUT_S,
+    ) -> None:
+        """`engine=None` loads the stage's engine with `engines.factory.make_engine`. `port=0` binds a
+        free port (see `self.port` after `start`); `http_port=None` serves no HTTP."""
+        self.pipeline = pipeline
+        self.spec = pipeline.topology.stage(stage)
+        self.stage = stage
+        self.engine = engine
+        self.host = host
+        self.port = port
+        self.http_port = http_port
+        self.replica = replica
+        self.peer_timeout_s = peer_timeout_s
+        self.connectors = ConnectorSet(pipeline, stage, connectors or ConnectorSettings(owner=f"{stage}-{replica}"))
+        self.ready = False
+        self.works: dict[str, _Work] = {}
+        self._labels = (pipeline.name, stage, replica)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._send_lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task] = []
+        self._peers: dict[bytes, float] = {}
+        self._http: Any = None
+        self._stopped = asyncio.Event()
+        self._load_error: BaseException | None = None
+        self._closing = False
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind the sockets and serve probes at once; load the engine in the background."""
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if self.port:
+            sock.bind(f"tcp://{self.host}:{self.port}")
+        else:
+            self.port = sock.bind_to_random_port(f"tcp://{self.host}")
+        self._sock = sock
+        M.ready.labels(*self._labels).set(0)
+        if self.http_port is not None:
+            from omni_runtime.stage.http import start_http
+
+            self._http = await start_http(self, self.host, self.http_port)
+            self.http_port = self._http.port
+        self._tasks = [
+            asyncio.create_task(self._recv_loop(), name="stage-recv"),
+            asyncio.create_task(self._housekeeping(), name="stage-housekeeping"),
+            asyncio.create_task(self._load(), name="stage-load"),
+        ]
+        log.info(
+            "stage %s (replica %s) of %s: protocol on tcp://%s:%d, probes on http://%s:%s",
+            self.stage, self.replica, self.pipeline.name, self.host, self.port, self.host, self.http_port,
+        )  # fmt: skip
+
+    async def _load(self) -> None:
+        try:
+            if self.engine is None:
+                from omni_runtime.engines.factory import make_engine
+
+                self.engine = make_engine(self.pipeline, self.stage)
+            started = time.perf_counter()
+            await self.engine.start()
+            self.ready = True
+            M.ready.labels(*self._labels).set(1)
+            log.info("stage %s: engine ready in %.1fs", self.stage, time.perf_counter() - started)
+        except BaseException as err:
+            self._load_error = err
+            log.exception("stage %s: the engine failed to load", self.stage)
+            self._stopped.set()
+            if not isinstance(err, Exception):
+                raise
+
+    async def serve_forever(self) -> None:
+        """Run until `stop()` is called or the engine fails to load (then raise its error)."""
+        await self._stopped.wait()
+        if self._load_error is not None:
+            raise RuntimeError(f"stage {self.stage}: engine failed to load: {self._load_error}")
+
+    async def stop(self) -> None:
+        """Abort every work, stop the engine, close connectors (unlinking this process's shm)."""
+        if self._closing:
+            return
+        self._closing = True
+        self._stopped.set()
+        for work in list(self.works.values()):
+            if work.task is not None:
+                work.task.cancel()
+        await asyncio.gather(*(w.task for w in list(self.works.values()) if w.task), return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._http is not None:
+            await self._http.stop()
+        if self.engine is not None and self.ready:
+            with contextlib.suppress(Exception):
+                await self.engine.stop()
+        self.connectors.close()
+        if self._sock is not None:
+            self._sock.close(0)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # -- receiving -----------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            peer, body = frames[0].bytes, frames[1:]
+            self._peers[peer] = time.monotonic()
+            try:
+                message, rest = P.decode(body)
+                await self._dispatch(peer, message, rest)
+            except P.ProtocolError as err:
+                log.warning("stage %s: dropping a message: %s", self.stage, err)
+            except Exception:
+                log.exception("stage %s: handling a message failed", self.stage)
+
+    async def _dispatch(self, peer: bytes, message: P.Message, rest: list[Any]) -> None:
+        if isinstance(message, P.Ping):
+            running = len(self.works)
+            pong = P.Pong(
+                nonce=message.nonce, sent_at=message.sent_at, ready=self.ready, stage=self.stage,
+                running=running,
+            )  # fmt: skip
+            await self._send(peer, pong)
+        elif isinstance(message, P.Submit):
+            await self._on_submit(peer, message, rest)
+        elif isinstance(message, P.Feed):
+            work = self.works.get(message.id)
+            if work is None:  # finished or aborted meanwhile: nobody will read these
+                await self._release_all([i.handle for i in message.inputs])
+            else:
+                work.held.extend(i.handle for i in message.inputs)
+                self._count_handles()
+                work.feed.put_nowait(message)
+        elif isinstance(message, P.Abort):
+            work = self.works.get(message.id)
+            if work is not None and work.task is not None and not work.closing:
+                log.info("stage %s: aborting %s (%s)", self.stage, message.id, message.reason or "router")
+                work.task.cancel()
+        elif isinstance(message, P.Release):
+            await self._release_all(message.handles)
+        else:
+            raise P.ProtocolError(f"a stage does not accept {type(message).__name__} messages")
+
+    async def _on_submit(self, peer: bytes, submit: P.Submit, rest: list[Any]) -> None:
+        handles = [i.handle for i in submit.inputs]
+        if submit.id in self.works:
+            await self._release_all(handles)
+            await self._send(peer, P.Failed(id=submit.id, kind="protocol_error", message="duplicate work id"))
+            return
+        if not self.ready:
+            await self._release_all(handles)
+            msg = f"stage {self.stage} replica {self.replica} is still loading its engine; retry shortly"
+            await self._send(peer, P.Failed(id=submit.id, kind="unavailable", message=msg))
+            return
+        work = _Work(submit=submit, peer=peer, held=handles)
+        try:
+            inline = P.payload_of(submit, rest)
+        except Exception as err:
+            await self._release_all(handles)
+            await self._send(peer, P.Failed(id=submit.id, kind="protocol_error", message=str(err)))
+            return
+        self.works[submit.id] = work
+        M.running.labels(*self._labels).set(len(self.works))
+        self._count_handles()
+        work.task = asyncio.create_task(self._run(work, inline), name=f"work-{submit.id}")
+
+    # -- running a work ------------------------------------------------------------------------
+
+    async def _run(self, work: _Work, inline: dict[str, Any] | None) -> None:
+        status = "ok"
+        try:
+            await self._execute(work, inline)
+        except asyncio.CancelledError:
+            status = "aborted"
+        except InvalidRequest as err:
+            status = "invalid_request"
+            await self._fail(work, "invalid_request", str(err))
+        except ConnectorError as err:
+            status = "connector_error"
+            await self._fail(work, "connector_error", f"stage {self.stage}: {err}")
+        except ProcessorError as err:
+            status = "engine_error"
+            await self._fail(work, "engine_error", f"stage {self.stage}: {err}")
+        except Exception as err:
+            status = "engine_error"
+            log.exception("stage %s: work %s failed", self.stage, work.id)
+            await self._fail(work, "engine_error", f"stage {self.stage}: {type(err).__name__}: {err}")
+        finally:
+            # No abort may interrupt the cleanup: it runs shielded, to its end, whatever happens here.
+            work.closing = True
+            await asyncio.shield(self._close_work(work, status))
+
+    async def _close_work(self, work: _Work, status: str) -> None:
+        """Abort the engine and release created handles unless the work finished; then release every
+        input handle it holds (chunks fed after it stopped reading included) and forget it."""
+        work.phase = "releasing"
+        if status != "ok":
+            await self._abort_engine(work)
+            await self._release_all(work.created)
+            work.created.clear()
+        await self._release_all(work.held)
+        work.held.clear()
+        while not work.feed.empty():
+            feed = work.feed.get_nowait()
+            await self._release_all([i.handle for i in feed.inputs])
+        self.works.pop(work.id, None)
+        M.running.labels(*self._labels).set(len(self.works))
+        M.requests.labels(*self._labels, status).inc()
+        M.latency.labels(*self._labels).observe(time.perf_counter() - work.started)
+        self._count_handles()
+
+    async def _execute(self, work: _Work, inline: dict[str, Any] | None) -> None:
+        s = work.submit
+        params = {**self.spec.sampling_params, **s.params}
+        edges = _EdgeBuffers(s.edges)
+        final_acc: dict[str, Any] | None = None
+        last: EngineOutput | None = None
+        chunks = self._chunks(work)
+        chunk_index = 0
+        info_sent = False
+        async for inputs, is_last in chunks:
+            work.phase = "inputs"
+            data = await self._prepare(work, inline, inputs)
+            if not info_sent and summarize(data):
+                await self._send(work.peer, P.Output(id=work.id, seq=self._seq(work), info=summarize(data)))
+            info_sent = True
+            chunk_params = dict(params)
+            if s.more_inputs:
+                chunk_params.update(chunk_index=chunk_index, last_chunk=is_last)
+            engine_id = work.id if not s.more_inputs else f"{work.id}#{chunk_index}"
+            request = EngineInput(request_id=engine_id, data=data, params=chunk_params, role=s.role)
+            work.running_engine_id = engine_id
+            work.phase = "engine"
+            async for out in self.engine.generate(request):  # type: ignore[union-attr]
+                last = out
+                if s.final:
+                    if s.stream:
+                        await self._send_final(work, out.data)
+                    else:
+                        final_acc = merge(final_acc, out.data)
+                await edges.add(out.data, lambda e, d, last: self._put(work, e, d, last))
+            work.running_engine_id = None
+            work.phase = "outputs"
+            if s.more_inputs:  # a chunk is done with once its engine run is; whole inputs at the end,
+                done = [i.handle for i in inputs]  # after their outputs are put (shm payloads are views)
+                await self._release_all(done)
+                work.held = [h for h in work.held if h not in done]
+                self._count_handles()
+            chunk_index += 1
+        await edges.flush(lambda e, d, last: self._put(work, e, d, last))
+        with_data = s.final and not s.stream and final_acc is not None
+        done_msg = P.Output(
+            id=work.id, seq=self._seq(work), data=with_data, finished=True,
+            finish_reason=last.finish_reason if last else None, usage=last.usage if last else None,
+        )  # fmt: skip
+        await self._send(work.peer, done_msg, final_acc if with_data else None)
+        work.created.clear()  # the router now owns them (it releases what nobody consumes)
+
+    async def _chunks(self, work: _Work):
+        """(inputs, is last) per engine run: one run, or one per chunk of a windowed edge."""
+        s = work.submit
+        if not s.more_inputs:
+            yield list(s.inputs), True
+            return
+        pending = list(s.inputs)
+        last = False
+        while True:
+            if not pending and not last:
+                feed: P.Feed = await work.feed.get()
+                pending.extend(feed.inputs)
+                last = feed.last
+                if not pending and not last:
+                    continue
+            if not pending and last:
+                return
+            # one engine run per chunk, in chunk order
+            pending.sort(key=lambda i: i.seq)
+            chunk = pending.pop(0)
+            yield [chunk], chunk.last or (last and not pending)
+
+    async def _prepare(self, work: _Work, inline: dict[str, Any] | None, inputs: list[P.Input]) -> dict[str, Any]:
+        s = work.submit
+        if not inputs:
+            return dict(inline or {})
+        loaded = [(item, await self.connectors.get(item.handle)) for item in inputs]
+        data = process_inputs(
+            s.input_processor, loaded, self.pipeline.topology, request_id=s.request_id, request=s.context
+        )
+        if inline:
+            data = {**inline, **data}
+        return data
+
+    async def _put(self, work: _Work, edge: P.EdgeOut, data: dict[str, Any], last: bool) -> None:
+        key = f"{work.submit.request_id}.{work.submit.role}.{work.seq}"
+        handle = await self.connectors.put(edge.connector, edge.target, key, data)
+        work.created.append(handle)
+        self._count_handles()
+        item = P.Input(source=self.stage, role=work.submit.role, seq=work.seq, last=last, handle=handle)
+        await self._send(work.peer, P.Output(id=work.id, seq=self._seq(work), handles=[item]))
+
+    async def _send_final(self, work: _Work, data: dict[str, Any]) -> None:
+        await self._send(work.peer, P.Output(id=work.id, seq=self._seq(work), data=True), data)
+
+    async def _fail(self, work: _Work, kind: P.ErrorKind, message: str) -> None:
+        with contextlib.suppress(Exception):
+            await self._send(work.peer, P.Failed(id=work.id, kind=kind, message=message))
+
+    async def _abort_engine(self, work: _Work) -> None:
+        engine_id = work.running_engine_id
+        if engine_id is not None and self.engine is not None:
+            try:
+                await asyncio.shield(self.engine.abort(engine_id))
+            except Exception:
+                log.exception("stage %s: engine abort of %s failed", self.stage, engine_id)
+
+    async def _release_all(self, handles: list[Handle]) -> None:
+        for handle in list(handles):
+            try:
+                await asyncio.shield(self.connectors.release(handle))
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # the payload's owner may be gone; nothing is left to free
+                log.warning("stage %s: releasing %s handle %s failed: %s", self.stage,
+                            handle.kind.value, handle.key, err)  # fmt: skip
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def _seq(self, work: _Work) -> int:
+        work.seq += 1
+        return work.seq - 1
+
+    async def _send(self, peer: bytes, message: P.Message, payload: dict[str, Any] | None = None) -> None:
+        assert self._sock is not None
+        frames = P.encode(message, payload)
+        async with self._send_lock:
+            try:
+                await self._sock.send_multipart([peer, *frames], copy=len(frames) == 1)
+            except zmq.ZMQError as err:  # the router went away (ROUTER_MANDATORY: unroutable)
+                level = logging.DEBUG if isinstance(message, P.Pong) else logging.WARNING
+                log.log(level, "stage %s: cannot send %s to a router: %s", self.stage, type(message).__name__, err)
+
+    # -- housekeeping --------------------------------------------------------------------------
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for work in list(self.works.values()):
+                seen = self._peers.get(work.peer, now)
+                if now - seen > self.peer_timeout_s and work.task is not None and not work.closing:
+                    log.warning("stage %s: router silent for %.0fs; aborting %s", self.stage,
+                                now - seen, work.id)  # fmt: skip
+                    work.task.cancel()
+            if self.engine is not None and self.ready:
+                self._engine_stats()
+            self.connectors.trim()
+
+    def _engine_stats(self) -> None:
+        try:
+            stats = self.engine.stats()  # type: ignore[union-attr]
+        except Exception:
+            return
+        for name, value in stats.items():
+            if name in ("queue_depth", "waiting", "num_waiting"):
+                M.engine_queue.labels(*self._labels).set(value)
+            else:
+                M.engine_stat.labels(*self._labels, name).set(value)
+
+    def _count_handles(self) -> None:
+        n = sum(len(w.held) + len(w.created) for w in self.works.values())
+        M.handles_open.labels(*self._labels).set(n)
+
+
+class _EdgeBuffers:
+    """Per downstream edge: the output folded so far, cut into a handle every `window` items.
+
+    A full chunk waits until the next piece with items arrives (or the work ends), so the last chunk
+    of an edge always goes out marked `last` and the target knows it without waiting for the router.
+    """
+
+    def __init__(self, edges: list[P.EdgeOut]) -> None:
+        self.edges = edges
+        self.acc: dict[str, dict[str, Any] | None] = {e.target: None for e in edges}
+        self.ready: dict[str, dict[str, Any] | None] = {e.target: None for e in edges}
+        self.puts = {e.target: 0 for e in edges}
+
+    async def add(self, piece: dict[str, Any], put) -> None:
+        items = count_items(piece)
+        for edge in self.edges:
+            t = edge.target
+            if self.ready[t] is not None and items > 0:
+                await self._put(edge, self.ready[t], False, put)
+                self.ready[t] = None
+            if self.ready[t] is not None:
+                self.ready[t] = merge(self.ready[t], piece)
+                continue
+            self.acc[t] = merge(self.acc[t], piece)
+            if edge.window > 0 and count_items(self.acc[t]) >= edge.window:
+                self.ready[t], self.acc[t] = self.acc[t], None
+
+    async def flush(self, put) -> None:
+        """Put what is left, the last handle marked `last`; every edge gets at least one handle."""
+        for edge in self.edges:
+            t = edge.target
+            ready, acc = self.ready[t], self.acc[t]
+            if ready is not None and count_items(acc) > 0:
+                await self._put(edge, ready, False, put)
+                await self._put(edge, acc, True, put)
+            elif ready is not None:
+                await self._put(edge, merge(ready, acc or {}), True, put)
+            elif acc is not None or self.puts[t] == 0:
+                await self._put(edge, acc or {}, True, put)
+            self.ready[t] = self.acc[t] = None
+
+    async def _put(self, edge: P.EdgeOut, data: dict[str, Any], last: bool, put) -> None:
+        await put(edge, data, last)
+        self.puts[edge.target] += 1

@@ -1,0 +1,299 @@
+"""The router app against real stage servers over ZeroMQ, with the EchoEngine (fast, no models).
+
+Everything runs in the test's event loop: stage servers with `EchoEngine`s (see its docstring for
+why), the router's FastAPI app on uvicorn, and the real OpenAI client / httpx talking HTTP to it.
+The same behaviours are checked end to end with the real engines in test_serve_*.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import busy_shm_segments, echo_cluster, echo_pipeline, metric_values
+
+from omni_runtime.metrics import REGISTRY
+from omni_runtime.spec import CompanionSpec, EdgeSpec, PipelineSpec, RouterLimits, StageSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def chat_topology() -> PipelineSpec:
+    return PipelineSpec(name="echo", stages=[StageSpec(name="llm", kind="ar", final_output=True)])
+
+
+def enhanced_topology(connector: str) -> PipelineSpec:
+    return PipelineSpec(
+        name="echo2",
+        stages=[
+            StageSpec(name="a", kind="ar", companions=[CompanionSpec(role="cfg_text", negative_prompt="ugly dark")]),
+            StageSpec(name="b", kind="ar", final_output=True),
+        ],
+        edges=[EdgeSpec(**{"from": "a", "to": "b", "connector": connector, "input_processor": "ar_text_to_prompt"})],
+    )
+
+
+def windowed_topology(window: int) -> PipelineSpec:
+    return PipelineSpec(
+        name="echo3",
+        stages=[StageSpec(name="a", kind="ar"), StageSpec(name="b", kind="ar", final_output=True)],
+        edges=[EdgeSpec(**{"from": "a", "to": "b", "connector": "shm", "window": window})],
+    )
+
+
+def client(base: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def running(cluster, stage: str) -> float:
+    return sum(len(s.works) for s in cluster.servers[stage])
+
+
+def handles_open(cluster, stage: str) -> int:
+    return sum(len(w.held) + len(w.created) for s in cluster.servers[stage] for w in s.works.values())
+
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+# -- one stage -----------------------------------------------------------------------------------
+
+
+async def test_chat_answers_streams_and_counts_usage() -> None:
+    async with echo_cluster(echo_pipeline(chat_topology())) as cluster, client(cluster.base) as api:
+        reply = await api.chat.completions.create(model="echo", messages=user("hello big world"))
+        assert reply.choices[0].message.content == "hello big world "
+        assert reply.choices[0].finish_reason == "stop"
+        assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (3, 3, 6)
+
+        stream = await api.chat.completions.create(
+            model="echo", messages=user("one two three"), stream=True, stream_options={"include_usage": True}
+        )
+        deltas, usage, finish = [], None, None
+        async for chunk in stream:
+            if chunk.usage:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                deltas.append(choice.delta.content or "")
+                finish = choice.finish_reason or finish
+        assert "".join(deltas) == "one two three " and len([d for d in deltas if d]) == 3
+        assert finish == "stop" and usage.completion_tokens == 3
+
+        many = await api.chat.completions.create(model="echo", messages=user("a b"), n=3)
+        assert [c.index for c in many.choices] == [0, 1, 2]
+        assert {c.message.content for c in many.choices} == {"a b "}
+        assert many.usage.prompt_tokens == 2 and many.usage.completion_tokens == 6
+
+        models = await api.models.list()
+        assert [m.id for m in models.data] == ["echo"]
+
+
+async def test_request_errors_are_openai_shaped() -> None:
+    limits = RouterLimits(max_body_bytes=2048)
+    async with echo_cluster(echo_pipeline(chat_topology(), limits=limits)) as cluster, client(cluster.base) as api:
+        with pytest.raises(openai.NotFoundError) as err:
+            await api.chat.completions.create(model="gpt-9", messages=user("x"))
+        assert err.value.body["message"].startswith("The model `gpt-9` does not exist")
+        assert err.value.body["param"] == "model" and err.value.body["code"] == 404
+
+        with pytest.raises(openai.BadRequestError) as err:
+            await api.chat.completions.create(model="echo", messages=user("x"), modalities=["image"])
+        assert "it can produce ['text']" in err.value.body["message"]
+
+        with pytest.raises(openai.BadRequestError) as err:
+            await api.chat.completions.create(
+                model="echo", messages=user("x"), extra_body={"sampling_params_list": [{"invalid": "too long"}]}
+            )
+        assert err.value.body["message"] == "echo: too long"
+
+        with pytest.raises(openai.InternalServerError) as err:
+            await api.chat.completions.create(
+                model="echo", messages=user("x"), extra_body={"sampling_params_list": [{"fail": "kaput"}]}
+            )
+        assert "echo: kaput" in err.value.body["message"]
+
+        with pytest.raises(openai.BadRequestError) as err:
+            await api.images.generate(model="echo", prompt="a cat")
+        assert "produces ['text'], not images" in err.value.body["message"]
+
+        async with httpx.AsyncClient(base_url=cluster.base) as http:
+            bad = await http.post("/v1/chat/completions", content=b'{"model": "echo", "messages": [',
+                                  headers={"content-type": "application/json"})  # fmt: skip
+            assert bad.status_code == 400
+            assert bad.json()["error"]["type"] == "BadRequestError"
+            assert "not valid JSON" in bad.json()["error"]["message"]
+
+            big = await http.post("/v1/chat/completions", json={"model": "echo", "messages": user("x" * 5000)})
+            assert big.status_code == 413
+            assert "at most 2048 bytes" in big.json()["error"]["message"]
+
+            async def chunks():
+                for _ in range(5):
+                    yield b" " * 1000
+
+            streamed = await http.post("/v1/chat/completions", content=chunks(),
+                                       headers={"content-type": "application/json"})  # fmt: skip
+            assert streamed.status_code == 413
+
+            missing = await http.post("/v1/chat/completions", json={"model": "echo"})
+            assert missing.status_code == 400 and "messages: field required" in missing.json()["error"]["message"]
+
+            edits = await http.post("/v1/images/edits", files={"image": ("a.png", b"x")}, data={"prompt": "p"})
+            assert edits.status_code == 400
+
+            assert (await http.get("/nope")).status_code == 404
+            health = await http.get("/health")
+            assert health.status_code == 200 and health.json()["ready_replicas"] == {"llm": 1}
+            metrics = (await http.get("/metrics")).text
+        assert metric_values(metrics, "omnikube_requests_total", pipeline="echo", status="413")
+        assert metric_values(metrics, "omnikube_request_errors_total", pipeline="echo", type="NotFoundError")
+
+
+async def test_admission_full_gives_429_with_retry_after() -> None:
+    limits = RouterLimits(max_concurrent_requests=1, max_queued_requests=1)
+    async with echo_cluster(echo_pipeline(chat_topology(), limits=limits)) as cluster, client(cluster.base) as api:
+        slow = {"sampling_params_list": [{"delay": 0.2}]}
+        first = asyncio.create_task(api.chat.completions.create(model="echo", messages=user("a b c"), extra_body=slow))
+        await until(lambda: running(cluster, "llm") == 1)
+        queued = asyncio.create_task(api.chat.completions.create(model="echo", messages=user("d"), extra_body=slow))
+        await until(lambda: cluster.app.state.context.admission.queued == 1)
+        async with httpx.AsyncClient(base_url=cluster.base) as http:
+            refused = await http.post("/v1/chat/completions", json={"model": "echo", "messages": user("e")})
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "RateLimitError"
+        assert (await first).choices[0].message.content == "a b c "
+        assert (await queued).choices[0].message.content == "d "
+
+
+async def test_timeout_gives_504_and_aborts_the_work() -> None:
+    limits = RouterLimits(request_timeout_s=0.5)
+    async with echo_cluster(echo_pipeline(chat_topology(), limits=limits)) as cluster, client(cluster.base) as api:
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as err:
+            await api.chat.completions.create(
+                model="echo", messages=user("w " * 50), extra_body={"sampling_params_list": [{"delay": 0.1}]}
+            )
+        assert err.value.status_code == 504 and time.monotonic() - started < 3
+        assert "did not finish within 0.5s" in err.value.body["message"]
+        engine = cluster.engines["llm"][0]
+        await until(lambda: running(cluster, "llm") == 0)
+        assert len(engine.aborted) == 1
+
+
+async def test_client_disconnect_mid_stream_aborts_the_stage() -> None:
+    async with echo_cluster(echo_pipeline(chat_topology())) as cluster:
+        async with httpx.AsyncClient(base_url=cluster.base, timeout=10) as http:
+            body = {"model": "echo", "messages": user("w " * 100), "stream": True,
+                    "sampling_params_list": [{"delay": 0.05}]}  # fmt: skip
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                lines = response.aiter_lines()
+                while "w" not in await anext(lines):
+                    pass
+                assert running(cluster, "llm") == 1
+        await until(lambda: running(cluster, "llm") == 0)
+        assert len(cluster.engines["llm"][0].aborted) == 1
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"{cluster.base}/metrics")).text
+        assert metric_values(text, "omnikube_requests_in_flight", pipeline="echo") == [0.0]
+
+
+async def test_a_lost_replica_fails_its_requests_and_the_next_go_to_the_live_one() -> None:
+    pipeline = echo_pipeline(chat_topology())
+    async with echo_cluster(pipeline, {"llm": 2}, ping_timeout_s=1.0) as cluster, client(cluster.base) as api:
+        slow = {"sampling_params_list": [{"delay": 0.1}]}
+        calls = [
+            asyncio.create_task(api.chat.completions.create(model="echo", messages=user("w " * 40), extra_body=slow))
+            for _ in range(2)
+        ]
+        await until(lambda: all(len(s.works) == 1 for s in cluster.servers["llm"]))  # one on each replica
+        victim = cluster.servers["llm"][0]
+        started = time.monotonic()
+        await victim.stop()  # closes its socket: the router sees the connection drop
+        done, _ = await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
+        assert time.monotonic() - started < 2
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, Exception)]
+        assert len(failed) == 1 and isinstance(failed[0], openai.APIStatusError) and done.pop().exception()
+        assert failed[0].status_code == 502
+        assert f"replica 127.0.0.1:{victim.port} failed while running request" in failed[0].body["message"]
+        for _ in range(4):
+            reply = await api.chat.completions.create(model="echo", messages=user("still here"))
+            assert reply.choices[0].message.content == "still here "
+        assert cluster.pool["llm"].replicas[f"127.0.0.1:{victim.port}"].state.value == "down"
+
+
+# -- two stages: companions and handles ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("connector", ["inline", "shm"])
+async def test_companion_output_reaches_the_next_stage_with_the_primary(connector: str) -> None:
+    pipeline = echo_pipeline(enhanced_topology(connector), name=f"echo2-{connector}")
+    async with echo_cluster(pipeline) as cluster, client(cluster.base) as api:
+        params = {"sampling_params_list": [{"upper": True}, {}]}
+        reply = await api.chat.completions.create(model=pipeline.name, messages=user("a red fox"), extra_body=params)
+        assert reply.choices[0].message.content == "A RED FOX "
+        b_input = cluster.engines["b"][0].seen[-1].data
+        assert b_input == {"prompt": "A RED FOX", "negative_prompt": "UGLY DARK"}
+        roles = sorted(r.role for r in cluster.engines["a"][0].seen)
+        assert roles == ["cfg_text", "primary"]
+
+        await api.chat.completions.create(
+            model=pipeline.name, messages=user("a cat"), extra_body={"negative_prompt": "no dogs"}
+        )
+        assert cluster.engines["b"][0].seen[-1].data == {"prompt": "a cat", "negative_prompt": "no dogs"}
+        assert handles_open(cluster, "a") == 0 and handles_open(cluster, "b") == 0
+        assert busy_shm_segments(pipeline.name) == []
+
+
+async def test_cancelling_mid_pipeline_releases_every_handle() -> None:
+    pipeline = echo_pipeline(enhanced_topology("shm"), name="echo2-cancel")
+    async with echo_cluster(pipeline) as cluster:
+        async with httpx.AsyncClient(base_url=cluster.base, timeout=10) as http:
+            body = {"model": pipeline.name, "messages": user("w " * 60), "stream": True,
+                    "sampling_params_list": [{}, {"delay": 0.05}]}  # fmt: skip
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                lines = response.aiter_lines()
+                while "w" not in await anext(lines):
+                    pass
+                assert running(cluster, "b") == 1 and busy_shm_segments(pipeline.name)
+        await until(lambda: running(cluster, "b") == 0 and running(cluster, "a") == 0)
+        assert cluster.engines["b"][0].aborted
+        await until(lambda: busy_shm_segments(pipeline.name) == [])
+        assert handles_open(cluster, "a") == 0 and handles_open(cluster, "b") == 0
+
+
+async def test_windowed_edge_starts_downstream_on_the_first_chunk() -> None:
+    pipeline = echo_pipeline(windowed_topology(2), name="echo3")
+    async with echo_cluster(pipeline) as cluster, client(cluster.base) as api:
+        reply = await api.chat.completions.create(model="echo3", messages=user("one two three four five"))
+        assert reply.choices[0].message.content == "one two three four five "
+        seen = cluster.engines["b"][0].seen
+        assert [s.data["text"] for s in seen] == ["one two ", "three four ", "five "]
+        assert [s.params["chunk_index"] for s in seen] == [0, 1, 2]
+        assert [s.params["last_chunk"] for s in seen] == [False, False, True]
+        assert busy_shm_segments("echo3") == []
+
+
+def test_metrics_registry_has_the_vocabulary() -> None:
+    names = {m.name for m in REGISTRY.collect()}
+    for name in (
+        "omnikube_requests", "omnikube_request_errors", "omnikube_queue_depth", "omnikube_requests_in_flight",
+        "omnikube_time_to_first_token_seconds", "omnikube_time_per_output_token_seconds",
+        "omnikube_time_to_first_packet_seconds", "omnikube_e2e_request_latency_seconds",
+        "omnikube_stage_requests", "omnikube_stage_engine_queue_depth", "omnikube_stage_latency_seconds",
+        "omnikube_connector_bytes", "omnikube_connector_transfer_seconds",
+    ):  # fmt: skip
+        assert name in names

@@ -1,0 +1,258 @@
+"""Router parts without stages: balancer, admission, error mapping, request planning, inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+import pytest
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+from omni_runtime.registry import get_pipeline
+from omni_runtime.router.admission import Admission
+from omni_runtime.router.balancer import ReplicaSet
+from omni_runtime.router.errors import (
+    BadRequest,
+    ClientGone,
+    EngineFailed,
+    NotFound,
+    Overloaded,
+    RequestTimedOut,
+    RequestTooLarge,
+    StageLost,
+    StageUnavailable,
+    error_response,
+    from_stage_failure,
+)
+from omni_runtime.router.plan import companion_inputs, plan_request, producible_modalities
+from omni_runtime.router.protocol.chat import ChatMessage
+from omni_runtime.router.protocol.images import parse_size
+from omni_runtime.router.serving.inputs import entry_inputs, normalize_messages, stage_params
+
+
+@dataclass
+class FakeReplica:
+    address: str
+    outstanding: int = 0
+    usable: bool = True
+
+    def describe(self) -> str:
+        return f"{self.address} {'up' if self.usable else 'down (connection lost)'}"
+
+
+# -- balancer ------------------------------------------------------------------------------------
+
+
+def test_balancer_picks_the_least_outstanding_usable_replica() -> None:
+    replicas = ReplicaSet("llm")
+    a, b, c = FakeReplica("a:1", 3), FakeReplica("b:1", 1), FakeReplica("c:1", 0, usable=False)
+    replicas.replicas = {r.address: r for r in (a, b, c)}
+    assert replicas.pick() is b
+    b.outstanding = 5
+    assert replicas.pick() is a
+    assert replicas.pick(exclude=["a:1"]) is b
+
+
+def test_balancer_rotates_between_equally_loaded_replicas() -> None:
+    replicas = ReplicaSet("llm")
+    replicas.replicas = {a: FakeReplica(a) for a in ("a:1", "b:1", "c:1")}
+    picked = [replicas.pick().address for _ in range(6)]
+    assert sorted(picked[:3]) == ["a:1", "b:1", "c:1"] and picked[:3] == picked[3:]
+
+
+def test_balancer_without_usable_replicas_says_why() -> None:
+    replicas = ReplicaSet("dit")
+    with pytest.raises(StageUnavailable, match="no replicas"):
+        replicas.pick()
+    replicas.replicas = {"a:1": FakeReplica("a:1", usable=False)}
+    with pytest.raises(StageUnavailable, match=r"stage 'dit' has no ready replica \(a:1 down \(connection lost\)\)"):
+        replicas.pick()
+
+
+# -- admission -----------------------------------------------------------------------------------
+
+
+async def test_admission_admits_queues_then_refuses_with_retry_after() -> None:
+    seen: list[tuple[int, int]] = []
+    admission = Admission(2, 1, retry_after_s=3, on_change=lambda f, q: seen.append((f, q)))
+    s1, s2 = await admission.acquire(), await admission.acquire()
+    waiting = asyncio.create_task(admission.acquire())
+    await asyncio.sleep(0)
+    assert admission.in_flight == 2 and admission.queued == 1
+    with pytest.raises(Overloaded) as err:
+        await admission.acquire()
+    assert err.value.status == 429 and err.value.headers == {"Retry-After": "3"}
+    assert "2 requests in flight (limit 2) and 1 waiting (limit 1)" in err.value.message
+    s1.release()
+    s1.release()  # idempotent
+    s3 = await asyncio.wait_for(waiting, 1)
+    assert admission.in_flight == 2 and admission.queued == 0
+    s2.release()
+    s3.release()
+    assert admission.in_flight == 0
+    assert seen[-1] == (0, 0)
+
+
+async def test_admission_is_fifo_and_a_cancelled_waiter_leaves_the_line() -> None:
+    admission = Admission(1, 3)
+    slot = await admission.acquire()
+    order: list[str] = []
+
+    async def wait(name: str) -> None:
+        s = await admission.acquire()
+        order.append(name)
+        s.release()
+
+    first = asyncio.create_task(wait("first"))
+    gone = asyncio.create_task(wait("gone"))
+    last = asyncio.create_task(wait("last"))
+    await asyncio.sleep(0)
+    gone.cancel()
+    await asyncio.sleep(0)
+    assert admission.queued == 2
+    slot.release()
+    await asyncio.wait_for(asyncio.gather(first, last), 1)
+    assert order == ["first", "last"]
+    assert admission.in_flight == 0 and admission.queued == 0
+
+
+# -- error mapping -------------------------------------------------------------------------------
+
+
+def body(response) -> dict:
+    return json.loads(response.body)
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "type_"),
+    [
+        (BadRequest("bad", param="size"), 400, "BadRequestError"),
+        (NotFound("The model `x` does not exist."), 404, "NotFoundError"),
+        (RequestTooLarge("big"), 413, "RequestTooLargeError"),
+        (Overloaded("full", retry_after=2), 429, "RateLimitError"),
+        (ClientGone("gone"), 499, "ClientClosedRequest"),
+        (EngineFailed("boom"), 500, "InternalServerError"),
+        (StageLost("lost"), 502, "BadGatewayError"),
+        (StageUnavailable("none"), 503, "ServiceUnavailableError"),
+        (RequestTimedOut("slow"), 504, "TimeoutError"),
+    ],
+)
+def test_router_errors_map_to_openai_error_bodies(error, status, type_) -> None:
+    response = error_response(error)
+    assert response.status_code == status
+    assert body(response) == {"error": {"message": error.message, "type": type_, "param": error.param, "code": status}}
+    if status in (429, 503):
+        assert "retry-after" in response.headers
+
+
+def test_stage_failure_kinds_map_to_4xx_or_5xx() -> None:
+    assert isinstance(from_stage_failure("invalid_request", "m"), BadRequest)
+    assert isinstance(from_stage_failure("unavailable", "m"), StageUnavailable)
+    for kind in ("engine_error", "connector_error", "protocol_error"):
+        assert from_stage_failure(kind, "m").status == 500
+
+
+def test_validation_and_http_errors_map_to_openai_bodies() -> None:
+    bad_json = RequestValidationError(
+        [{"type": "json_invalid", "loc": ("body", 5), "msg": "JSON decode error", "ctx": {"error": "Expecting value"}}]
+    )
+    response = error_response(bad_json)
+    assert response.status_code == 400
+    assert body(response)["error"]["message"] == "the request body is not valid JSON: Expecting value"
+
+    class M(BaseModel):
+        n: int
+
+    with pytest.raises(ValidationError) as err:
+        M.model_validate({"n": "many"})
+    response = error_response(err.value)
+    assert response.status_code == 400 and body(response)["error"]["param"] == "n"
+    assert "n: Input should be a valid integer" in body(response)["error"]["message"]
+
+    response = error_response(HTTPException(404))
+    assert response.status_code == 404 and "/v1/chat/completions" in body(response)["error"]["message"]
+    response = error_response(json.JSONDecodeError("Expecting value", "{", 1))
+    assert response.status_code == 400
+    response = error_response(RuntimeError("surprise"))
+    assert response.status_code == 500
+    assert body(response)["error"] == {
+        "message": "internal error: RuntimeError: surprise", "type": "InternalServerError", "param": None,
+        "code": 500,
+    }  # fmt: skip
+
+
+# -- planning ------------------------------------------------------------------------------------
+
+
+def test_plan_of_the_prompt_enhanced_pipeline_runs_the_companion() -> None:
+    topology = get_pipeline("prompt-enhanced-t2i")
+    assert producible_modalities(topology) == ["image"]
+    plan = plan_request(topology, ["image"])
+    assert plan.entry == ("enhancer",) and plan.final == ("dit",)
+    enhancer, dit = plan.stages["enhancer"], plan.stages["dit"]
+    assert enhancer.roles == ("primary", "cfg_text") and not enhancer.final
+    assert [(e.target, e.connector, e.window) for e in enhancer.edges] == [("dit", "inline", 0)]
+    assert dit.final and dit.upstream == ("enhancer",) and dit.input_processor == "ar_text_to_prompt"
+    assert not dit.streamed_input
+
+
+def test_plan_runs_only_what_the_modalities_need_and_streams_windowed_edges() -> None:
+    topology = get_pipeline("qwen3-omni")
+    assert producible_modalities(topology) == ["text", "audio"]
+    text = plan_request(topology, ["text"])
+    assert list(text.stages) == ["thinker"] and text.final == ("thinker",)
+    assert text.stages["thinker"].edges == ()  # the talker does not run, so nothing is put for it
+    both = plan_request(topology, ["text", "audio"])
+    assert list(both.stages) == ["thinker", "talker", "code2wav"]
+    assert both.final == ("thinker", "code2wav")
+    assert both.stages["talker"].edges[0].window == 25 and both.stages["code2wav"].streamed_input
+    assert not both.stages["talker"].streamed_input
+
+
+def test_companion_inputs_replace_the_last_user_message() -> None:
+    topology = get_pipeline("prompt-enhanced-t2i")
+    entry = {"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "a cat"}]}
+    default = companion_inputs(topology, "enhancer", entry, None)["cfg_text"]
+    assert default["messages"][0] == {"role": "system", "content": "sys"}
+    assert default["messages"][1]["content"].startswith("blurry, low quality")
+    assert companion_inputs(topology, "enhancer", entry, "dark")["cfg_text"]["messages"][1]["content"] == "dark"
+    assert entry["messages"][1]["content"] == "a cat"  # the primary's input is untouched
+    assert companion_inputs(topology, "enhancer", {"prompt": "x"}, "neg")["cfg_text"] == {"prompt": "neg"}
+
+
+def test_stage_params_by_kind_and_choice() -> None:
+    topology = get_pipeline("prompt-enhanced-t2i")
+    plan = plan_request(topology, ["image"])
+    params = stage_params(
+        topology, plan, ar={"temperature": 0.5, "seed": 10, "top_p": None},
+        image={"height": 64, "width": 128, "seed": 10, "guidance_scale": None}, choice=2,
+    )  # fmt: skip
+    assert params == {"enhancer": {"temperature": 0.5, "seed": 12}, "dit": {"height": 64, "width": 128, "seed": 12}}
+    per_stage = stage_params(topology, plan, ar={}, image={}, per_stage=[{"max_tokens": 3}, {"num_inference_steps": 2}])
+    assert per_stage == {"enhancer": {"max_tokens": 3}, "dit": {"num_inference_steps": 2}}
+    with pytest.raises(BadRequest, match="sampling_params_list has 3 entries"):
+        stage_params(topology, plan, ar={}, image={}, per_stage=[{}, {}, {}])
+
+
+def test_entry_inputs_give_a_chat_to_ar_stages_and_a_prompt_to_others() -> None:
+    messages = normalize_messages(
+        [ChatMessage(role="user", content=[{"type": "text", "text": "a"}, {"type": "text", "text": "cat"}])]
+    )
+    assert messages == [{"role": "user", "content": "a\ncat"}]
+    t2i = get_pipeline("prompt-enhanced-t2i")
+    assert entry_inputs(t2i, plan_request(t2i, ["image"]), messages=messages) == {"enhancer": {"messages": messages}}
+    flux = get_pipeline("flux")
+    assert entry_inputs(flux, plan_request(flux, ["image"]), messages=messages, negative_prompt="dark") == {
+        "dit": {"prompt": "a\ncat", "negative_prompt": "dark"}
+    }
+
+
+def test_parse_size() -> None:
+    assert parse_size("512x256") == (512, 256)
+    assert parse_size(None) is None and parse_size("auto") is None
+    for bad in ("512", "0x64", "axb", "64x64x3"):
+        with pytest.raises(ValueError, match="WIDTHxHEIGHT"):
+            parse_size(bad)

@@ -1,0 +1,175 @@
+"""`omnikube serve` preparation without starting processes: local pipeline files, model folders,
+ports, discovery and connectors in the resolved JSON; and the stage pool following discovery."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import yaml
+
+from omni_runtime.cli import build_parser
+from omni_runtime.launcher import LocalRun, load_local_spec
+from omni_runtime.router.discovery import KubernetesDiscovery, StaticDiscovery, make_discovery, ready_addresses
+from omni_runtime.router.pool import StagePool
+from omni_runtime.spec import ResolvedPipeline, SpecError, StageDiscovery
+
+
+def write(path, data) -> str:
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.fixture
+def t2i_folder(tmp_path):
+    """A folder shaped like tiny-prompt-enhanced-t2i (only what resolution reads)."""
+    root = tmp_path / "t2i"
+    (root / "enhancer").mkdir(parents=True)
+    (root / "dit").mkdir()
+    (root / "omnikube_pipeline.json").write_text(json.dumps({"pipeline": "prompt-enhanced-t2i"}))
+    return root
+
+
+def test_a_model_folder_selects_its_pipeline_from_the_marker(t2i_folder, tmp_path) -> None:
+    spec = load_local_spec(t2i_folder)
+    run = LocalRun.prepare(spec, run_dir=tmp_path / "run")
+    resolved = ResolvedPipeline.model_validate_json((tmp_path / "run" / "resolved.json").read_text())
+    assert resolved.topology.name == "prompt-enhanced-t2i" and resolved.name == "prompt-enhanced-t2i"
+    assert resolved.model == str(t2i_folder.resolve())
+    # local mode: the machine is one pod, so shm is the default and legal on every edge
+    assert resolved.topology.connectors.default.value == "shm"
+    assert resolved.stage_group("dit") == resolved.stage_group("enhancer")
+    for stage in ("enhancer", "dit"):
+        (address,) = resolved.discovery[stage].static
+        assert address == f"127.0.0.1:{run.stage_ports[stage][0][0]}"
+    ports = [p for pair in run.stage_ports.values() for p in pair[0]] + [run.router_port]
+    assert len(set(ports)) == len(ports)
+    assert run.endpoint == f"http://127.0.0.1:{run.router_port}/v1"
+
+
+def test_a_pipeline_file_sets_replicas_overrides_edges_and_limits(t2i_folder, tmp_path) -> None:
+    path = write(
+        tmp_path / "p.yaml",
+        {
+            "model": "t2i",  # relative to the file
+            "name": "demo",
+            "served_model_name": "demo-model",
+            "stages": [
+                {"name": "enhancer", "replicas": 2, "sampling_params": {"max_tokens": 8}},
+                {"name": "dit", "engine_args": {"torch_dtype": "float32"}},
+            ],
+            "connectors": {"default": "inline", "edges": [{"from": "enhancer", "to": "dit", "connector": "mooncake"}]},
+            "limits": {"max_concurrent_requests": 3, "request_timeout_s": 9},
+        },
+    )
+    run = LocalRun.prepare(load_local_spec(path), run_dir=tmp_path / "run", port=18123)
+    resolved = run.resolved
+    assert resolved.name == "demo" and resolved.served_model_name == "demo-model"
+    assert resolved.model == str(t2i_folder.resolve())
+    assert len(resolved.discovery["enhancer"].static) == 2 and len(resolved.discovery["dit"].static) == 1
+    assert resolved.topology.stage("enhancer").sampling_params["max_tokens"] == 8
+    assert resolved.topology.stage("enhancer").sampling_params["temperature"] == 0.7  # registry default kept
+    assert resolved.topology.stage("dit").engine_args == {"torch_dtype": "float32"}
+    edge = resolved.topology.edges[0]
+    assert resolved.topology.edge_connector(edge).value == "mooncake"
+    mc = resolved.topology.connectors.mooncake
+    assert mc.master_port != 50051 and mc.metadata_port != 8080  # free ports, not the cluster defaults
+    assert resolved.limits.max_concurrent_requests == 3 and resolved.limits.request_timeout_s == 9
+    assert run.router_port == 18123
+    commands = [p.cmd for p in run._commands()]
+    assert sum("stage" in c for c in commands) == 3 and sum("router" in c for c in commands) == 1
+
+
+def test_serve_arguments_override_the_file(t2i_folder, tmp_path) -> None:
+    args = build_parser().parse_args(
+        ["serve", str(t2i_folder), "--connector", "inline", "--replicas", "dit=3", "--served-model-name", "x"]
+    )
+    assert args.func.__name__ == "_run_serve"
+    run = LocalRun.prepare(
+        load_local_spec(args.target),
+        run_dir=tmp_path / "run",
+        connector=args.connector,
+        replicas={"dit": 3},
+        served_model_name=args.served_model_name,
+    )
+    assert run.resolved.topology.connectors.default.value == "inline"
+    assert len(run.resolved.discovery["dit"].static) == 3 and run.resolved.served_model_name == "x"
+
+
+def test_bad_local_specs_say_what_to_change(t2i_folder, tmp_path) -> None:
+    with pytest.raises(SpecError, match="neither a model folder nor a pipeline file"):
+        load_local_spec(tmp_path / "missing")
+    with pytest.raises(SpecError, match=r"stages\[0\]\.replicas"):
+        load_local_spec(write(tmp_path / "a.yaml", {"model": "t2i", "stages": [{"name": "dit", "replicas": 0}]}))
+    with pytest.raises(SpecError, match="model: field required|model: Field required"):
+        load_local_spec(write(tmp_path / "b.yaml", {"pipeline": "flux"}))
+    spec = load_local_spec(write(tmp_path / "c.yaml", {"model": "t2i", "stages": [{"name": "talker"}]}))
+    with pytest.raises(SpecError, match="has no stage 'talker'; its stages are"):
+        LocalRun.prepare(spec, run_dir=tmp_path / "run")
+    with pytest.raises(SpecError, match="no stage 'nope'"):
+        LocalRun.prepare(load_local_spec(t2i_folder), run_dir=tmp_path / "run2", replicas={"nope": 2})
+
+
+# -- discovery -----------------------------------------------------------------------------------
+
+
+def test_ready_addresses_of_endpoint_slices() -> None:
+    slices = [
+        {
+            "ports": [{"name": "protocol", "port": 8100}, {"name": "http", "port": 8101}],
+            "endpoints": [
+                {"addresses": ["10.0.0.1"], "conditions": {"ready": True}},
+                {"addresses": ["10.0.0.2"], "conditions": {"ready": False}},
+                {"addresses": ["10.0.0.3"], "conditions": {}},  # unset means ready
+                {"addresses": ["fd00::4"], "conditions": {"ready": True}},
+            ],
+        },
+        {"ports": [{"port": 9000}], "endpoints": [{"addresses": ["10.0.1.1"], "conditions": {"ready": True}}]},
+    ]
+    assert ready_addresses(slices, 8100) == {"10.0.0.1:8100", "10.0.0.3:8100", "[fd00::4]:8100", "10.0.1.1:9000"}
+
+
+def test_make_discovery_picks_static_or_kubernetes() -> None:
+    assert isinstance(make_discovery(StageDiscovery(static=["a:1"]), "ns", None), StaticDiscovery)
+    kube = make_discovery(StageDiscovery(service="p-dit"), "ns", api_client=object())
+    assert isinstance(kube, KubernetesDiscovery)
+    assert (kube.namespace, kube.service, kube.port, kube.selector) == (
+        "ns", "p-dit", 8100, "kubernetes.io/service-name=p-dit",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="needs the Kubernetes API"):
+        make_discovery(StageDiscovery(service="p-dit"), "ns", None)
+
+
+class ListedDiscovery:
+    """Discovery driven by the test: each `publish` is what an EndpointSlice watch would report."""
+
+    def __init__(self) -> None:
+        self.on_change = None
+
+    async def run(self, on_change) -> None:
+        self.on_change = on_change
+        await asyncio.Event().wait()
+
+
+async def test_pool_follows_discovery_and_drains_removed_replicas(t2i_folder, tmp_path) -> None:
+    run = LocalRun.prepare(load_local_spec(t2i_folder), run_dir=tmp_path / "run")
+    found = {"enhancer": ListedDiscovery(), "dit": ListedDiscovery()}
+    pool = StagePool(run.resolved, discoveries=found)
+    await pool.start()
+    try:
+        await asyncio.sleep(0)
+        found["dit"].on_change({"127.0.0.1:1", "127.0.0.1:2"})
+        assert sorted(pool["dit"].replicas) == ["127.0.0.1:1", "127.0.0.1:2"]
+        client = pool["dit"].replicas["127.0.0.1:2"]
+        client.outstanding = 1  # a work still runs there
+        found["dit"].on_change({"127.0.0.1:1"})
+        assert client.draining and not client.usable
+        await asyncio.sleep(1.2)
+        assert "127.0.0.1:2" in pool["dit"].replicas  # kept while its work runs
+        client.outstanding = 0
+        await asyncio.sleep(1.2)
+        assert sorted(pool["dit"].replicas) == ["127.0.0.1:1"]
+        assert pool.ready() == {"enhancer": 0, "dit": 0}  # nothing answers on those ports
+    finally:
+        await pool.stop()

@@ -1,0 +1,260 @@
+"""`omnikube serve` of image pipelines on the tiny models, through the real OpenAI client.
+
+- `tiny-sd3` alone (one diffusion stage): text-to-image, sizes, seeds, `n`.
+- `prompt-enhanced-t2i` (enhancer AR stage with a CFG negative companion -> SD3 stage), once per
+  connector of its edge (`inline`, `shm`, `mooncake`): the enhancer's text reaches the diffusion stage
+  with the companion's, cancellation releases everything, and (shm) a mixed load leaves no segment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import random
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import Serve, busy_shm_segments, http_get, metric_values, pid_alive, process_tree, shm_segments
+from PIL import Image
+
+pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
+
+AR_ARGS = {"max_model_len": 256, "kv_cache_memory_bytes": 64 * 1024**2, "seed": 0}
+DIT_PARAMS = {"num_inference_steps": 2, "height": 64, "width": 64}
+
+
+def stopped_cleanly(run: Serve, tree: set[int]) -> None:
+    code = run.stop()
+    assert code == 0, run.log.read_text()[-3000:]
+    assert [pid for pid in tree if pid_alive(pid)] == [], "processes left behind after serve stopped"
+    assert shm_segments(run.name) == []
+
+
+def all_pids(run: Serve) -> set[int]:
+    tree = set()
+    for p in run.processes():
+        for pid in [p.get("pid"), *(p.get("pids") or [])]:
+            if pid:
+                tree |= process_tree(pid)
+    return tree
+
+
+def png(b64: str) -> Image.Image:
+    raw = base64.b64decode(b64)
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    return Image.open(io.BytesIO(raw))
+
+
+# -- one diffusion stage -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sd3(tiny_sd3_model, tmp_path_factory):
+    spec = {
+        "model": str(tiny_sd3_model),
+        "pipeline": "flux",  # a one-stage diffusers topology; the engine loads whatever pipeline the folder has
+        "name": "sd3-e2e",
+        "stages": [{"name": "dit", "engine_args": {"torch_dtype": "float32"}, "sampling_params": DIT_PARAMS}],
+    }
+    run = Serve(spec, tmp_path_factory.mktemp("serve-sd3"))
+    tree: set[int] = set()
+    try:
+        yield run
+        tree = all_pids(run)
+    finally:
+        stopped_cleanly(run, tree)
+
+
+def test_text_to_image_honours_size_seed_and_n(sd3) -> None:
+    api = openai.OpenAI(base_url=sd3.endpoint, api_key="none", max_retries=0)
+    first = api.images.generate(model="sd3-e2e", prompt="a red apple", size="96x48", extra_body={"seed": 11})
+    image = png(first.data[0].b64_json)
+    assert image.size == (96, 48) and image.format == "PNG"
+    again = api.images.generate(model="sd3-e2e", prompt="a red apple", size="96x48", extra_body={"seed": 11})
+    assert again.data[0].b64_json == first.data[0].b64_json
+    other = api.images.generate(model="sd3-e2e", prompt="a red apple", size="96x48", extra_body={"seed": 12})
+    assert other.data[0].b64_json != first.data[0].b64_json
+    two = api.images.generate(model="sd3-e2e", prompt="a red apple", size="96x48", n=2, extra_body={"seed": 11})
+    assert len(two.data) == 2
+    assert two.data[0].b64_json == first.data[0].b64_json  # image i uses seed + i
+    assert two.data[1].b64_json == other.data[0].b64_json
+    default = api.images.generate(model="sd3-e2e", prompt="a red apple")
+    assert png(default.data[0].b64_json).size == (64, 64)  # the stage's sampling_params
+    metrics = sd3.router_metrics()
+    assert sum(metric_values(metrics, "omnikube_time_to_first_packet_seconds_count", modality="image")) >= 4
+    assert sum(metric_values(metrics, "omnikube_e2e_request_latency_seconds_count")) >= 5
+    api.close()
+
+
+def test_image_errors_say_what_is_allowed(sd3) -> None:
+    api = openai.OpenAI(base_url=sd3.endpoint, api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        api.images.generate(model="sd3-e2e", prompt="x", size="100x64")
+    assert "needs a positive multiple of 16" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        api.images.generate(model="sd3-e2e", prompt="x", size="big")
+    assert "WIDTHxHEIGHT" in err.value.body["message"] and err.value.body["param"] == "size"
+    with pytest.raises(openai.BadRequestError) as err:
+        api.chat.completions.create(model="sd3-e2e", messages=[{"role": "user", "content": "x"}], modalities=["text"])
+    assert "it can produce ['image']" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        api.images.edit(model="sd3-e2e", image=("a.png", b"\x89PNG"), prompt="x")
+    assert "takes no image input" in err.value.body["message"]
+    api.close()
+
+
+# -- prompt enhancer + CFG companion -> diffusion, per connector ----------------------------------
+
+
+@pytest.fixture(scope="module", params=["inline", "shm", "mooncake"])
+def t2i(request, tiny_t2i_model, tmp_path_factory):
+    connector = request.param
+    spec = {
+        "model": str(tiny_t2i_model),
+        "name": f"t2i-{connector}",
+        "stages": [
+            {"name": "enhancer", "engine_args": AR_ARGS, "sampling_params": {"max_tokens": 12, "ignore_eos": True}},
+            {"name": "dit", "engine_args": {"torch_dtype": "float32"}, "sampling_params": DIT_PARAMS},
+        ],
+        "connectors": {
+            "default": "inline",
+            "edges": [{"from": "enhancer", "to": "dit", "connector": connector}],
+            "mooncake": {"global_segment_size": 64 * 1024**2, "local_buffer_size": 16 * 1024**2},
+        },
+        "limits": {"max_concurrent_requests": 16, "max_queued_requests": 64, "request_timeout_s": 120},
+    }
+    # shm: idle segments are unlinked as soon as they are released, so "no segment left" is checkable live
+    args = ("--shm-pool-bytes", "0") if connector == "shm" else ()
+    run = Serve(spec, tmp_path_factory.mktemp(f"serve-t2i-{connector}"), args=args)
+    run.connector = connector
+    tree: set[int] = set()
+    try:
+        yield run
+        tree = all_pids(run)
+    finally:
+        stopped_cleanly(run, tree)
+
+
+def mooncake_keys(run: Serve) -> float | None:
+    master = [p for p in run.processes() if p["name"] == "mooncake master"]
+    if not master:
+        return None
+    return metric_values(http_get(master[0]["metrics"])[1], "master_key_count")[0]
+
+
+def assert_nothing_held(run: Serve) -> None:
+    run.wait_idle(["enhancer", "dit"], timeout=30)
+    deadline = time.monotonic() + 10
+    while busy_shm_segments(run.name) or mooncake_keys(run):
+        assert time.monotonic() < deadline, (busy_shm_segments(run.name), mooncake_keys(run))
+        time.sleep(0.2)
+
+
+def test_enhanced_prompt_and_cfg_companion_reach_the_diffusion_stage(t2i) -> None:
+    api = openai.OpenAI(base_url=t2i.endpoint, api_key="none", max_retries=0)
+    model = t2i.model
+    prompt = "a lighthouse at sunset"
+    first = api.images.generate(model=model, prompt=prompt, size="64x48", extra_body={"seed": 3})
+    item = first.data[0]
+    assert png(item.b64_json).size == (64, 48)
+    # the diffusion stage received the enhancer's text, not the user's prompt, and the companion's text
+    assert item.revised_prompt and item.revised_prompt != prompt
+    default_negative = item.model_extra["revised_negative_prompt"]
+    assert default_negative and default_negative != item.revised_prompt
+
+    again = api.images.generate(model=model, prompt=prompt, size="64x48", extra_body={"seed": 3})
+    assert again.data[0].b64_json == item.b64_json  # seeded: same enhancement, same image
+
+    negative = api.images.generate(
+        model=model, prompt=prompt, size="64x48", extra_body={"seed": 3, "negative_prompt": "green grass, rain"}
+    )
+    assert negative.data[0].revised_prompt == item.revised_prompt
+    assert negative.data[0].model_extra["revised_negative_prompt"] != default_negative
+    assert negative.data[0].b64_json != item.b64_json  # only the CFG negative changed
+
+    chat = api.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], seed=3)
+    parts = chat.choices[0].message.content
+    assert isinstance(parts, list) and parts[0]["type"] == "image_url"
+    url = parts[0]["image_url"]["url"]
+    assert url.startswith("data:image/png;base64,")
+    assert png(url.split(",", 1)[1]).size == (64, 64)
+    assert_nothing_held(t2i)
+    api.close()
+
+
+async def cancel_while_running(t2i: Serve, http: httpx.AsyncClient, body: dict, stage: str) -> None:
+    """Send an image request and drop the connection once `stage` works on it."""
+    task = asyncio.create_task(http.post("/v1/images/generations", json=body, timeout=60))
+    deadline = time.monotonic() + 30
+    while t2i.running(stage) < 1:
+        assert time.monotonic() < deadline and not task.done(), f"{stage} never ran the request"
+        await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def aborted(t2i: Serve, stage: str) -> float:
+    return sum(sum(metric_values(text, "omnikube_stage_requests_total", status="aborted"))
+               for text in t2i.stage_metrics(stage))  # fmt: skip
+
+
+async def test_cancelled_requests_release_everything(t2i) -> None:
+    model = t2i.model
+    async with httpx.AsyncClient(base_url=t2i.base, trust_env=False) as http:
+        # cancelled while the enhancer (primary and companion) generates
+        long_enhance = {"model": model, "prompt": "a cat", "sampling_params_list": [{"max_tokens": 230}, {}]}
+        await cancel_while_running(t2i, http, long_enhance, "enhancer")
+        assert_nothing_held(t2i)
+        assert aborted(t2i, "enhancer") >= 1
+        # cancelled while the diffusion stage runs on the enhancer's handles
+        long_draw = {"model": model, "prompt": "a cat", "size": "256x256", "num_inference_steps": 60}
+        await cancel_while_running(t2i, http, long_draw, "dit")
+    assert_nothing_held(t2i)
+    assert aborted(t2i, "dit") >= 1
+
+
+async def test_mixed_load_with_cancellations_leaves_no_shm_segment(t2i) -> None:
+    if t2i.connector != "shm":
+        pytest.skip("checks shared-memory segments")
+    model = t2i.model
+    rng = random.Random(7)
+    outcomes: dict[str, int] = {}
+    limit = asyncio.Semaphore(8)
+
+    async def one(i: int, http: httpx.AsyncClient) -> None:
+        kind = rng.choice(["image", "chat", "stream", "cancel", "cancel_stream"])
+        async with limit:
+            try:
+                if kind in ("image", "cancel"):
+                    body = {"model": model, "prompt": f"picture {i}", "seed": i}
+                    if kind == "cancel":
+                        body["sampling_params_list"] = [{"max_tokens": 120}, {}]
+                    r = await http.post("/v1/images/generations", json=body, timeout=0.3 if kind == "cancel" else 120)
+                    assert r.status_code == 200, r.text
+                elif kind == "chat":
+                    body = {"model": model, "messages": [{"role": "user", "content": f"p {i}"}]}
+                    r = await http.post("/v1/chat/completions", json=body, timeout=120)
+                    assert r.status_code == 200, r.text
+                else:
+                    body = {"model": model, "messages": [{"role": "user", "content": f"s {i}"}], "stream": True}
+                    async with http.stream("POST", "/v1/chat/completions", json=body, timeout=120) as r:
+                        assert r.status_code == 200
+                        async for line in r.aiter_lines():
+                            if kind == "cancel_stream":
+                                break
+                            assert '"error"' not in line, line
+                outcomes[kind] = outcomes.get(kind, 0) + 1
+            except httpx.TimeoutException:
+                outcomes["timed out"] = outcomes.get("timed out", 0) + 1
+
+    async with httpx.AsyncClient(base_url=t2i.base, trust_env=False) as http:
+        await asyncio.gather(*(one(i, http) for i in range(200)))
+    assert sum(outcomes.values()) == 200 and outcomes.get("image", 0) > 20, outcomes
+    assert_nothing_held(t2i)
+    deadline = time.monotonic() + 10  # the producer unlinks released segments within a second
+    while shm_segments(t2i.name):
+        assert time.monotonic() < deadline, shm_segments(t2i.name)
+        time.sleep(0.2)
