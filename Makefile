@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 CLUSTER_DIR := .omnikube/cluster
 
-.PHONY: install test test-fast lint crds demo cluster-up cluster-down
+.PHONY: install test test-fast lint crds demo demo-down cluster-up cluster-down
 
 install:
 	@bash hack/bootstrap.sh
@@ -33,3 +33,10 @@ cluster-down:
 
 demo: install
 	@bash hack/demo.sh
+
+## Stop the demo: its pods, the pod runner and the control plane.
+demo-down:
+	@if [ -f .omnikube/podrunner.pid ]; then kill $$(cat .omnikube/podrunner.pid) 2>/dev/null || true; \
+	  for i in $$(seq 30); do kill -0 $$(cat .omnikube/podrunner.pid) 2>/dev/null || break; sleep 1; done; \
+	  rm -f .omnikube/podrunner.pid; fi
+	@$(PY) e2e/cluster/localcluster.py down --dir $(CLUSTER_DIR)

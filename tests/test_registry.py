@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from omni_runtime.registry import (
     ModelFilesNotFound,
     PipelineRegistry,

@@ -6,6 +6,8 @@ import re
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
+
 from omni_runtime.spec import (
     INPUT_PROCESSORS,
     ConnectorKind,
@@ -17,7 +19,6 @@ from omni_runtime.spec import (
     StageOverride,
     resolve_pipeline,
 )
-from pydantic import ValidationError
 
 
 def stage(name: str, kind: str = "ar", **fields: Any) -> dict[str, Any]:
