@@ -198,7 +198,10 @@ class ReplicaClient:
     async def _ping_loop(self) -> None:
         while True:
             self.try_send(P.Ping(nonce=next(self._nonce), sent_at=time.monotonic()))
-            await asyncio.sleep(self.ping_interval_s)
+            # Until it first answers, ping often: during a roll the old replica leaves discovery moments
+            # after the new one joins, and the new one is only used once it has answered.
+            unheard = self._last_pong == 0.0
+            await asyncio.sleep(min(self.ping_interval_s, 0.02) if unheard else self.ping_interval_s)
             silent = time.monotonic() - self._last_pong
             if self.state is ReplicaState.UP and silent > self.ping_timeout_s:
                 self._mark(ReplicaState.DOWN, f"it stopped answering pings ({silent:.1f}s without a pong)")
