@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,3 +14,20 @@ REPO = Path(__file__).resolve().parents[1]
 def kubectl_json(cluster: Any, *args: str) -> dict:
     """`kubectl <args> -o json`, parsed."""
     return json.loads(cluster.kubectl(*args, "-o", "json").stdout)
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 60, what: str = "condition",
+             on_fail: Callable[[], str] = lambda: "") -> object:
+    """Poll `predicate` until it returns something truthy; fail naming `what` (and `on_fail()`'s text)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{on_fail()}")
+
+
+def condition(obj: dict, type_: str) -> dict:
+    """The status condition of that type, or {}."""
+    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == type_), {})

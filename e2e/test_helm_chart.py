@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from clusterlib import REPO, kubectl_json
+from clusterlib import REPO, condition, kubectl_json, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -67,15 +67,6 @@ def exists(cluster, *args: str) -> bool:
     return cluster.kubectl("get", *args, "-o", "name", check=False).returncode == 0
 
 
-def wait_for(predicate: Callable[[], object], timeout: float, what: str,
-             on_fail: Callable[[], str] = lambda: "") -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{on_fail()}")
 
 
 def free_port() -> int:
@@ -83,9 +74,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-def condition(obj: dict, type_: str) -> dict:
-    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
 
 
 @dataclass

@@ -14,12 +14,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from clusterlib import REPO, kubectl_json
+from clusterlib import REPO, condition, kubectl_json, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -63,19 +63,7 @@ def operator(cluster, tmp_path_factory) -> Iterator[OperatorProcess]:
     op.stop()
 
 
-def wait_for(predicate: Callable[[], object], timeout: float = 60, what: str = "condition",
-             on_fail: Callable[[], str] = lambda: "") -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{on_fail()}")
 
-
-def condition(obj: dict, type_: str) -> dict:
-    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
 
 
 def get(cluster, namespace: str, kind: str, name: str) -> dict | None:
