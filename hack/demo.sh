@@ -35,10 +35,11 @@ else
     > "$DIR/podrunner.log" 2>&1 < /dev/null &
   echo $! > "$DIR/podrunner.pid"
 fi
+for _ in $(seq 60); do kubectl get node runner-node-0 >/dev/null 2>&1 && break; sleep 1; done
 kubectl wait --for=condition=Ready node/runner-node-0 --timeout=120s
 
 step "helm install omnikube (CRDs, RBAC, operator)"
-RUNNER_SET=(--set "nodeSelector.omnikube\.io/podrunner=true"
+RUNNER_SET=(--set-string "nodeSelector.omnikube\.io/podrunner=true"
             --set "tolerations[0].key=omnikube.io/podrunner" --set "tolerations[0].operator=Exists"
             --set "tolerations[0].effect=NoSchedule")
 helm upgrade --install omnikube charts/omnikube --namespace omnikube-system --create-namespace \
