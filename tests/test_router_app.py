@@ -13,7 +13,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import busy_shm_segments, echo_cluster, echo_pipeline, metric_values
+from servelib import busy_shm_segments, echo_cluster, echo_pipeline, metric_values
 
 from omni_runtime.metrics import REGISTRY
 from omni_runtime.spec import CompanionSpec, EdgeSpec, PipelineSpec, RouterLimits, StageSpec

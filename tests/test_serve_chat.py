@@ -15,7 +15,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import Serve, http_get, metric_values, pid_alive, process_tree, shm_segments
+from servelib import Serve, http_get, metric_values, pid_alive, process_tree, shm_segments
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 

@@ -17,8 +17,8 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import Serve, busy_shm_segments, http_get, metric_values, pid_alive, process_tree, shm_segments
 from PIL import Image
+from servelib import Serve, busy_shm_segments, http_get, metric_values, pid_alive, process_tree, shm_segments
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 

@@ -1,0 +1,381 @@
+"""Helpers shared by the stage, router and serve tests (the fixtures live in conftest.py; test modules
+import helpers from here, since two conftest.py files exist in this repo and share a module name).
+
+- `EchoEngine`: a tiny deterministic engine for the *fast* protocol tests only (see its docstring).
+- `Serve`: a real `omnikube serve` subprocess on a local pipeline file, with helpers to read its
+  processes, stage metrics and shm segments. End-to-end tests use it with the real engines on the
+  tiny models (`@pytest.mark.models`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
+
+REPO = Path(__file__).resolve().parent.parent
+SHM_DIR = Path("/dev/shm")
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class EchoEngine(Engine):
+    """A deterministic stand-in engine for the fast protocol tests of the stage server and router.
+
+    Why it exists: those tests check framing, routing, windows, cancellation, releases and error
+    mapping in milliseconds, without loading vLLM or diffusers. End-to-end tests never use it; they
+    run `omnikube serve` with the real engines on the tiny models.
+
+    It echoes the words of its input (`prompt`, the last user message, or an upstream `text`) back
+    one word per output as `{"text": "word ", "token_ids": [i]}`. Params: `delay` (seconds per
+    word), `fail` (raise EngineError), `invalid` (raise InvalidRequest), `upper` (upper-case words).
+    `aborted` records the ids it was asked to abort, `seen` every input it ran.
+    """
+
+    def __init__(self, pipeline, stage) -> None:
+        super().__init__(pipeline, stage)
+        self.aborted: list[str] = []
+        self.seen: list[EngineInput] = []
+        self.started = False
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def generate(self, request: EngineInput) -> AsyncIterator[EngineOutput]:
+        self.seen.append(request)
+        params = request.params
+        if params.get("invalid"):
+            raise InvalidRequest(f"echo: {params['invalid']}")
+        if params.get("fail"):
+            raise EngineError(f"echo: {params['fail']}")
+        data = request.data
+        if "messages" in data:
+            text = [m["content"] for m in data["messages"] if m.get("role") == "user"][-1]
+        else:
+            text = data.get("prompt") or data.get("text") or ""
+        words = str(text).split()
+        delay = float(params.get("delay", 0))
+        for i, word in enumerate(words):
+            if delay:
+                await asyncio.sleep(delay)
+            word = word.upper() if params.get("upper") else word
+            last = i == len(words) - 1
+            yield EngineOutput(
+                request.request_id,
+                {"text": word + " ", "token_ids": [i]},
+                finished=last,
+                finish_reason="stop" if last else None,
+                usage={"prompt_tokens": len(words), "completion_tokens": len(words)} if last else None,
+            )
+        if not words:
+            yield EngineOutput(
+                request.request_id,
+                {"text": "", "token_ids": []},
+                finished=True,
+                finish_reason="stop",
+                usage={"prompt_tokens": 0, "completion_tokens": 0},
+            )
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def stop(self) -> None:
+        self.started = False
+
+
+# -- omnikube serve -----------------------------------------------------------------------------
+
+
+def tiny_model(name: str) -> Path:
+    from omni_runtime.tiny_models import ensure
+
+    return ensure(name)
+
+
+def shm_segments(pipeline: str) -> list[str]:
+    prefix = f"omnikube-{re.sub(r'[^A-Za-z0-9_.]', '_', pipeline)}-"
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+
+
+def busy_shm_segments(pipeline: str) -> list[str]:
+    """Segments holding a payload nobody released (state word's low bit set)."""
+    busy = []
+    for name in shm_segments(pipeline):
+        try:
+            with open(SHM_DIR / name, "rb") as f:
+                head = f.read(16)
+        except FileNotFoundError:
+            continue
+        if len(head) == 16 and int.from_bytes(head[8:16], "little") & 1:
+            busy.append(name)
+    return busy
+
+
+def http_get(url: str, timeout: float = 5) -> tuple[int, str]:
+    try:
+        with _NO_PROXY.open(url, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def metric_values(text: str, name: str, **labels: str) -> list[float]:
+    """Values of the samples of metric `name` whose labels include `labels`."""
+    out = []
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        match = re.match(rf"^{re.escape(name)}(\{{(.*)\}})?\s+(\S+)$", line)
+        if not match:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            out.append(float(match.group(3)))
+    return out
+
+
+class Serve:
+    """`omnikube serve <file>` as a subprocess; `stop()` sends SIGINT like Ctrl-C and waits."""
+
+    def __init__(self, spec: dict[str, Any], workdir: Path, *, args: tuple[str, ...] = (),
+                 ready_timeout: float = 400) -> None:  # fmt: skip
+        self.spec = spec
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.file = workdir / "pipeline.yaml"
+        self.file.write_text(yaml.safe_dump(spec))
+        self.run_dir = workdir / "run"
+        self.log = workdir / "serve.log"
+        cmd = [sys.executable, "-m", "omni_runtime.cli", "serve", str(self.file), "--run-dir", str(self.run_dir),
+               "--ready-timeout", str(ready_timeout), *args]  # fmt: skip
+        self._log = open(self.log, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.endpoint = self._wait_endpoint(ready_timeout + 30)
+        self.base = self.endpoint.removesuffix("/v1")
+        self.resolved = json.loads((self.run_dir / "resolved.json").read_text())
+        self.name = self.resolved["name"]
+        self.model = self.resolved["served_model_name"]
+
+    def _wait_endpoint(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log.read_text(errors="replace")
+            match = re.search(r"OpenAI endpoint: (\S+)", text)
+            if match:
+                return match.group(1)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"omnikube serve exited with {self.proc.returncode}:\n{text[-4000:]}\n"
+                                   + self.logs_tail())  # fmt: skip
+            time.sleep(0.3)
+        self.stop()
+        raise TimeoutError(f"omnikube serve not ready in {timeout}s:\n{self.logs_tail()}")
+
+    def logs_tail(self, n: int = 40) -> str:
+        out = []
+        for path in sorted(self.run_dir.glob("*.log")) if self.run_dir.exists() else []:
+            lines = path.read_text(errors="replace").splitlines()[-n:]
+            out.append(f"--- {path.name}\n" + "\n".join(lines))
+        return "\n".join(out)
+
+    def processes(self) -> list[dict[str, Any]]:
+        return json.loads((self.run_dir / "processes.json").read_text())
+
+    def stage_processes(self, stage: str) -> list[dict[str, Any]]:
+        return [p for p in self.processes() if p["name"].startswith(f"stage {stage}/")]
+
+    def stage_metrics(self, stage: str) -> list[str]:
+        return [http_get(p["probe"].replace("/readyz", "/metrics"))[1] for p in self.stage_processes(stage)]
+
+    def router_metrics(self) -> str:
+        return http_get(f"{self.base}/metrics")[1]
+
+    def running(self, stage: str) -> float:
+        """Works running on all replicas of `stage` that answer."""
+        total = 0.0
+        for p in self.stage_processes(stage):
+            status, text = http_get(p["probe"].replace("/readyz", "/metrics"))
+            if status == 200:
+                total += sum(metric_values(text, "omnikube_stage_requests_running"))
+        return total
+
+    def handles_open(self, stage: str) -> float:
+        total = 0.0
+        for p in self.stage_processes(stage):
+            status, text = http_get(p["probe"].replace("/readyz", "/metrics"))
+            if status == 200:
+                total += sum(metric_values(text, "omnikube_stage_handles_open"))
+        return total
+
+    def wait_idle(self, stages: list[str], timeout: float = 30) -> None:
+        """Until every stage runs no work and holds no handle."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = {s: (self.running(s), self.handles_open(s)) for s in stages}
+            if all(r == 0 and h == 0 for r, h in state.values()):
+                return
+            if time.monotonic() > deadline:
+                works = {s: [http_get(p["probe"])[1] for p in self.stage_processes(s)] for s in stages}
+                raise AssertionError(
+                    f"stages still busy after {timeout}s (running, handles): {state}; works: {works}\n"
+                    + self.logs_tail(80)
+                )
+            time.sleep(0.2)
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def all_pids(self) -> list[int]:
+        pids = [p["pid"] for p in self.processes() if p.get("pid")]
+        for p in self.processes():
+            pids.extend(p.get("pids") or [])
+        return pids
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+    return True
+
+
+def process_tree(pid: int) -> set[int]:
+    """`pid` and its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().split(") ")[-1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p not in out:
+            out.add(p)
+            todo.extend(children.get(p, []))
+    return out
+
+
+# -- in-process echo cluster (fast tests) --------------------------------------------------------
+
+
+class EchoCluster:
+    """Stage servers with EchoEngines plus the real router app on uvicorn, all in this event loop."""
+
+    def __init__(self, pipeline, servers, engines, base: str, server_task, uvicorn_server) -> None:
+        self.pipeline = pipeline
+        self.servers = servers  # stage -> [StageServer]
+        self.engines = engines  # stage -> [EchoEngine]
+        self.base = base
+        self._task = server_task
+        self._uvicorn = uvicorn_server
+
+    @property
+    def app(self):
+        return self._uvicorn.config.app
+
+    @property
+    def pool(self):
+        return self.app.state.context.pool
+
+    async def wait_ready(self, timeout: float = 10) -> None:
+        """Until every replica of every stage is up."""
+        total = sum(len(s) for s in self.servers.values())
+        async with asyncio.timeout(timeout):
+            while sum(1 for c in self.pool.clients() if c.usable) < total:
+                await asyncio.sleep(0.02)
+
+
+def echo_pipeline(topology, *, limits=None, name: str = "echo"):
+    """All stages in one process, like one pod: colocated, so `shm` edges are allowed."""
+    from omni_runtime.spec import RouterLimits, StageOverride, resolve_pipeline
+
+    first = topology.stages[0].name
+    together = [StageOverride(name=s.name, colocate_with=first) for s in topology.stages[1:]]
+    return resolve_pipeline(topology, name=name, model="/nonexistent", served_model_name=name,
+                            stages=together, limits=limits or RouterLimits())  # fmt: skip
+
+
+class echo_cluster:  # noqa: N801 (used as `async with echo_cluster(...)`)
+    def __init__(self, pipeline, replicas: dict[str, int] | None = None, *, ping_timeout_s: float = 3.0) -> None:
+        self.pipeline = pipeline
+        self.replicas = replicas or {}
+        self.ping_timeout_s = ping_timeout_s
+
+    async def __aenter__(self) -> EchoCluster:
+        import socket
+
+        import uvicorn
+
+        from omni_runtime.router.app import build_app
+        from omni_runtime.router.pool import StagePool
+        from omni_runtime.spec import StageDiscovery
+        from omni_runtime.stage.connectors import ConnectorSettings
+        from omni_runtime.stage.server import StageServer
+
+        servers, engines = {}, {}
+        for stage in self.pipeline.topology.stages:
+            for i in range(self.replicas.get(stage.name, 1)):
+                engine = EchoEngine(self.pipeline, stage)
+                server = StageServer(
+                    self.pipeline, stage.name, engine=engine, port=0, http_port=0, replica=f"r{i}",
+                    connectors=ConnectorSettings(owner=f"{stage.name}-r{i}", shm_pool_bytes=0),
+                )  # fmt: skip
+                await server.start()
+                servers.setdefault(stage.name, []).append(server)
+                engines.setdefault(stage.name, []).append(engine)
+            self.pipeline.discovery[stage.name] = StageDiscovery(
+                static=[f"127.0.0.1:{s.port}" for s in servers[stage.name]]
+            )
+        pool = StagePool(self.pipeline, ping_interval_s=0.1, ping_timeout_s=self.ping_timeout_s)
+        app = build_app(self.pipeline, pool)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        server.install_signal_handlers = lambda: None
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        self.cluster = EchoCluster(self.pipeline, servers, engines, f"http://127.0.0.1:{port}", task, server)
+        self._sock = sock
+        await self.cluster.wait_ready()
+        return self.cluster
+
+    async def __aexit__(self, *exc) -> None:
+        self.cluster._uvicorn.should_exit = True
+        await asyncio.wait_for(self.cluster._task, 10)
+        self._sock.close()
+        for servers in self.cluster.servers.values():
+            for server in servers:
+                await server.stop()
