@@ -68,7 +68,7 @@ def start_vllm(model: Path, port: int, log: Path) -> subprocess.Popen:
             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
             "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"]),
-            "--enforce-eager", "--seed", "0", "--disable-log-requests"]
+            "--enforce-eager", "--seed", "0"]
     return subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, **ENV})
 
@@ -85,19 +85,28 @@ def start_omnikube(model: Path, port: int, workdir: Path) -> subprocess.Popen:
                             start_new_session=True, env={**os.environ, **ENV})
 
 
+CHUNKS: list[tuple[int, int]] = []
+"""(content chunks, completion tokens) per request: shows whether a server coalesces tokens."""
+
+
 async def one_request(client: AsyncOpenAI, i: int, max_tokens: int) -> tuple[float, float] | None:
     started = time.perf_counter()
     first = last = None
-    tokens = 0
+    chunks = tokens = 0
     stream = await client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": f"Tell me about the number {i}."}],
-        max_tokens=max_tokens, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True})
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             now = time.perf_counter()
             first = first or now
             last = now
-            tokens += 1
+            chunks += 1
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    tokens = tokens or chunks  # TPOT is per token, whatever the chunking
+    CHUNKS.append((chunks, tokens))
     if first is None or tokens < 2:
         return None
     return first - started, (last - first) / (tokens - 1)
@@ -124,7 +133,11 @@ def measure(name: str, base_url: str, args: argparse.Namespace) -> dict[int, tup
     for c in (1, 16):
         ttft, tpot = asyncio.run(workload(base_url, c, args.requests, args.max_tokens))
         out[c] = (ttft, tpot)
-        print(f"{name:9} concurrency {c:2}: TTFT {ttft * 1000:8.1f} ms   TPOT {tpot * 1000:7.2f} ms", flush=True)
+        chunks = statistics.median(ch for ch, _ in CHUNKS)
+        tokens = statistics.median(t for _, t in CHUNKS)
+        CHUNKS.clear()
+        print(f"{name:9} concurrency {c:2}: TTFT {ttft * 1000:8.1f} ms   TPOT {tpot * 1000:7.2f} ms   "
+              f"(median {tokens:.0f} tokens in {chunks:.0f} chunks)", flush=True)
     return out
 
 
