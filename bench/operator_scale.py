@@ -22,14 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "e2e" / "cluster"))
 
 from localcluster import LocalCluster  # noqa: E402
-
-from omni_operator.render import render_pipeline  # noqa: E402
+from omni_operator.render import dump_yaml, render_pipeline  # noqa: E402
 from omni_runtime.registry import default_registry  # noqa: E402
 
 AGENT = "omnikube-operator/"
@@ -79,10 +76,12 @@ def raw_apply(cluster: LocalCluster, n: int, workdir: Path) -> float:
         doc["metadata"]["namespace"] = "raw"
         objects += render_pipeline(doc, registry, owner_references=False)
     path = workdir / "raw.yaml"
-    path.write_text(yaml.safe_dump_all(objects))
+    path.write_text(dump_yaml(objects))
     cluster.kubectl("create", "namespace", "raw")
     started = time.monotonic()
-    cluster.kubectl("apply", "--server-side", "-f", str(path), timeout=1800)
+    out = cluster.kubectl("apply", "--server-side", "-f", str(path), timeout=1800, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"kubectl apply failed: {out.stderr[-2000:]}")
     cluster.kubectl("wait", "--for=condition=Available", "deployment", "--all", "-n", "raw", "--timeout=1800s",
                     timeout=1900)
     elapsed = time.monotonic() - started

@@ -562,3 +562,13 @@ def test_router_placement_reaches_the_router_pod_only() -> None:
     assert router["tolerations"] == [toleration]
     stage = objects[("Deployment", "placed-llm")]["spec"]["template"]["spec"]
     assert "nodeSelector" not in stage and "tolerations" not in stage
+
+
+@pytest.mark.parametrize("value", ["12e45", "0123", "0x1F", "1_000", "on", "No", "null", "~", "", "1.5", "12:30"])
+def test_rendered_yaml_quotes_strings_other_yaml_readers_would_not_read_as_strings(value: str) -> None:
+    """A spec hash like `12e45` is a number to kubectl's YAML reader; render must quote it."""
+    from omni_operator.render import dump_yaml
+
+    out = dump_yaml([{"metadata": {"annotations": {"omnikube.io/spec-hash": value}}}])
+    assert f"'{value}'" in out
+    assert yaml.safe_load(out)["metadata"]["annotations"]["omnikube.io/spec-hash"] == value

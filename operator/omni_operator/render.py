@@ -6,6 +6,7 @@ so owner references carry a placeholder (or are left out with `--no-owner-refere
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,36 @@ from omni_operator.resolve import resolve_cluster_pipeline
 from omni_runtime.registry import PipelineRegistry
 from omni_runtime.spec import SpecError
 
-__all__ = ["RenderError", "render_pipeline", "render_file"]
+__all__ = ["RenderError", "dump_yaml", "render_pipeline", "render_file"]
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
+
+# Strings a YAML 1.1 or 1.2 reader (kubectl, Helm, Argo CD) would take for a number, boolean or null.
+# PyYAML leaves some of them unquoted (`12e45` is a number to Go's YAML, not to PyYAML).
+_NOT_A_STRING = re.compile(
+    r"[-+]?(\.[0-9]+|[0-9][0-9_]*(\.[0-9_]*)?)([eE][-+]?[0-9]+)?|0x[0-9a-fA-F_]+|0o?[0-7_]+|0b[01_]+"
+    r"|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)|[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?"
+    r"|(?i:y|n|yes|no|true|false|on|off|null)|~|"
+)
+
+
+class _QuotingDumper(yaml.SafeDumper):
+    """SafeDumper that quotes every string another YAML reader could take for something else."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "'" if _NOT_A_STRING.fullmatch(value) else None
+    if "\n" in value:
+        style = "|"
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_QuotingDumper.add_representer(str, _represent_str)
+
+
+def dump_yaml(objects: list[dict[str, Any]]) -> str:
+    """A multi-document YAML stream that kubectl, Helm and GitOps tools read back exactly."""
+    return yaml.dump_all(objects, Dumper=_QuotingDumper, sort_keys=False)
 
 
 class RenderError(ValueError):
@@ -66,4 +94,4 @@ def render_file(path: Path, registry: PipelineRegistry, **kwargs: Any) -> str:
         except RenderError as exc:
             name = (doc.get("metadata") or {}).get("name", "?")
             raise RenderError(f"{path}: OmniPipeline {name}:\n{exc}") from None
-    return yaml.safe_dump_all(out, sort_keys=False)
+    return dump_yaml(out)
