@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,14 +26,12 @@ import yaml
 from openai import AsyncOpenAI
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "e2e" / "cluster"))
+
+from localcluster import free_port  # noqa: E402
+
 ENGINE_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 256 * 1024**2, "enforce_eager": True, "seed": 0}
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1", "NO_PROXY": "*"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:

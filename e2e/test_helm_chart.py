@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,8 @@ from pathlib import Path
 import pytest
 import yaml
 from clusterlib import REPO, condition, kubectl_json, wait_for
+
+from localcluster import free_port
 
 pytestmark = pytest.mark.cluster
 
@@ -67,12 +68,6 @@ def exists(cluster, *args: str) -> bool:
     return cluster.kubectl("get", *args, "-o", "name", check=False).returncode == 0
 
 
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 

@@ -8,7 +8,7 @@ a live object with the same hash is left alone, and status is written only when 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,6 @@ class Context:
     registry: PipelineRegistry
     model_root: Path | None = None
     writes: int = 0
-    events: list[str] = field(default_factory=list)
 
 
 async def _ensure(ctx: Context, desired: dict[str, Any], *, live: dict[str, Any] | None = None,
@@ -104,7 +103,6 @@ async def _post_events(ctx: Context, obj: dict[str, Any], flipped: list[Conditio
 async def _event(ctx: Context, obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
     meta = obj["metadata"]
     ctx.writes += 1
-    ctx.events.append(f"{meta['name']}:{reason}")
     now = now_rfc3339()
     try:
         await ctx.kube.create({
