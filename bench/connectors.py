@@ -20,10 +20,12 @@ mooncake, against Mooncake's own TransferEngine:
   - baseline `TransferEngine.transfer_sync_read` of the same byte count from a buffer registered by an
     engine in this process into one registered by an engine in the consumer process: TCP on loopback,
     segments found through the HTTP metadata server that `MooncakeMaster` starts.
-  - ours: producer `put` (a local copy into the producer's store segment) + consumer `get` (the TCP read,
-    into a fresh buffer) + `release` (a master RPC), two store clients in two processes.
+  - ours, mode p2p (the default): producer `put` (a local copy into a registered block) + consumer `get`
+    (one transfer-engine read into a pooled receive block) + `release` (an 8-byte remote write).
+  - ours, mode store: producer `put` (a local copy into the producer's store segment, two master RPCs) +
+    consumer `get` (a master RPC and the TCP read, into a fresh buffer) + `release` (a master RPC).
   - for reference, the store's raw `put_from` + `get_into` + `remove` with registered buffers.
-  Target: mooncake >= 0.8x the TransferEngine read's throughput.
+  Target: mooncake (the default mode, p2p) >= 0.8x the TransferEngine read's throughput.
 
 `--torch-threads` (default 1) is set in both processes: the connectors copy on one thread per call, and on a
 small shared machine torch's multi-threaded `copy_` is slower and much noisier, which would flatter the ratio.
@@ -56,7 +58,7 @@ import torch
 from omni_runtime.connectors import decode_handle, encode_handle, make_connector
 from omni_runtime.connectors.mooncake_master import MooncakeMaster, free_port
 from omni_runtime.connectors.shm import ShmConnector, segment_prefix, sweep_orphans
-from omni_runtime.spec import ConnectorsSpec
+from omni_runtime.spec import ConnectorsSpec, MooncakeMode
 
 MiB = 1024**2
 SHM_TARGET = 0.7
@@ -69,9 +71,13 @@ LABELS = {
     "shm-copy": "shm put+get+release, copy_out=True",
     "te": "TransferEngine read (raw, TCP)",
     "store": "store put_from+get_into+remove (raw)",
-    "mooncake": "mooncake put+get+release",
+    "mooncake": "mooncake p2p put+get+release",
+    "mooncake-store": "mooncake store put+get+release",
 }
-KIND_VARIANTS = {"shm": ["copy", "clone", "shm", "shm-copy"], "mooncake": ["te", "store", "mooncake"]}
+KIND_VARIANTS = {
+    "shm": ["copy", "clone", "shm", "shm-copy"],
+    "mooncake": ["te", "store", "mooncake", "mooncake-store"],
+}
 
 
 @dataclass
@@ -129,9 +135,11 @@ async def _consumer_loop(conn, info: dict) -> None:
         te = store = None
         te_dst = store_dst = np.empty(0, np.uint8)
         if info["mooncake"]:
-            mc = make_connector("mooncake", ConnectorsSpec.model_validate(info["spec"]), **info["mooncake"])
-            stack.enter_context(mc)
-            consumers["mooncake"] = mc
+            spec = ConnectorsSpec.model_validate(info["spec"])
+            p2p = make_connector("mooncake", spec, metadata_server=info["mooncake"]["metadata_server"])
+            consumers["mooncake"] = stack.enter_context(p2p)
+            mc = make_connector("mooncake", _store_mode(spec), **info["mooncake"])
+            consumers["mooncake-store"] = stack.enter_context(mc)
             store = mc.store
             store_dst = np.zeros(info["max_bytes"], np.uint8)
             _check(store.register_buffer(store_dst.ctypes.data, store_dst.nbytes), "store register_buffer")
@@ -231,7 +239,11 @@ class Bench:
                 "pipeline": self.pipeline,
             }
             info.update(mooncake=mc_info, spec=spec, max_bytes=self.max_bytes)
-            self.mc = stack.enter_context(make_connector("mooncake", ConnectorsSpec.model_validate(spec), **mc_info))
+            cspec = ConnectorsSpec.model_validate(spec)
+            self.p2p = stack.enter_context(
+                make_connector("mooncake", cspec, metadata_server=master.metadata_server, pipeline=self.pipeline)
+            )
+            self.mc = stack.enter_context(make_connector("mooncake", _store_mode(cspec), **mc_info))
             from mooncake.store import ReplicateConfig
 
             self.raw_config = ReplicateConfig()
@@ -317,8 +329,8 @@ class Bench:
             t = time.perf_counter() - t0
             del y
             return Sample(t)
-        if variant in ("shm", "shm-copy", "mooncake"):
-            producer = self.mc if variant == "mooncake" else self.shm
+        if variant in ("shm", "shm-copy", "mooncake", "mooncake-store"):
+            producer = {"mooncake": self.p2p, "mooncake-store": self.mc}.get(variant, self.shm)
             t0 = time.perf_counter()
             handle = await producer.put("producer", "consumer", "bench", {"x": x})
             t_put = time.perf_counter() - t0
@@ -338,6 +350,10 @@ class Bench:
             e2e = time.perf_counter() - t0
             return Sample(t_put + t_get + t_rm, e2e, (t_put, t_get, t_rm))
         raise ValueError(variant)
+
+
+def _store_mode(spec: ConnectorsSpec) -> ConnectorsSpec:
+    return spec.model_copy(update={"mooncake": spec.mooncake.model_copy(update={"mode": MooncakeMode.STORE})})
 
 
 def _nbytes(size: float, dtype: str) -> int:
@@ -394,7 +410,8 @@ def _ratios(args: argparse.Namespace, results: dict[float, dict[str, Series]]) -
     if "mooncake" in args.kinds:
         cols += [
             ("mooncake/TE read", "mooncake", "te", MOONCAKE_TARGET),
-            ("mooncake/store raw", "mooncake", "store", None),
+            ("mooncake store/TE read", "mooncake-store", "te", None),
+            ("mooncake store/store raw", "mooncake-store", "store", None),
             ("store raw/TE read", "store", "te", None),
         ]
     names = [name + (f" (>={target})" if target else "") for name, _, _, target in cols]

@@ -30,13 +30,32 @@ from omni_runtime.spec import Modality, ResolvedPipeline, StageKind, StageSpec  
 from omni_runtime.spec.pipeline import PipelineSpec  # noqa: E402
 
 # FLUX.1-dev's transformer and VAE configurations (public model cards); weights are random.
-FLUX_TRANSFORMER = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-                        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-                        guidance_embeds=True, axes_dims_rope=(16, 56, 56))
-FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
-                layers_per_block=2, down_block_types=("DownEncoderBlock2D",) * 4,
-                up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=0.3611, shift_factor=0.1159,
-                use_quant_conv=False, use_post_quant_conv=False, sample_size=1024)
+FLUX_TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
+)
+FLUX_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    latent_channels=16,
+    block_out_channels=(128, 256, 512, 512),
+    layers_per_block=2,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    scaling_factor=0.3611,
+    shift_factor=0.1159,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    sample_size=1024,
+)
 FLUX_TEXT_TOKENS = 512
 
 
@@ -54,19 +73,39 @@ class FluxSizedEngine(DiffusionEngine):
             vae = AutoencoderKL(**FLUX_VAE).to(dtype)
         params = sum(p.numel() for p in transformer.parameters())
         print(f"flux-sized transformer: {params / 1e9:.1f}B parameters ({dtype}) on {self.device}", flush=True)
-        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-                                                    max_shift=1.15, base_image_seq_len=256,
-                                                    max_image_seq_len=4096)
-        pipe = FluxPipeline(scheduler=scheduler, vae=vae, transformer=transformer, text_encoder=None,
-                            tokenizer=None, text_encoder_2=None, tokenizer_2=None)
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        )
+        pipe = FluxPipeline(
+            scheduler=scheduler,
+            vae=vae,
+            transformer=transformer,
+            text_encoder=None,
+            tokenizer=None,
+            text_encoder_2=None,
+            tokenizer_2=None,
+        )
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
 
 def _resolved(model: str, kind: str, args: argparse.Namespace) -> tuple[ResolvedPipeline, StageSpec]:
-    stage = StageSpec(name="dit", kind=StageKind.DIFFUSION, output_modality=Modality.IMAGE, final_output=True,
-                      engine_args={"max_batch_size": args.concurrency, "batch_window_ms": args.window_ms,
-                                   **({"torch_dtype": "bfloat16"} if kind == "flux-sized" else {})})
+    stage = StageSpec(
+        name="dit",
+        kind=StageKind.DIFFUSION,
+        output_modality=Modality.IMAGE,
+        final_output=True,
+        engine_args={
+            "max_batch_size": args.concurrency,
+            "batch_window_ms": args.window_ms,
+            **({"torch_dtype": "bfloat16"} if kind == "flux-sized" else {}),
+        },
+    )
     topo = PipelineSpec(name="bench", stages=[stage])
     return ResolvedPipeline(name="bench", model=model, served_model_name="bench", topology=topo), stage
 
@@ -74,8 +113,9 @@ def _resolved(model: str, kind: str, args: argparse.Namespace) -> tuple[Resolved
 def _requests(kind: str, n: int, args: argparse.Namespace, device: str) -> list[EngineInput]:
     params = {"height": args.size, "width": args.size, "num_inference_steps": args.steps, "seed": 0}
     if kind == "tiny":
-        return [EngineInput(f"r{i}", {"prompt": f"a small red cube number {i}"}, {**params, "seed": i})
-                for i in range(n)]
+        return [
+            EngineInput(f"r{i}", {"prompt": f"a small red cube number {i}"}, {**params, "seed": i}) for i in range(n)
+        ]
     import torch
 
     out = []
@@ -83,8 +123,13 @@ def _requests(kind: str, n: int, args: argparse.Namespace, device: str) -> list[
         g = torch.Generator(device).manual_seed(i)
         embeds = torch.randn(1, FLUX_TEXT_TOKENS, 4096, generator=g, device=device, dtype=torch.bfloat16)
         pooled = torch.randn(1, 768, generator=g, device=device, dtype=torch.bfloat16)
-        out.append(EngineInput(f"r{i}", {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled},
-                               {**params, "seed": i, "guidance_scale": 3.5}))
+        out.append(
+            EngineInput(
+                f"r{i}",
+                {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled},
+                {**params, "seed": i, "guidance_scale": 3.5},
+            )
+        )
     return out
 
 
@@ -123,8 +168,12 @@ def _raw_forward_ratio(engine: DiffusionEngine, requests: list[EngineInput], c: 
     import torch
 
     pipe = engine.pipe
-    common = {"height": requests[0].params["height"], "width": requests[0].params["width"],
-              "num_inference_steps": requests[0].params["num_inference_steps"], "output_type": "latent"}
+    common = {
+        "height": requests[0].params["height"],
+        "width": requests[0].params["width"],
+        "num_inference_steps": requests[0].params["num_inference_steps"],
+        "output_type": "latent",
+    }
     batch = requests[:c]
 
     def inputs(rs: list[EngineInput]) -> dict:
@@ -169,18 +218,23 @@ async def main_async(args: argparse.Namespace) -> int:
             seq.append(await _sequential(engine, reqs))
             conc.append(await _concurrent(engine, reqs, args.concurrency))
         stats = engine.stats()
-        raw = _raw_forward_ratio(engine, _requests(args.model, args.concurrency, args, engine.device),
-                                 args.concurrency)
+        raw = _raw_forward_ratio(engine, _requests(args.model, args.concurrency, args, engine.device), args.concurrency)
     finally:
         await engine.stop()
     s, c = statistics.median(seq), statistics.median(conc)
-    print(f"model={args.model} device={engine.device} size={args.size} steps={args.steps} "
-          f"requests={args.requests} repeats={args.repeats}")
+    print(
+        f"model={args.model} device={engine.device} size={args.size} steps={args.steps} "
+        f"requests={args.requests} repeats={args.repeats}"
+    )
     ratios = [b / a for a, b in zip(seq, conc, strict=True)]
-    print(f"one at a time: {s:.3f} req/s (min {min(seq):.3f}, max {max(seq):.3f})   concurrency "
-          f"{args.concurrency}: {c:.3f} req/s (min {min(conc):.3f}, max {max(conc):.3f})")
-    print(f"ratio={c / s:.2f}  (per repeat: {', '.join(f'{r:.2f}' for r in ratios)}; "
-          f"last batch: {int(stats.get('last_batch_size', 0))} requests)")
+    print(
+        f"one at a time: {s:.3f} req/s (min {min(seq):.3f}, max {max(seq):.3f})   concurrency "
+        f"{args.concurrency}: {c:.3f} req/s (min {min(conc):.3f}, max {max(conc):.3f})"
+    )
+    print(
+        f"ratio={c / s:.2f}  (per repeat: {', '.join(f'{r:.2f}' for r in ratios)}; "
+        f"last batch: {int(stats.get('last_batch_size', 0))} requests)"
+    )
     print(f"raw pipeline, batch of {args.concurrency} vs {args.concurrency} single calls: {raw:.2f}x")
     return 0
 

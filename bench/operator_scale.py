@@ -34,9 +34,16 @@ AGENT = "omnikube-operator/"
 
 def pipeline(name: str) -> dict:
     # qwen3-omni without colocation: thinker, talker and code2wav each get their own pods.
-    return {"apiVersion": "omnikube.io/v1alpha1", "kind": "OmniPipeline", "metadata": {"name": name},
-            "spec": {"model": f"/models/{name}", "pipeline": "qwen3-omni",
-                     "stages": [{"name": "thinker"}, {"name": "talker"}, {"name": "code2wav"}]}}
+    return {
+        "apiVersion": "omnikube.io/v1alpha1",
+        "kind": "OmniPipeline",
+        "metadata": {"name": name},
+        "spec": {
+            "model": f"/models/{name}",
+            "pipeline": "qwen3-omni",
+            "stages": [{"name": "thinker"}, {"name": "talker"}, {"name": "code2wav"}],
+        },
+    }
 
 
 def audit_writes(cluster: LocalCluster, since: float) -> tuple[int, int]:
@@ -58,8 +65,9 @@ def audit_writes(cluster: LocalCluster, since: float) -> tuple[int, int]:
 
 
 def ready_count(cluster: LocalCluster, namespace: str) -> int:
-    items = json.loads(cluster.kubectl("get", "omnipipelines", "-n", namespace, "-o", "json",
-                                       timeout=120).stdout)["items"]
+    items = json.loads(cluster.kubectl("get", "omnipipelines", "-n", namespace, "-o", "json", timeout=120).stdout)[
+        "items"
+    ]
     count = 0
     for obj in items:
         status = obj.get("status") or {}
@@ -82,8 +90,9 @@ def raw_apply(cluster: LocalCluster, n: int, workdir: Path) -> float:
     out = cluster.kubectl("apply", "--server-side", "-f", str(path), timeout=1800, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"kubectl apply failed: {out.stderr[-2000:]}")
-    cluster.kubectl("wait", "--for=condition=Available", "deployment", "--all", "-n", "raw", "--timeout=1800s",
-                    timeout=1900)
+    cluster.kubectl(
+        "wait", "--for=condition=Available", "deployment", "--all", "-n", "raw", "--timeout=1800s", timeout=1900
+    )
     elapsed = time.monotonic() - started
     print(f"raw: {len(objects)} objects applied and {n * 4} Deployments available in {elapsed:.1f}s", flush=True)
     cluster.kubectl("delete", "namespace", "raw", "--wait=true", "--timeout=600s", timeout=700)
@@ -92,9 +101,24 @@ def raw_apply(cluster: LocalCluster, n: int, workdir: Path) -> float:
 
 def operator_apply(cluster: LocalCluster, n: int, workdir: Path, steady: float) -> tuple[float, int, int, int]:
     log = open(workdir / "operator.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "omni_runtime.cli", "operator", "--kubeconfig",
-                             str(cluster.kubeconfig), "--lease-namespace", "default", "--workers", "16"],
-                            stdout=log, stderr=subprocess.STDOUT, env=cluster.env(), start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "omni_runtime.cli",
+            "operator",
+            "--kubeconfig",
+            str(cluster.kubeconfig),
+            "--lease-namespace",
+            "default",
+            "--workers",
+            "16",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=cluster.env(),
+        start_new_session=True,
+    )
     try:
         time.sleep(3)
         cluster.kubectl("create", "namespace", "ops")
@@ -130,14 +154,18 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory() as tmp, LocalCluster(workdir=Path(tmp) / "cluster") as cluster:
         cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-        cluster.kubectl("wait", "--for=condition=Established", "crd/omnipipelines.omnikube.io",
-                        "crd/omnistages.omnikube.io")
+        cluster.kubectl(
+            "wait", "--for=condition=Established", "crd/omnipipelines.omnikube.io", "crd/omnistages.omnikube.io"
+        )
         raw = raw_apply(cluster, args.pipelines, Path(tmp))
-        op, writes, steady_writes, lease_writes = operator_apply(cluster, args.pipelines, Path(tmp),
-                                                                 args.steady_seconds)
+        op, writes, steady_writes, lease_writes = operator_apply(
+            cluster, args.pipelines, Path(tmp), args.steady_seconds
+        )
     print(f"\npipelines={args.pipelines}  raw={raw:.1f}s  operator={op:.1f}s  ratio={op / raw:.2f} (target <= 1.5)")
-    print(f"operator writes to converge: {writes}; during {args.steady_seconds:.0f}s of steady state: "
-          f"{steady_writes} (target 0), plus {lease_writes} leader-lease renewals")
+    print(
+        f"operator writes to converge: {writes}; during {args.steady_seconds:.0f}s of steady state: "
+        f"{steady_writes} (target 0), plus {lease_writes} leader-lease renewals"
+    )
     return 0
 
 

@@ -61,25 +61,60 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def start_vllm(model: Path, port: int, log: Path) -> subprocess.Popen:
-    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
-            "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"]),
-            "--enforce-eager", "--seed", "0"]
-    return subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **ENV})
+    args = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(ENGINE_ARGS["max_model_len"]),
+        "--kv-cache-memory-bytes",
+        str(ENGINE_ARGS["kv_cache_memory_bytes"]),
+        "--enforce-eager",
+        "--seed",
+        "0",
+    ]
+    return subprocess.Popen(
+        args, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **ENV}
+    )
 
 
 def start_omnikube(model: Path, port: int, workdir: Path) -> subprocess.Popen:
-    spec = {"model": str(model), "pipeline": "text-chat", "name": "bench", "served_model_name": "tiny",
-            "stages": [{"name": "llm", "engine_args": ENGINE_ARGS}],
-            "limits": {"max_concurrent_requests": 64, "max_queued_requests": 256}}
+    spec = {
+        "model": str(model),
+        "pipeline": "text-chat",
+        "name": "bench",
+        "served_model_name": "tiny",
+        "stages": [{"name": "llm", "engine_args": ENGINE_ARGS}],
+        "limits": {"max_concurrent_requests": 64, "max_queued_requests": 256},
+    }
     path = workdir / "pipeline.yaml"
     path.write_text(yaml.safe_dump(spec))
-    args = [sys.executable, "-m", "omni_runtime.cli", "serve", str(path), "--port", str(port),
-            "--run-dir", str(workdir / "run")]
-    return subprocess.Popen(args, stdout=(workdir / "serve.log").open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, **ENV})
+    args = [
+        sys.executable,
+        "-m",
+        "omni_runtime.cli",
+        "serve",
+        str(path),
+        "--port",
+        str(port),
+        "--run-dir",
+        str(workdir / "run"),
+    ]
+    return subprocess.Popen(
+        args,
+        stdout=(workdir / "serve.log").open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, **ENV},
+    )
 
 
 CHUNKS: list[tuple[int, int]] = []
@@ -91,9 +126,14 @@ async def one_request(client: AsyncOpenAI, i: int, max_tokens: int) -> tuple[flo
     first = last = None
     chunks = tokens = 0
     stream = await client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": f"Tell me about the number {i}."}],
-        max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True})
+        model="tiny",
+        messages=[{"role": "user", "content": f"Tell me about the number {i}."}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             now = time.perf_counter()
@@ -133,8 +173,11 @@ def measure(name: str, base_url: str, args: argparse.Namespace) -> dict[int, tup
         chunks = statistics.median(ch for ch, _ in CHUNKS)
         tokens = statistics.median(t for _, t in CHUNKS)
         CHUNKS.clear()
-        print(f"{name:9} concurrency {c:2}: TTFT {ttft * 1000:8.1f} ms   TPOT {tpot * 1000:7.2f} ms   "
-              f"(median {tokens:.0f} tokens in {chunks:.0f} chunks)", flush=True)
+        print(
+            f"{name:9} concurrency {c:2}: TTFT {ttft * 1000:8.1f} ms   TPOT {tpot * 1000:7.2f} ms   "
+            f"(median {tokens:.0f} tokens in {chunks:.0f} chunks)",
+            flush=True,
+        )
     return out
 
 
@@ -168,8 +211,10 @@ def main() -> int:
             stop(proc)
     print()
     for c in (1, 16):
-        print(f"concurrency {c:2}: TTFT ratio {ours[c][0] / vllm[c][0]:.2f}   TPOT ratio {ours[c][1] / vllm[c][1]:.2f}"
-              "   (omnikube / vLLM; target <= 1.10)")
+        print(
+            f"concurrency {c:2}: TTFT ratio {ours[c][0] / vllm[c][0]:.2f}   TPOT ratio {ours[c][1] / vllm[c][1]:.2f}"
+            "   (omnikube / vLLM; target <= 1.10)"
+        )
     return 0
 
 

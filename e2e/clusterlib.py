@@ -16,8 +16,12 @@ def kubectl_json(cluster: Any, *args: str) -> dict:
     return json.loads(cluster.kubectl(*args, "-o", "json").stdout)
 
 
-def wait_for(predicate: Callable[[], object], timeout: float = 60, what: str = "condition",
-             on_fail: Callable[[], str] = lambda: "") -> object:
+def wait_for(
+    predicate: Callable[[], object],
+    timeout: float = 60,
+    what: str = "condition",
+    on_fail: Callable[[], str] = lambda: "",
+) -> object:
     """Poll `predicate` until it returns something truthy; fail naming `what` (and `on_fail()`'s text)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -32,8 +32,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         return
     with LocalCluster(workdir=tmp_path_factory.mktemp("cluster")) as c:
         c.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-        c.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/omnipipelines.omnikube.io",
-                  "crd/omnistages.omnikube.io")
+        c.kubectl(
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/omnipipelines.omnikube.io",
+            "crd/omnistages.omnikube.io",
+        )
         yield c
 
 
@@ -44,5 +49,3 @@ def namespace(cluster: LocalCluster) -> Iterator[str]:
     cluster.kubectl("create", "namespace", name)
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
-
-

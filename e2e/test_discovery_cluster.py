@@ -20,14 +20,33 @@ pytestmark = pytest.mark.cluster
 def _stage_objects(name: str, replicas: int) -> list[dict]:
     labels = {"app": name}
     return [
-        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
-         "spec": {"clusterIP": "None", "selector": labels,
-                  "ports": [{"name": "stage", "port": 8100, "targetPort": 8100}]}},
-        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
-         "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
-                  "template": {"metadata": {"labels": labels},
-                               "spec": {"containers": [{"name": "stage", "image": "registry.invalid/x:0",
-                                                        "ports": [{"containerPort": 8100}]}]}}}},
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": name},
+            "spec": {
+                "clusterIP": "None",
+                "selector": labels,
+                "ports": [{"name": "stage", "port": 8100, "targetPort": 8100}],
+            },
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": name},
+            "spec": {
+                "replicas": replicas,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "containers": [
+                            {"name": "stage", "image": "registry.invalid/x:0", "ports": [{"containerPort": 8100}]}
+                        ]
+                    },
+                },
+            },
+        },
     ]
 
 
@@ -42,8 +61,14 @@ async def _wait(changes: list[set[str]], predicate, timeout: float = 60) -> set[
 
 
 async def test_discovery_follows_ready_replicas_of_a_stage_service(cluster, namespace) -> None:
-    cluster.kubectl("apply", "-n", namespace, "-f", "-",
-                    input=json.dumps({"apiVersion": "v1", "kind": "List", "items": _stage_objects("talker", 2)}))
+    cluster.kubectl(
+        "apply",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": _stage_objects("talker", 2)}),
+    )
     api = await kube_config.new_client_from_config(config_file=str(cluster.kubeconfig))
     changes: list[set[str]] = []
     discovery = KubernetesDiscovery(api, namespace, "talker", 8100, watch_timeout_s=30)
@@ -73,8 +98,14 @@ async def test_discovery_of_a_service_that_does_not_exist_yet_reports_it_when_cr
     task = asyncio.create_task(KubernetesDiscovery(api, namespace, "late", 8100).run(changes.append))
     try:
         assert await _wait(changes, lambda s: s == set(), timeout=10) == set()
-        cluster.kubectl("apply", "-n", namespace, "-f", "-",
-                        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": _stage_objects("late", 1)}))
+        cluster.kubectl(
+            "apply",
+            "-n",
+            namespace,
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": _stage_objects("late", 1)}),
+        )
         assert len(await _wait(changes, lambda s: len(s) == 1)) == 1
     finally:
         task.cancel()

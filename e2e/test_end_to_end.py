@@ -30,19 +30,26 @@ from omni_runtime.tiny_models import default_cache_dir, ensure
 
 pytestmark = [pytest.mark.cluster, pytest.mark.models]
 
-ON_RUNNER = {"nodeSelector": {RUNNER_LABEL: "true"},
-             "tolerations": [{"key": RUNNER_LABEL, "operator": "Exists", "effect": "NoSchedule"}]}
+ON_RUNNER = {
+    "nodeSelector": {RUNNER_LABEL: "true"},
+    "tolerations": [{"key": RUNNER_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
+}
 AR_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 256 * 1024**2}
 READY_TIMEOUT = 900  # vLLM on two shared cores loads in about a minute; several stages load at once
 
 
 def pipeline(name: str, topology: str, model: str, stages: list[dict]) -> dict:
     return {
-        "apiVersion": "omnikube.io/v1alpha1", "kind": "OmniPipeline", "metadata": {"name": name},
+        "apiVersion": "omnikube.io/v1alpha1",
+        "kind": "OmniPipeline",
+        "metadata": {"name": name},
         "spec": {
-            "model": model, "pipeline": topology, "servedModelName": name,
-            "runtime": {"modelCache": {"hostPath": {"path": str(default_cache_dir())}, "mountPath": "/models",
-                                       "readOnly": True}},
+            "model": model,
+            "pipeline": topology,
+            "servedModelName": name,
+            "runtime": {
+                "modelCache": {"hostPath": {"path": str(default_cache_dir())}, "mountPath": "/models", "readOnly": True}
+            },
             "router": {**ON_RUNNER, "limits": {"requestTimeoutSeconds": 120}},
             "stages": [{**ON_RUNNER, **s} for s in stages],
         },
@@ -51,13 +58,21 @@ def pipeline(name: str, topology: str, model: str, stages: list[dict]) -> dict:
 
 PIPELINES = [
     pipeline("chat", "text-chat", "tiny-qwen2-chat", [{"name": "llm", "engineArgs": AR_ARGS}]),
-    pipeline("t2i", "stable-diffusion-3", "tiny-sd3",
-             [{"name": "dit", "engineArgs": {"torch_dtype": "float32"},
-               "samplingParams": {"num_inference_steps": 2}}]),
-    pipeline("enhanced", "prompt-enhanced-t2i", "tiny-prompt-enhanced-t2i",
-             [{"name": "enhancer", "engineArgs": AR_ARGS, "samplingParams": {"max_tokens": 12}},
-              {"name": "dit", "engineArgs": {"torch_dtype": "float32"},
-               "samplingParams": {"num_inference_steps": 2}}]),
+    pipeline(
+        "t2i",
+        "stable-diffusion-3",
+        "tiny-sd3",
+        [{"name": "dit", "engineArgs": {"torch_dtype": "float32"}, "samplingParams": {"num_inference_steps": 2}}],
+    ),
+    pipeline(
+        "enhanced",
+        "prompt-enhanced-t2i",
+        "tiny-prompt-enhanced-t2i",
+        [
+            {"name": "enhancer", "engineArgs": AR_ARGS, "samplingParams": {"max_tokens": 12}},
+            {"name": "dit", "engineArgs": {"torch_dtype": "float32"}, "samplingParams": {"num_inference_steps": 2}},
+        ],
+    ),
 ]
 
 
@@ -80,18 +95,31 @@ class Env:
             obj = self.get("omnipipeline", name)
             status = (obj or {}).get("status") or {}
             ready = [c for c in status.get("conditions", []) if c["type"] == "Ready"]
-            if ready and ready[0]["status"] == "True" and \
-                    status.get("observedGeneration") == obj["metadata"]["generation"]:
+            if (
+                ready
+                and ready[0]["status"] == "True"
+                and status.get("observedGeneration") == obj["metadata"]["generation"]
+            ):
                 return obj
             time.sleep(2)
         pods = kubectl_json(self.cluster, "get", "pods", "-n", self.ns)["items"]
-        states = [(p["metadata"]["name"], p["status"].get("phase"),
-                   [c.get("restartCount") for c in p["status"].get("containerStatuses", [])]) for p in pods]
-        logs = "\n".join(f"--- {p['metadata']['name']}/{c['name']}\n" + self.runner_logs(p["metadata"]["name"],
-                                                                                         c["name"])[-1500:]
-                         for p in pods for c in p["spec"]["containers"])
-        raise AssertionError(f"{name} not Ready: {json.dumps((obj or {}).get('status'), indent=1)}\n"
-                             f"pods: {states}\n{logs}\noperator:\n{self.operator.log()[-2000:]}")
+        states = [
+            (
+                p["metadata"]["name"],
+                p["status"].get("phase"),
+                [c.get("restartCount") for c in p["status"].get("containerStatuses", [])],
+            )
+            for p in pods
+        ]
+        logs = "\n".join(
+            f"--- {p['metadata']['name']}/{c['name']}\n" + self.runner_logs(p["metadata"]["name"], c["name"])[-1500:]
+            for p in pods
+            for c in p["spec"]["containers"]
+        )
+        raise AssertionError(
+            f"{name} not Ready: {json.dumps((obj or {}).get('status'), indent=1)}\n"
+            f"pods: {states}\n{logs}\noperator:\n{self.operator.log()[-2000:]}"
+        )
 
     def runner_logs(self, pod: str, container: str) -> str:
         try:
@@ -100,10 +128,21 @@ class Env:
             return f"<no logs for {pod}: {exc}>"
 
     def router_url(self, name: str) -> str:
-        pods = kubectl_json(self.cluster, "get", "pods", "-n", self.ns, "-l",
-                            f"omnikube.io/pipeline={name},app.kubernetes.io/component=router")["items"]
-        ready = [p for p in pods if p["status"].get("podIP") and any(
-            c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
+        pods = kubectl_json(
+            self.cluster,
+            "get",
+            "pods",
+            "-n",
+            self.ns,
+            "-l",
+            f"omnikube.io/pipeline={name},app.kubernetes.io/component=router",
+        )["items"]
+        ready = [
+            p
+            for p in pods
+            if p["status"].get("podIP")
+            and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
+        ]
         assert ready, f"no ready router pod for {name}"
         return f"http://{ready[0]['status']['podIP']}:8000/v1"
 
@@ -120,15 +159,28 @@ def env(cluster, podrunner, tmp_path_factory) -> Iterator[Env]:
     for ns in (release.namespace, release.apps):
         cluster.kubectl("create", "namespace", ns)
     # The cluster fixture installed the CRDs already; the chart brings the operator's identity and RBAC.
-    helm(cluster, "install", release.name, str(REPO / "charts" / "omnikube"), "--namespace", release.namespace,
-         "--set", "crds.install=false")
+    helm(
+        cluster,
+        "install",
+        release.name,
+        str(REPO / "charts" / "omnikube"),
+        "--namespace",
+        release.namespace,
+        "--set",
+        "crds.install=false",
+    )
     release.installed = True
-    operator = ServiceAccountOperator(cluster, release, tmp_path_factory.mktemp("e2e-operator"),
-                                      [release.apps]).start()
+    operator = ServiceAccountOperator(cluster, release, tmp_path_factory.mktemp("e2e-operator"), [release.apps]).start()
     e = Env(cluster, podrunner, release, operator)
     try:
-        cluster.kubectl("apply", "-n", release.apps, "-f", "-",
-                        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": PIPELINES}))
+        cluster.kubectl(
+            "apply",
+            "-n",
+            release.apps,
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": PIPELINES}),
+        )
         for p in PIPELINES:
             e.wait_ready(p["metadata"]["name"])
         yield e
@@ -147,28 +199,33 @@ def _png(b64: str) -> Image.Image:
 
 def test_chat_answers_through_the_router_pod(env) -> None:
     client = env.client("chat")
-    reply = client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "Hello"}],
-                                           max_tokens=8, temperature=0)
+    reply = client.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0
+    )
     assert reply.choices[0].message.content
     assert reply.usage.completion_tokens > 0
-    chunks = client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "Hello"}],
-                                            max_tokens=8, temperature=0, stream=True)
+    chunks = client.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0, stream=True
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == reply.choices[0].message.content
 
 
 def test_text_to_image_through_the_router_pod(env) -> None:
-    result = env.client("t2i").images.generate(model="t2i", prompt="a red cube", size="64x64", n=1,
-                                               response_format="b64_json", extra_body={"seed": 3})
+    result = env.client("t2i").images.generate(
+        model="t2i", prompt="a red cube", size="64x64", n=1, response_format="b64_json", extra_body={"seed": 3}
+    )
     assert _png(result.data[0].b64_json).size == (64, 64)
 
 
 def test_prompt_enhanced_text_to_image_through_the_router_pod(env) -> None:
     client = env.client("enhanced")
-    first = client.images.generate(model="enhanced", prompt="a cat", size="64x64", response_format="b64_json",
-                                   extra_body={"seed": 1})
-    again = client.images.generate(model="enhanced", prompt="a cat", size="64x64", response_format="b64_json",
-                                   extra_body={"seed": 1})
+    first = client.images.generate(
+        model="enhanced", prompt="a cat", size="64x64", response_format="b64_json", extra_body={"seed": 1}
+    )
+    again = client.images.generate(
+        model="enhanced", prompt="a cat", size="64x64", response_format="b64_json", extra_body={"seed": 1}
+    )
     assert _png(first.data[0].b64_json).size == (64, 64)
     assert first.data[0].b64_json == again.data[0].b64_json  # deterministic through both stages
 
@@ -192,21 +249,26 @@ def test_killed_stage_process_is_restarted_and_serves_again(env) -> None:
     proc.send_signal(signal.SIGKILL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not any(
-            c.get("restartCount", 0) > 0 for p in kubectl_json(env.cluster, "get", "pods", "-n", env.ns, "-l",
-                                                                "omnikube.io/stage=llm")["items"]
-            for c in p["status"].get("containerStatuses", [])):
+        c.get("restartCount", 0) > 0
+        for p in kubectl_json(env.cluster, "get", "pods", "-n", env.ns, "-l", "omnikube.io/stage=llm")["items"]
+        for c in p["status"].get("containerStatuses", [])
+    ):
         time.sleep(1)
     env.wait_ready("chat")
     reply = env.client("chat").chat.completions.create(
-        model="chat", messages=[{"role": "user", "content": "again"}], max_tokens=4)
+        model="chat", messages=[{"role": "user", "content": "again"}], max_tokens=4
+    )
     assert reply.choices[0].message.content is not None
 
 
 def test_editing_engine_args_rolls_only_that_stage(env) -> None:
     def pods() -> dict[str, str]:
-        return {p["metadata"]["name"]: p["metadata"]["labels"].get("omnikube.io/stage", "router")
-                for p in kubectl_json(env.cluster, "get", "pods", "-n", env.ns, "-l",
-                                      "omnikube.io/pipeline=enhanced")["items"]}
+        return {
+            p["metadata"]["name"]: p["metadata"]["labels"].get("omnikube.io/stage", "router")
+            for p in kubectl_json(env.cluster, "get", "pods", "-n", env.ns, "-l", "omnikube.io/pipeline=enhanced")[
+                "items"
+            ]
+        }
 
     before = pods()
     edited = json.loads(json.dumps(PIPELINES[2]))
@@ -225,8 +287,11 @@ def test_editing_engine_args_rolls_only_that_stage(env) -> None:
             outcomes.append(0)
         obj = env.get("omnipipeline", "enhanced")
         ready = [c for c in obj["status"]["conditions"] if c["type"] == "Ready"]
-        if obj["status"].get("observedGeneration") == obj["metadata"]["generation"] and ready[0]["status"] == "True" \
-                and set(pods()) != set(before):
+        if (
+            obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
+            and ready[0]["status"] == "True"
+            and set(pods()) != set(before)
+        ):
             break
     env.wait_ready("enhanced")
     # The old enhancer pod left the EndpointSlice when it began terminating; let it finish exiting.

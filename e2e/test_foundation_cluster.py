@@ -65,22 +65,31 @@ INVALID = [
     ("empty-model", _mutate("spec.model", ""), "spec.model"),
     ("negative-replicas", _mutate("spec.stages.0.replicas", -1), "spec.stages[0].replicas"),
     ("replicas-wrong-type", _mutate("spec.stages.0.replicas", "two"), "spec.stages[0].replicas"),
-    ("unknown-accelerator", _mutate("spec.stages.0.accelerator.type", "nvidia.com/gpu-typo"),
-     "spec.stages[0].accelerator.type"),
+    (
+        "unknown-accelerator",
+        _mutate("spec.stages.0.accelerator.type", "nvidia.com/gpu-typo"),
+        "spec.stages[0].accelerator.type",
+    ),
     ("zero-accelerators", _mutate("spec.stages.0.accelerator.count", 0), "spec.stages[0].accelerator"),
     ("duplicate-stage-names", _mutate("spec.stages.1.name", "thinker"), "spec.stages"),
     ("bad-stage-name", _mutate("spec.stages.0.name", "Thinker_1"), "spec.stages[0].name"),
-    ("autoscaling-min-over-max",
-     _mutate("spec.stages.0.autoscaling", {"minReplicas": 5, "maxReplicas": 2}),
-     "spec.stages[0].autoscaling"),
+    (
+        "autoscaling-min-over-max",
+        _mutate("spec.stages.0.autoscaling", {"minReplicas": 5, "maxReplicas": 2}),
+        "spec.stages[0].autoscaling",
+    ),
     ("unknown-connector", _mutate("spec.connectors", {"default": "carrier-pigeon"}), "spec.connectors.default"),
-    ("negative-window",
-     _mutate("spec.connectors", {"edges": [{"from": "thinker", "to": "talker", "window": -1}]}),
-     "spec.connectors.edges[0].window"),
+    (
+        "negative-window",
+        _mutate("spec.connectors", {"edges": [{"from": "thinker", "to": "talker", "window": -1}]}),
+        "spec.connectors.edges[0].window",
+    ),
     ("bad-service-port", _mutate("spec.router", {"service": {"port": 70000}}), "spec.router.service.port"),
-    ("cache-pvc-and-hostpath",
-     _mutate("spec.runtime", {"modelCache": {"pvc": {"claimName": "models"}, "hostPath": {"path": "/m"}}}),
-     "spec.runtime.modelCache"),
+    (
+        "cache-pvc-and-hostpath",
+        _mutate("spec.runtime", {"modelCache": {"pvc": {"claimName": "models"}, "hostPath": {"path": "/m"}}}),
+        "spec.runtime.modelCache",
+    ),
     ("stages-wrong-type", _mutate("spec.stages", {"name": "thinker"}), "spec.stages"),
     ("unknown-field", _mutate("spec.stages.0.gpus", 2), "gpus"),
     ("name-too-long-for-labels", _mutate("metadata.name", "p" * 64), "metadata.name"),
@@ -171,23 +180,39 @@ def test_kubectl_scale_changes_omnistage_replicas(cluster, namespace: str) -> No
     cluster.kubectl("scale", "-n", namespace, "omnistage/demo-talker", "--replicas=3")
     got = kubectl_json(cluster, "get", "omnistage", "demo-talker", "-n", namespace)
     assert got["spec"]["replicas"] == 3
-    scale = json.loads(cluster.kubectl(
-        "get", "--raw", f"/apis/omnikube.io/v1alpha1/namespaces/{namespace}/omnistages/demo-talker/scale").stdout)
+    scale = json.loads(
+        cluster.kubectl(
+            "get", "--raw", f"/apis/omnikube.io/v1alpha1/namespaces/{namespace}/omnistages/demo-talker/scale"
+        ).stdout
+    )
     assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 3
 
 
-def _deployment(name: str, resources: dict, tolerations: list | None = None, node_selector: dict | None = None,
-                replicas: int = 1) -> dict:
-    pod_spec: dict = {"containers": [{"name": "main", "image": "registry.invalid/none:0",
-                                      "resources": {"limits": resources, "requests": resources}}]}
+def _deployment(
+    name: str, resources: dict, tolerations: list | None = None, node_selector: dict | None = None, replicas: int = 1
+) -> dict:
+    pod_spec: dict = {
+        "containers": [
+            {
+                "name": "main",
+                "image": "registry.invalid/none:0",
+                "resources": {"limits": resources, "requests": resources},
+            }
+        ]
+    }
     if tolerations:
         pod_spec["tolerations"] = tolerations
     if node_selector:
         pod_spec["nodeSelector"] = node_selector
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
-        "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": name}},
-                 "template": {"metadata": {"labels": {"app": name}}, "spec": pod_spec}},
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": {"app": name}}, "spec": pod_spec},
+        },
     }
 
 
@@ -203,8 +228,10 @@ def _wait_pods(cluster, namespace: str, app: str, count: int, phase: str, timeou
         if len(pods) == count and all(p["status"].get("phase") == phase for p in pods):
             return pods
         time.sleep(0.5)
-    raise AssertionError(f"expected {count} {phase} pods for {app}, got "
-                         f"{[(p['metadata']['name'], p['status'].get('phase')) for p in pods]}")
+    raise AssertionError(
+        f"expected {count} {phase} pods for {app}, got "
+        f"{[(p['metadata']['name'], p['status'].get('phase')) for p in pods]}"
+    )
 
 
 def test_one_gpu_deployment_runs_on_a_gpu_node(cluster, namespace: str) -> None:
@@ -220,8 +247,15 @@ def test_nine_gpus_stay_pending_with_a_scheduling_event(cluster, namespace: str)
     deadline = time.monotonic() + 30
     messages: list[str] = []
     while time.monotonic() < deadline and not messages:
-        events = kubectl_json(cluster, "get", "events", "-n", namespace,
-                              "--field-selector", f"involvedObject.name={name},reason=FailedScheduling")
+        events = kubectl_json(
+            cluster,
+            "get",
+            "events",
+            "-n",
+            namespace,
+            "--field-selector",
+            f"involvedObject.name={name},reason=FailedScheduling",
+        )
         messages = [e["message"] for e in events["items"]]
         time.sleep(0.5)
     assert messages and "Insufficient nvidia.com/gpu" in messages[0]

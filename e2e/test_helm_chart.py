@@ -35,8 +35,13 @@ pytestmark = pytest.mark.cluster
 
 CHART = REPO / "charts" / "omnikube"
 CRDS = {p.name.removesuffix(".yaml"): p for p in sorted((REPO / "crds").glob("*.yaml"))}
-CHART_LABELS = ["helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io/instance",
-                "app.kubernetes.io/version", "app.kubernetes.io/managed-by"]
+CHART_LABELS = [
+    "helm.sh/chart",
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/version",
+    "app.kubernetes.io/managed-by",
+]
 HELM_ANNOTATIONS = ["meta.helm.sh/release-name", "meta.helm.sh/release-namespace", "helm.sh/resource-policy"]
 FORBIDDEN_MARKS = ("403", "Forbidden", "forbidden")
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -46,8 +51,9 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def helm(cluster, *args: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess:
-    out = subprocess.run([cluster.binary("helm"), *args], env=cluster.env(), text=True, capture_output=True,
-                         timeout=timeout)
+    out = subprocess.run(
+        [cluster.binary("helm"), *args], env=cluster.env(), text=True, capture_output=True, timeout=timeout
+    )
     if check and out.returncode != 0:
         raise AssertionError(f"helm {' '.join(args)} exited {out.returncode}:\n{out.stderr}{out.stdout[-2000:]}")
     return out
@@ -60,15 +66,17 @@ def template(cluster, *sets: str, name: str = "omk", namespace: str = "omk-syste
 
 
 def find(objs: list[dict], kind: str, name: str | None = None, namespace: str | None = None) -> list[dict]:
-    return [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)
-            and (namespace is None or o["metadata"].get("namespace") == namespace)]
+    return [
+        o
+        for o in objs
+        if o["kind"] == kind
+        and (name is None or o["metadata"]["name"] == name)
+        and (namespace is None or o["metadata"].get("namespace") == namespace)
+    ]
 
 
 def exists(cluster, *args: str) -> bool:
     return cluster.kubectl("get", *args, "-o", "name", check=False).returncode == 0
-
-
-
 
 
 @dataclass
@@ -98,8 +106,14 @@ def _set_crd_ownership(cluster, release: Release | None) -> None:
     None, remove what Helm and the chart added so they are as the cluster fixture applied them."""
     names = list(CRDS)
     if release is not None:
-        cluster.kubectl("annotate", "--overwrite", "crd", *names, f"meta.helm.sh/release-name={release.name}",
-                        f"meta.helm.sh/release-namespace={release.namespace}")
+        cluster.kubectl(
+            "annotate",
+            "--overwrite",
+            "crd",
+            *names,
+            f"meta.helm.sh/release-name={release.name}",
+            f"meta.helm.sh/release-namespace={release.namespace}",
+        )
         cluster.kubectl("label", "--overwrite", "crd", *names, "app.kubernetes.io/managed-by=Helm")
         return
     for name in names:
@@ -141,33 +155,66 @@ class ServiceAccountOperator:
         self.proc: subprocess.Popen | None = None
 
     def write_kubeconfig(self) -> None:
-        token = self.cluster.kubectl("create", "token", self.release.service_account, "-n", self.release.namespace,
-                                     "--duration=1h").stdout.strip()
+        token = self.cluster.kubectl(
+            "create", "token", self.release.service_account, "-n", self.release.namespace, "--duration=1h"
+        ).stdout.strip()
         admin = json.loads(self.cluster.kubeconfig.read_text())
         server = admin["clusters"][0]["cluster"]
-        self.kubeconfig.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config",
-            "clusters": [{"name": "local", "cluster": {"server": server["server"],
-                                                       "certificate-authority": server["certificate-authority"]}}],
-            "users": [{"name": "operator", "user": {"token": token}}],
-            "contexts": [{"name": "operator", "context": {"cluster": "local", "user": "operator",
-                                                          "namespace": self.release.namespace}}],
-            "current-context": "operator",
-        }))
+        self.kubeconfig.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [
+                        {
+                            "name": "local",
+                            "cluster": {
+                                "server": server["server"],
+                                "certificate-authority": server["certificate-authority"],
+                            },
+                        }
+                    ],
+                    "users": [{"name": "operator", "user": {"token": token}}],
+                    "contexts": [
+                        {
+                            "name": "operator",
+                            "context": {"cluster": "local", "user": "operator", "namespace": self.release.namespace},
+                        }
+                    ],
+                    "current-context": "operator",
+                }
+            )
+        )
 
     def start(self) -> ServiceAccountOperator:
         self.write_kubeconfig()
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE_")}
-        env.update(KUBECONFIG=str(self.kubeconfig), POD_NAME=self.identity, POD_NAMESPACE=self.release.namespace,
-                   PYTHONUNBUFFERED="1")
-        args = [sys.executable, "-m", "omni_runtime.cli", "operator", "--kubeconfig", str(self.kubeconfig),
-                "--lease-namespace", self.release.namespace, "--resync-seconds", "600",
-                "--liveness-port", str(self.liveness_port), "--metrics-port", str(self.metrics_port)]
+        env.update(
+            KUBECONFIG=str(self.kubeconfig),
+            POD_NAME=self.identity,
+            POD_NAMESPACE=self.release.namespace,
+            PYTHONUNBUFFERED="1",
+        )
+        args = [
+            sys.executable,
+            "-m",
+            "omni_runtime.cli",
+            "operator",
+            "--kubeconfig",
+            str(self.kubeconfig),
+            "--lease-namespace",
+            self.release.namespace,
+            "--resync-seconds",
+            "600",
+            "--liveness-port",
+            str(self.liveness_port),
+            "--metrics-port",
+            str(self.metrics_port),
+        ]
         for ns in self.namespaces:
             args += ["--namespace", ns]
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return self
 
     def stop(self) -> None:
@@ -198,8 +245,11 @@ def sa_operator(cluster, release, tmp_path) -> Iterator[Callable[[list[str]], Se
         # The apiserver builds a custom resource's watch cache on its first use and answers 429 ("storage
         # is (re)initializing") meanwhile; the operator's first listing as leader does not survive that
         # yet (reported), so let the caches fill before it starts.
-        wait_for(lambda: cluster.kubectl("get", "omnipipelines,omnistages", "-A", check=False).returncode == 0,
-                 30, "the custom resources' storage")
+        wait_for(
+            lambda: cluster.kubectl("get", "omnipipelines,omnistages", "-A", check=False).returncode == 0,
+            30,
+            "the custom resources' storage",
+        )
         op = ServiceAccountOperator(cluster, release, tmp_path, namespaces).start()
         started.append(op)
         return op
@@ -214,8 +264,10 @@ def pipeline_ready(cluster, namespace: str, name: str) -> dict | None:
     if out.returncode != 0:
         return None
     obj = json.loads(out.stdout)
-    if condition(obj, "Ready").get("status") == "True" and \
-            obj["status"].get("observedGeneration") == obj["metadata"]["generation"]:
+    if (
+        condition(obj, "Ready").get("status") == "True"
+        and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
+    ):
         return obj
     return None
 
@@ -235,8 +287,10 @@ def assert_no_forbidden(cluster, release: Release, op: ServiceAccountOperator, s
         stamp = time.mktime(time.strptime(event["requestReceivedTimestamp"][:19], "%Y-%m-%dT%H:%M:%S"))
         if code == 403 and stamp - time.timezone >= since - 1:
             ref = event.get("objectRef", {})
-            refused.append(f"{event['verb']} {ref.get('resource')}/{ref.get('subresource', '')} "
-                           f"{ref.get('namespace')}/{ref.get('name')}")
+            refused.append(
+                f"{event['verb']} {ref.get('resource')}/{ref.get('subresource', '')} "
+                f"{ref.get('namespace')}/{ref.get('name')}"
+            )
     assert not refused, f"writes refused by RBAC: {refused}"
 
 
@@ -246,10 +300,13 @@ def assert_no_forbidden(cluster, release: Release, op: ServiceAccountOperator, s
 def test_lint_passes_and_the_schema_rejects_bad_values(cluster):
     out = helm(cluster, "lint", "--strict", str(CHART))
     assert "0 chart(s) failed" in out.stdout
-    for bad, path in [("replicas=two", "/replicas"), ("watchNamespaces[0]=Bad_NS", "/watchNamespaces/0"),
-                      ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
-                      ("leaderElection.enabled=false", "/replicas"),  # 2 replicas need the Lease
-                      ("metricsPort=1", "metricsPort")]:
+    for bad, path in [
+        ("replicas=two", "/replicas"),
+        ("watchNamespaces[0]=Bad_NS", "/watchNamespaces/0"),
+        ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
+        ("leaderElection.enabled=false", "/replicas"),  # 2 replicas need the Lease
+        ("metricsPort=1", "metricsPort"),
+    ]:
         out = helm(cluster, "lint", str(CHART), "--set", bad, check=False)
         assert out.returncode != 0, f"helm lint accepted {bad}"
         assert path in out.stdout + out.stderr, out.stdout + out.stderr
@@ -266,8 +323,10 @@ def test_template_crds_are_the_generated_ones(cluster):
         assert got["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
         assert want["metadata"]["labels"].items() <= got["metadata"]["labels"].items()
         assert got["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
-    assert all("annotations" not in c["metadata"]
-               for c in find(template(cluster, "crds.keep=false"), "CustomResourceDefinition"))
+    assert all(
+        "annotations" not in c["metadata"]
+        for c in find(template(cluster, "crds.keep=false"), "CustomResourceDefinition")
+    )
     assert not find(template(cluster, "crds.install=false"), "CustomResourceDefinition")
 
 
@@ -279,8 +338,10 @@ def test_template_rbac_follows_watch_namespaces(cluster):
     secrets = [r for r in role["rules"] if "secrets" in r["resources"]]
     assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
     [lease] = find(objs, "Role", "omk-omnikube-leader-election", "omk-system")
-    assert {tuple(r["verbs"]): r.get("resourceNames") for r in lease["rules"]} == \
-        {("create",): None, ("get", "patch"): ["omnikube-operator"]}
+    assert {tuple(r["verbs"]): r.get("resourceNames") for r in lease["rules"]} == {
+        ("create",): None,
+        ("get", "patch"): ["omnikube-operator"],
+    }
     [deployment] = find(objs, "Deployment", "omk-omnikube")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["omnikube", "operator"]
@@ -308,8 +369,11 @@ def test_template_deployment_is_locked_down(cluster):
     assert container["image"] == "ghcr.io/omnikube/operator:0.1.0"
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                            "capabilities": {"drop": ["ALL"]}}
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
     env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container["env"]}
     assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
@@ -333,8 +397,7 @@ def test_template_passes_server_side_validation(cluster, release):
     # fields fail), with a client-side and a server-side apply; nothing is stored.
     for sets in ([], [f"watchNamespaces={{{release.apps}}}", "replicas=1"]):
         args = [a for s in sets for a in ("--set", s)]
-        manifest = helm(cluster, "template", release.name, str(CHART), "--namespace", release.namespace,
-                        *args).stdout
+        manifest = helm(cluster, "template", release.name, str(CHART), "--namespace", release.namespace, *args).stdout
         for mode in (["--dry-run=server"], ["--server-side", "--dry-run=server"]):
             out = cluster.kubectl("apply", *mode, "--validate=strict", "-f", "-", input=manifest, check=False)
             assert out.returncode == 0, f"{sets} {mode}:\n{out.stderr}"
@@ -345,16 +408,30 @@ def test_template_passes_server_side_validation(cluster, release):
 
 
 def test_install(cluster, release):
-    helm(cluster, "install", release.name, str(CHART), "--namespace", release.namespace, "--wait",
-         "--timeout", "120s")
+    helm(cluster, "install", release.name, str(CHART), "--namespace", release.namespace, "--wait", "--timeout", "120s")
     release.installed = True
     deployment = kubectl_json(cluster, "get", "deployment", release.fullname, "-n", release.namespace)
     assert deployment["spec"]["replicas"] == 2
     # KWOK plays the kubelet: both operator pods get Running and Ready.
-    wait_for(lambda: kubectl_json(cluster, "get", "deployment", release.fullname, "-n", release.namespace)
-             ["status"].get("readyReplicas") == 2, 60, "2 ready operator pods")
-    pods = kubectl_json(cluster, "get", "pods", "-n", release.namespace, "-l",
-                        f"app.kubernetes.io/instance={release.name},app.kubernetes.io/component=operator")["items"]
+    wait_for(
+        lambda: (
+            kubectl_json(cluster, "get", "deployment", release.fullname, "-n", release.namespace)["status"].get(
+                "readyReplicas"
+            )
+            == 2
+        ),
+        60,
+        "2 ready operator pods",
+    )
+    pods = kubectl_json(
+        cluster,
+        "get",
+        "pods",
+        "-n",
+        release.namespace,
+        "-l",
+        f"app.kubernetes.io/instance={release.name},app.kubernetes.io/component=operator",
+    )["items"]
     assert [p["status"]["phase"] for p in pods] == ["Running", "Running"]
     assert {p["spec"]["serviceAccountName"] for p in pods} == {release.service_account}
     for name in CRDS:
@@ -362,11 +439,14 @@ def test_install(cluster, release):
         assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
         assert crd["metadata"]["annotations"]["meta.helm.sh/release-name"] == release.name
         assert condition(crd, "Established").get("status") == "True"
-    for args in (["clusterrole", release.fullname], ["clusterrolebinding", release.fullname],
-                 ["role", f"{release.fullname}-leader-election", "-n", release.namespace],
-                 ["serviceaccount", release.service_account, "-n", release.namespace],
-                 ["poddisruptionbudget", release.fullname, "-n", release.namespace],
-                 ["service", f"{release.fullname}-metrics", "-n", release.namespace]):
+    for args in (
+        ["clusterrole", release.fullname],
+        ["clusterrolebinding", release.fullname],
+        ["role", f"{release.fullname}-leader-election", "-n", release.namespace],
+        ["serviceaccount", release.service_account, "-n", release.namespace],
+        ["poddisruptionbudget", release.fullname, "-n", release.namespace],
+        ["service", f"{release.fullname}-metrics", "-n", release.namespace],
+    ):
         assert exists(cluster, *args), args
 
 
@@ -378,23 +458,46 @@ def test_chart_rbac_is_all_the_operator_needs(cluster, release, sa_operator):
     denied = cluster.kubectl("--kubeconfig", str(op.kubeconfig), "get", "nodes", check=False)
     assert denied.returncode != 0 and "forbidden" in denied.stderr.lower()
     cluster.kubectl("create", "secret", "generic", "hf-token", "-n", release.apps, "--from-literal=token=x")
-    cluster.kubectl("apply", "-n", release.apps, "-f", "-", input=json.dumps({
-        "apiVersion": "omnikube.io/v1alpha1", "kind": "OmniPipeline", "metadata": {"name": "helm-rbac"},
-        "spec": {"model": "/models/x", "pipeline": "text-chat",
-                 "runtime": {"hfTokenSecret": {"name": "hf-token", "key": "token"}},  # exercises get secrets
-                 "stages": [{"name": "llm", "replicas": 1}]},
-    }))
-    ready = wait_for(lambda: pipeline_ready(cluster, release.apps, "helm-rbac"), 90, "OmniPipeline Ready",
-                     lambda: op.log()[-4000:])
+    cluster.kubectl(
+        "apply",
+        "-n",
+        release.apps,
+        "-f",
+        "-",
+        input=json.dumps(
+            {
+                "apiVersion": "omnikube.io/v1alpha1",
+                "kind": "OmniPipeline",
+                "metadata": {"name": "helm-rbac"},
+                "spec": {
+                    "model": "/models/x",
+                    "pipeline": "text-chat",
+                    "runtime": {"hfTokenSecret": {"name": "hf-token", "key": "token"}},  # exercises get secrets
+                    "stages": [{"name": "llm", "replicas": 1}],
+                },
+            }
+        ),
+    )
+    ready = wait_for(
+        lambda: pipeline_ready(cluster, release.apps, "helm-rbac"), 90, "OmniPipeline Ready", lambda: op.log()[-4000:]
+    )
     assert ready["status"]["stagesReady"] == "1/1"
     # Everything the operator made exists: OmniStage (apply + /scale), its Deployment and Service, the
     # router with its ServiceAccount, Role (escalation check passed), RoleBinding, PDB; a Ready Event.
-    for args in (["omnistage", "helm-rbac-llm"], ["deployment", "helm-rbac-llm"], ["service", "helm-rbac-llm"],
-                 ["deployment", "helm-rbac-router"], ["role", "helm-rbac-router"], ["rolebinding", "helm-rbac-router"],
-                 ["serviceaccount", "helm-rbac-router"], ["poddisruptionbudget", "helm-rbac-router"]):
+    for args in (
+        ["omnistage", "helm-rbac-llm"],
+        ["deployment", "helm-rbac-llm"],
+        ["service", "helm-rbac-llm"],
+        ["deployment", "helm-rbac-router"],
+        ["role", "helm-rbac-router"],
+        ["rolebinding", "helm-rbac-router"],
+        ["serviceaccount", "helm-rbac-router"],
+        ["poddisruptionbudget", "helm-rbac-router"],
+    ):
         assert exists(cluster, *args, "-n", release.apps), args
-    events = kubectl_json(cluster, "get", "events", "-n", release.apps, "--field-selector",
-                          "involvedObject.name=helm-rbac,reason=Ready")["items"]
+    events = kubectl_json(
+        cluster, "get", "events", "-n", release.apps, "--field-selector", "involvedObject.name=helm-rbac,reason=Ready"
+    )["items"]
     assert events, "the operator posted the Ready Event"
     lease = kubectl_json(cluster, "get", "lease", "omnikube-operator", "-n", release.namespace)
     assert lease["spec"]["holderIdentity"] == op.identity
@@ -408,8 +511,21 @@ def test_chart_rbac_is_all_the_operator_needs(cluster, release, sa_operator):
 
 def test_upgrade_changes_deployment_and_rbac(cluster, release, sa_operator):
     release.require_installed()
-    helm(cluster, "upgrade", release.name, str(CHART), "--namespace", release.namespace, "--wait",
-         "--timeout", "120s", "--set", "replicas=1", "--set", f"watchNamespaces={{{release.apps}}}")
+    helm(
+        cluster,
+        "upgrade",
+        release.name,
+        str(CHART),
+        "--namespace",
+        release.namespace,
+        "--wait",
+        "--timeout",
+        "120s",
+        "--set",
+        "replicas=1",
+        "--set",
+        f"watchNamespaces={{{release.apps}}}",
+    )
     deployment = kubectl_json(cluster, "get", "deployment", release.fullname, "-n", release.namespace)
     assert deployment["spec"]["replicas"] == 1
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -424,13 +540,29 @@ def test_upgrade_changes_deployment_and_rbac(cluster, release, sa_operator):
     # delete of an OmniStage whose stage left it.
     since = time.time()
     op = sa_operator([release.apps])
-    cluster.kubectl("patch", "omnipipeline", "helm-rbac", "-n", release.apps, "--type=merge", "-p", json.dumps(
-        {"spec": {"pipeline": "qwen-image", "stages": [{"name": "dit", "replicas": 1}]}}))
-    ready = wait_for(lambda: pipeline_ready(cluster, release.apps, "helm-rbac"), 90, "OmniPipeline Ready again",
-                     lambda: op.log()[-4000:])
+    cluster.kubectl(
+        "patch",
+        "omnipipeline",
+        "helm-rbac",
+        "-n",
+        release.apps,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"pipeline": "qwen-image", "stages": [{"name": "dit", "replicas": 1}]}}),
+    )
+    ready = wait_for(
+        lambda: pipeline_ready(cluster, release.apps, "helm-rbac"),
+        90,
+        "OmniPipeline Ready again",
+        lambda: op.log()[-4000:],
+    )
     assert ready["status"]["topology"]["stages"] == ["dit"]
-    wait_for(lambda: not exists(cluster, "omnistage", "helm-rbac-llm", "-n", release.apps), 30,
-             "the llm OmniStage deleted", lambda: op.log()[-4000:])
+    wait_for(
+        lambda: not exists(cluster, "omnistage", "helm-rbac-llm", "-n", release.apps),
+        30,
+        "the llm OmniStage deleted",
+        lambda: op.log()[-4000:],
+    )
     op.stop()
     assert_no_forbidden(cluster, release, op, since)
 
@@ -441,8 +573,10 @@ def test_uninstall_keeps_crds_and_pipelines(cluster, release):
     release.installed = False
     assert "kept due to the resource policy" in out.stdout + out.stderr
     selector = f"app.kubernetes.io/instance={release.name}"
-    for kinds, ns in (("deployments,serviceaccounts,services,roles,rolebindings,poddisruptionbudgets",
-                       release.namespace), ("roles,rolebindings", release.apps)):
+    for kinds, ns in (
+        ("deployments,serviceaccounts,services,roles,rolebindings,poddisruptionbudgets", release.namespace),
+        ("roles,rolebindings", release.apps),
+    ):
         left = cluster.kubectl("get", kinds, "-n", ns, "-l", selector, "-o", "name").stdout.split()
         assert not left, f"left behind in {ns}: {left}"
     left = cluster.kubectl("get", "clusterroles,clusterrolebindings", "-l", selector, "-o", "name").stdout.split()

@@ -38,9 +38,23 @@ class OperatorProcess:
         env = {**self.cluster.env(), "POD_NAME": self.identity, "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "omni_runtime.cli", "operator", "--kubeconfig",
-                 str(self.cluster.kubeconfig), "--lease-namespace", "default", "--resync-seconds", "600"],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "omni_runtime.cli",
+                    "operator",
+                    "--kubeconfig",
+                    str(self.cluster.kubeconfig),
+                    "--lease-namespace",
+                    "default",
+                    "--resync-seconds",
+                    "600",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
@@ -63,9 +77,6 @@ def operator(cluster, tmp_path_factory) -> Iterator[OperatorProcess]:
     op.stop()
 
 
-
-
-
 def get(cluster, namespace: str, kind: str, name: str) -> dict | None:
     out = cluster.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
     return json.loads(out.stdout) if out.returncode == 0 else None
@@ -78,12 +89,24 @@ def apply(cluster, namespace: str, obj: dict) -> None:
 def wait_ready(cluster, operator, namespace: str, name: str, timeout: float = 90) -> dict:
     def ready():
         obj = get(cluster, namespace, "omnipipeline", name)
-        return obj if obj and condition(obj, "Ready").get("status") == "True" and \
-            obj["status"].get("observedGeneration") == obj["metadata"]["generation"] else None
+        return (
+            obj
+            if obj
+            and condition(obj, "Ready").get("status") == "True"
+            and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
+            else None
+        )
 
-    return wait_for(ready, timeout, f"OmniPipeline {name} Ready",
-                    lambda: json.dumps((get(cluster, namespace, "omnipipeline", name) or {}).get("status"),
-                                       indent=1) + "\n" + operator.log())
+    return wait_for(
+        ready,
+        timeout,
+        f"OmniPipeline {name} Ready",
+        lambda: (
+            json.dumps((get(cluster, namespace, "omnipipeline", name) or {}).get("status"), indent=1)
+            + "\n"
+            + operator.log()
+        ),
+    )
 
 
 def sample(name: str) -> dict:
@@ -91,8 +114,12 @@ def sample(name: str) -> dict:
 
 
 def pipeline(name: str, topology: str, stages: list[dict], **spec) -> dict:
-    return {"apiVersion": "omnikube.io/v1alpha1", "kind": "OmniPipeline", "metadata": {"name": name},
-            "spec": {"model": f"/models/{name}", "pipeline": topology, "stages": stages, **spec}}
+    return {
+        "apiVersion": "omnikube.io/v1alpha1",
+        "kind": "OmniPipeline",
+        "metadata": {"name": name},
+        "spec": {"model": f"/models/{name}", "pipeline": topology, "stages": stages, **spec},
+    }
 
 
 def operator_writes(cluster, since: float) -> list[str]:
@@ -114,26 +141,45 @@ def operator_writes(cluster, since: float) -> list[str]:
 
 def create_model_cache_pvc(cluster, namespace: str, claim: str) -> None:
     """A PersistentVolume on a host folder and a claim bound to it, as a cluster admin would provide."""
-    pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{namespace}-{claim}"},
-          "spec": {"capacity": {"storage": "1Ti"}, "accessModes": ["ReadOnlyMany", "ReadWriteMany"],
-                   "storageClassName": "", "hostPath": {"path": "/var/lib/omnikube/models"},
-                   "claimRef": {"namespace": namespace, "name": claim}}}
-    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
-           "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv["metadata"]["name"],
-                    "resources": {"requests": {"storage": "1Ti"}}}}
+    pv = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": f"{namespace}-{claim}"},
+        "spec": {
+            "capacity": {"storage": "1Ti"},
+            "accessModes": ["ReadOnlyMany", "ReadWriteMany"],
+            "storageClassName": "",
+            "hostPath": {"path": "/var/lib/omnikube/models"},
+            "claimRef": {"namespace": namespace, "name": claim},
+        },
+    }
+    pvc = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": claim},
+        "spec": {
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "",
+            "volumeName": pv["metadata"]["name"],
+            "resources": {"requests": {"storage": "1Ti"}},
+        },
+    }
     cluster.kubectl("apply", "-f", "-", input=json.dumps(pv))
     apply(cluster, namespace, pvc)
 
 
 def deployments(cluster, namespace: str, pipeline_name: str) -> dict[str, dict]:
-    items = kubectl_json(cluster, "get", "deployments", "-n", namespace,
-                         "-l", f"omnikube.io/pipeline={pipeline_name}")["items"]
+    items = kubectl_json(cluster, "get", "deployments", "-n", namespace, "-l", f"omnikube.io/pipeline={pipeline_name}")[
+        "items"
+    ]
     return {d["metadata"]["name"]: d for d in items}
 
 
 def template_hashes(cluster, namespace: str, pipeline_name: str) -> dict[str, str]:
-    return {n: d["spec"]["template"]["metadata"]["annotations"]["omnikube.io/template-hash"]
-            for n, d in deployments(cluster, namespace, pipeline_name).items()}
+    return {
+        n: d["spec"]["template"]["metadata"]["annotations"]["omnikube.io/template-hash"]
+        for n, d in deployments(cluster, namespace, pipeline_name).items()
+    }
 
 
 # --- placement and readiness ---------------------------------------------------------------------
@@ -143,9 +189,14 @@ def test_qwen3_omni_lands_on_gpu_nodes_and_becomes_ready(cluster, operator, name
     obj = sample("qwen3-omni")
     cluster.kubectl("create", "secret", "generic", "hf-token", "-n", namespace, "--from-literal=token=x")
     apply(cluster, namespace, obj)
-    cond = wait_for(lambda: (lambda c: c if c.get("status") == "True" else None)(
-        condition(get(cluster, namespace, "omnipipeline", obj["metadata"]["name"]) or {}, "Degraded")),
-        60, "Degraded without the model cache PVC", operator.log)
+    cond = wait_for(
+        lambda: (lambda c: c if c.get("status") == "True" else None)(
+            condition(get(cluster, namespace, "omnipipeline", obj["metadata"]["name"]) or {}, "Degraded")
+        ),
+        60,
+        "Degraded without the model cache PVC",
+        operator.log,
+    )
     assert cond["reason"] == "ModelCacheMissing" and "model-cache" in cond["message"]
     create_model_cache_pvc(cluster, namespace, "model-cache")
     ready = wait_ready(cluster, operator, namespace, obj["metadata"]["name"])
@@ -168,8 +219,9 @@ def test_qwen3_omni_lands_on_gpu_nodes_and_becomes_ready(cluster, operator, name
     # The router runs a Mooncake master beside it because thinker->talker uses mooncake.
     router = get(cluster, namespace, "deployment", f"{name}-router")
     assert [c["name"] for c in router["spec"]["template"]["spec"]["containers"]] == ["router", "mooncake-master"]
-    events = kubectl_json(cluster, "get", "events", "-n", namespace,
-                          "--field-selector", f"involvedObject.name={name},reason=Ready")["items"]
+    events = kubectl_json(
+        cluster, "get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name},reason=Ready"
+    )["items"]
     assert events, "a Ready event is posted on the pipeline"
 
 
@@ -183,8 +235,11 @@ def test_ascend_pipeline_lands_only_on_the_npu_node(cluster, operator, namespace
 
 
 def test_more_gpus_than_any_node_has_is_degraded_with_the_reason(cluster, operator, namespace) -> None:
-    apply(cluster, namespace, pipeline("too-big", "text-chat",
-                                       [{"name": "llm", "accelerator": {"type": "nvidia.com/gpu", "count": 9}}]))
+    apply(
+        cluster,
+        namespace,
+        pipeline("too-big", "text-chat", [{"name": "llm", "accelerator": {"type": "nvidia.com/gpu", "count": 9}}]),
+    )
 
     def degraded():
         obj = get(cluster, namespace, "omnipipeline", "too-big")
@@ -196,16 +251,26 @@ def test_more_gpus_than_any_node_has_is_degraded_with_the_reason(cluster, operat
     assert "nvidia.com/gpu" in cond["message"] and "stage llm" in cond["message"]
     obj = get(cluster, namespace, "omnipipeline", "too-big")
     assert condition(obj, "Ready")["status"] == "False"
-    events = kubectl_json(cluster, "get", "events", "-n", namespace, "--field-selector",
-                          "involvedObject.name=too-big,reason=InsufficientAccelerator")["items"]
+    events = kubectl_json(
+        cluster,
+        "get",
+        "events",
+        "-n",
+        namespace,
+        "--field-selector",
+        "involvedObject.name=too-big,reason=InsufficientAccelerator",
+    )["items"]
     assert events and events[0]["type"] == "Warning"
 
 
-@pytest.mark.parametrize("stages,reason,words", [
-    ([{"name": "no-such-stage"}], "UnknownStage", ["no-such-stage", "llm"]),
-], ids=["unknown-stage"])
-def test_spec_problems_the_schema_cannot_see_are_degraded(cluster, operator, namespace, stages, reason,
-                                                          words) -> None:
+@pytest.mark.parametrize(
+    "stages,reason,words",
+    [
+        ([{"name": "no-such-stage"}], "UnknownStage", ["no-such-stage", "llm"]),
+    ],
+    ids=["unknown-stage"],
+)
+def test_spec_problems_the_schema_cannot_see_are_degraded(cluster, operator, namespace, stages, reason, words) -> None:
     apply(cluster, namespace, pipeline("bad", "text-chat", stages))
 
     def degraded():
@@ -221,22 +286,41 @@ def test_spec_problems_the_schema_cannot_see_are_degraded(cluster, operator, nam
 def test_unknown_pipeline_and_missing_connector_are_degraded(cluster, operator, namespace) -> None:
     apply(cluster, namespace, pipeline("nopipe", "no-such-topology", []))
     # shm between two stages in different pods cannot work.
-    apply(cluster, namespace, pipeline("noconn", "prompt-enhanced-t2i", [],
-                                       connectors={"edges": [{"from": "enhancer", "to": "dit", "kind": "shm"}]}))
+    apply(
+        cluster,
+        namespace,
+        pipeline(
+            "noconn",
+            "prompt-enhanced-t2i",
+            [],
+            connectors={"edges": [{"from": "enhancer", "to": "dit", "kind": "shm"}]},
+        ),
+    )
     for name, reason, word in (("nopipe", "UnknownPipeline", "text-chat"), ("noconn", "NoUsableConnector", "shm")):
-        cond = wait_for(lambda n=name: (lambda c: c if c.get("status") == "True" else None)(
-            condition(get(cluster, namespace, "omnipipeline", n) or {}, "Degraded")), 30, f"{name} Degraded",
-            operator.log)
+        cond = wait_for(
+            lambda n=name: (lambda c: c if c.get("status") == "True" else None)(
+                condition(get(cluster, namespace, "omnipipeline", n) or {}, "Degraded")
+            ),
+            30,
+            f"{name} Degraded",
+            operator.log,
+        )
         assert cond["reason"] == reason and word in cond["message"]
 
 
 def test_missing_secret_is_degraded_until_created(cluster, operator, namespace) -> None:
-    obj = pipeline("needs-token", "text-chat", [{"name": "llm"}],
-                   runtime={"hfTokenSecret": {"name": "hf", "key": "token"}})
+    obj = pipeline(
+        "needs-token", "text-chat", [{"name": "llm"}], runtime={"hfTokenSecret": {"name": "hf", "key": "token"}}
+    )
     apply(cluster, namespace, obj)
-    cond = wait_for(lambda: (lambda c: c if c.get("reason") == "SecretMissing" else None)(
-        condition(get(cluster, namespace, "omnipipeline", "needs-token") or {}, "Degraded")), 30,
-        "SecretMissing", operator.log)
+    cond = wait_for(
+        lambda: (lambda c: c if c.get("reason") == "SecretMissing" else None)(
+            condition(get(cluster, namespace, "omnipipeline", "needs-token") or {}, "Degraded")
+        ),
+        30,
+        "SecretMissing",
+        operator.log,
+    )
     assert "hf" in cond["message"] and "kubectl create secret" in cond["message"]
     cluster.kubectl("create", "secret", "generic", "hf", "-n", namespace, "--from-literal=token=x")
     wait_ready(cluster, operator, namespace, "needs-token", timeout=90)
@@ -261,11 +345,21 @@ def test_changing_engine_args_rolls_only_that_stage(cluster, operator, namespace
     apply(cluster, namespace, pipeline("roll", "prompt-enhanced-t2i", [{"name": "enhancer"}, {"name": "dit"}]))
     wait_ready(cluster, operator, namespace, "roll")
     before = template_hashes(cluster, namespace, "roll")
-    apply(cluster, namespace, pipeline("roll", "prompt-enhanced-t2i",
-                                       [{"name": "enhancer", "engineArgs": {"max_model_len": 1024}},
-                                        {"name": "dit"}]))
-    wait_for(lambda: template_hashes(cluster, namespace, "roll")["roll-enhancer"] != before["roll-enhancer"],
-             30, "enhancer to roll", operator.log)
+    apply(
+        cluster,
+        namespace,
+        pipeline(
+            "roll",
+            "prompt-enhanced-t2i",
+            [{"name": "enhancer", "engineArgs": {"max_model_len": 1024}}, {"name": "dit"}],
+        ),
+    )
+    wait_for(
+        lambda: template_hashes(cluster, namespace, "roll")["roll-enhancer"] != before["roll-enhancer"],
+        30,
+        "enhancer to roll",
+        operator.log,
+    )
     after = template_hashes(cluster, namespace, "roll")
     assert after["roll-dit"] == before["roll-dit"]
     assert after["roll-router"] == before["roll-router"]
@@ -280,8 +374,12 @@ def test_changing_replicas_changes_only_replicas(cluster, operator, namespace) -
     wait_ready(cluster, operator, namespace, "scale")
     before = template_hashes(cluster, namespace, "scale")
     apply(cluster, namespace, pipeline("scale", "text-chat", [{"name": "llm", "replicas": 3}]))
-    wait_for(lambda: deployments(cluster, namespace, "scale")["scale-llm"]["spec"]["replicas"] == 3, 30,
-             "3 replicas", operator.log)
+    wait_for(
+        lambda: deployments(cluster, namespace, "scale")["scale-llm"]["spec"]["replicas"] == 3,
+        30,
+        "3 replicas",
+        operator.log,
+    )
     assert template_hashes(cluster, namespace, "scale") == before
     ready = wait_ready(cluster, operator, namespace, "scale")
     assert ready["status"]["stages"] == [{"name": "llm", "replicas": 3, "readyReplicas": 3}]
@@ -292,10 +390,14 @@ def test_stage_dropped_from_the_topology_is_removed(cluster, operator, namespace
     wait_ready(cluster, operator, namespace, "shrink")
     assert get(cluster, namespace, "omnistage", "shrink-enhancer")
     apply(cluster, namespace, pipeline("shrink", "qwen-image", []))
-    wait_for(lambda: get(cluster, namespace, "omnistage", "shrink-enhancer") is None, 30, "enhancer removed",
-             operator.log)
-    wait_for(lambda: "shrink-enhancer" not in deployments(cluster, namespace, "shrink"), 30,
-             "enhancer Deployment garbage-collected")
+    wait_for(
+        lambda: get(cluster, namespace, "omnistage", "shrink-enhancer") is None, 30, "enhancer removed", operator.log
+    )
+    wait_for(
+        lambda: "shrink-enhancer" not in deployments(cluster, namespace, "shrink"),
+        30,
+        "enhancer Deployment garbage-collected",
+    )
     ready = wait_ready(cluster, operator, namespace, "shrink")
     assert ready["status"]["topology"]["stages"] == ["dit"]
 
@@ -310,8 +412,9 @@ def test_deleting_the_pipeline_collects_everything(cluster, operator, namespace)
         out = cluster.kubectl("get", kinds, "-n", namespace, "-l", "omnikube.io/pipeline=gone", "-o", "name")
         return out.stdout.strip() == ""
 
-    wait_for(empty, 60, "garbage collection",
-             lambda: cluster.kubectl("get", kinds, "-n", namespace, "-o", "name").stdout)
+    wait_for(
+        empty, 60, "garbage collection", lambda: cluster.kubectl("get", kinds, "-n", namespace, "-o", "name").stdout
+    )
 
 
 def test_hand_deleted_omnistage_and_hand_edited_deployment_are_restored(cluster, operator, namespace) -> None:
@@ -319,18 +422,40 @@ def test_hand_deleted_omnistage_and_hand_edited_deployment_are_restored(cluster,
     wait_ready(cluster, operator, namespace, "heal")
     uid = get(cluster, namespace, "omnistage", "heal-dit")["metadata"]["uid"]
     cluster.kubectl("delete", "omnistage", "heal-dit", "-n", namespace)
-    wait_for(lambda: (get(cluster, namespace, "omnistage", "heal-dit") or {"metadata": {"uid": uid}})
-             ["metadata"]["uid"] != uid, 30, "OmniStage recreated", operator.log)
+    wait_for(
+        lambda: (
+            (get(cluster, namespace, "omnistage", "heal-dit") or {"metadata": {"uid": uid}})["metadata"]["uid"] != uid
+        ),
+        30,
+        "OmniStage recreated",
+        operator.log,
+    )
     wait_ready(cluster, operator, namespace, "heal")
 
-    cluster.kubectl("patch", "deployment", "heal-enhancer", "-n", namespace, "--type=merge",
-                    "-p", json.dumps({"spec": {"replicas": 4, "template": {"spec": {"containers": [
-                        {"name": "enhancer", "image": "example.com/hacked:1"}]}}}}))
+    cluster.kubectl(
+        "patch",
+        "deployment",
+        "heal-enhancer",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps(
+            {
+                "spec": {
+                    "replicas": 4,
+                    "template": {"spec": {"containers": [{"name": "enhancer", "image": "example.com/hacked:1"}]}},
+                }
+            }
+        ),
+    )
 
     def restored():
         d = deployments(cluster, namespace, "heal")["heal-enhancer"]
-        return d["spec"]["replicas"] == 1 and \
-            d["spec"]["template"]["spec"]["containers"][0]["image"] != "example.com/hacked:1"
+        return (
+            d["spec"]["replicas"] == 1
+            and d["spec"]["template"]["spec"]["containers"][0]["image"] != "example.com/hacked:1"
+        )
 
     wait_for(restored, 30, "Deployment restored", operator.log)
     wait_ready(cluster, operator, namespace, "heal")
@@ -339,8 +464,9 @@ def test_hand_deleted_omnistage_and_hand_edited_deployment_are_restored(cluster,
 def test_operator_restart_mid_reconcile_converges_without_duplicates(cluster, operator, namespace) -> None:
     names = [f"many-{i}" for i in range(12)]
     docs = [pipeline(n, "prompt-enhanced-t2i", []) for n in names]
-    cluster.kubectl("apply", "-n", namespace, "-f", "-",
-                    input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+    cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs})
+    )
     time.sleep(1.5)
     operator.stop(signal.SIGKILL)  # no chance to finish anything
     operator.start()
@@ -348,7 +474,8 @@ def test_operator_restart_mid_reconcile_converges_without_duplicates(cluster, op
         wait_ready(cluster, operator, namespace, n, timeout=120)
     stages = kubectl_json(cluster, "get", "omnistages", "-n", namespace)["items"]
     assert sorted(s["metadata"]["name"] for s in stages) == sorted(
-        f"{n}-{s}" for n in names for s in ("enhancer", "dit"))
+        f"{n}-{s}" for n in names for s in ("enhancer", "dit")
+    )
     deps = kubectl_json(cluster, "get", "deployments", "-n", namespace)["items"]
     assert len(deps) == len(names) * 3  # enhancer, dit, router each
     rs = kubectl_json(cluster, "get", "replicasets", "-n", namespace)["items"]
@@ -362,33 +489,61 @@ def test_pipeline_spec_owns_replicas_without_autoscaling(cluster, operator, name
     apply(cluster, namespace, pipeline("owned", "text-chat", [{"name": "llm", "replicas": 2}]))
     wait_ready(cluster, operator, namespace, "owned")
     cluster.kubectl("scale", "omnistage/owned-llm", "-n", namespace, "--replicas=5")
-    wait_for(lambda: get(cluster, namespace, "omnistage", "owned-llm")["spec"]["replicas"] == 2, 30,
-             "replicas restored to the pipeline's 2", operator.log)
+    wait_for(
+        lambda: get(cluster, namespace, "omnistage", "owned-llm")["spec"]["replicas"] == 2,
+        30,
+        "replicas restored to the pipeline's 2",
+        operator.log,
+    )
 
 
 def test_kubectl_scale_and_hpa_drive_an_autoscaled_stage(cluster, operator, namespace) -> None:
-    apply(cluster, namespace, pipeline("auto", "text-chat",
-                                       [{"name": "llm", "autoscaling": {"minReplicas": 1, "maxReplicas": 4}}]))
+    apply(
+        cluster,
+        namespace,
+        pipeline("auto", "text-chat", [{"name": "llm", "autoscaling": {"minReplicas": 1, "maxReplicas": 4}}]),
+    )
     wait_ready(cluster, operator, namespace, "auto")
     cluster.kubectl("scale", "omnistage/auto-llm", "-n", namespace, "--replicas=3")
-    wait_for(lambda: deployments(cluster, namespace, "auto")["auto-llm"]["spec"]["replicas"] == 3, 30,
-             "Deployment follows kubectl scale", operator.log)
+    wait_for(
+        lambda: deployments(cluster, namespace, "auto")["auto-llm"]["spec"]["replicas"] == 3,
+        30,
+        "Deployment follows kubectl scale",
+        operator.log,
+    )
     wait_ready(cluster, operator, namespace, "auto")
     assert get(cluster, namespace, "omnistage", "auto-llm")["spec"]["replicas"] == 3, "operator kept hands off"
 
     # An HPA targets the OmniStage through /scale; its minReplicas (4) is above the current 3.
-    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-           "metadata": {"name": "auto-llm"},
-           "spec": {"scaleTargetRef": {"apiVersion": "omnikube.io/v1alpha1", "kind": "OmniStage",
-                                       "name": "auto-llm"},
-                    "minReplicas": 4, "maxReplicas": 4,
-                    "metrics": [{"type": "Resource", "resource": {
-                        "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}}}]}}
+    hpa = {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": "auto-llm"},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "omnikube.io/v1alpha1", "kind": "OmniStage", "name": "auto-llm"},
+            "minReplicas": 4,
+            "maxReplicas": 4,
+            "metrics": [
+                {
+                    "type": "Resource",
+                    "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}},
+                }
+            ],
+        },
+    }
     apply(cluster, namespace, hpa)
-    wait_for(lambda: get(cluster, namespace, "omnistage", "auto-llm")["spec"]["replicas"] == 4, 60,
-             "HPA scales the OmniStage", lambda: json.dumps(get(cluster, namespace, "hpa", "auto-llm")))
-    wait_for(lambda: deployments(cluster, namespace, "auto")["auto-llm"]["spec"]["replicas"] == 4, 30,
-             "Deployment follows the HPA", operator.log)
+    wait_for(
+        lambda: get(cluster, namespace, "omnistage", "auto-llm")["spec"]["replicas"] == 4,
+        60,
+        "HPA scales the OmniStage",
+        lambda: json.dumps(get(cluster, namespace, "hpa", "auto-llm")),
+    )
+    wait_for(
+        lambda: deployments(cluster, namespace, "auto")["auto-llm"]["spec"]["replicas"] == 4,
+        30,
+        "Deployment follows the HPA",
+        operator.log,
+    )
     ready = wait_ready(cluster, operator, namespace, "auto")
     assert ready["status"]["stages"][0]["replicas"] == 4
 
@@ -403,14 +558,30 @@ def test_second_operator_replica_waits_then_takes_over(cluster, operator, namesp
         lease = kubectl_json(cluster, "get", "lease", "omnikube-operator", "-n", "default")
         assert lease["spec"]["holderIdentity"] == "operator-a"
         operator.stop()  # graceful: it releases the Lease
-        wait_for(lambda: kubectl_json(cluster, "get", "lease", "omnikube-operator", "-n", "default")
-                 ["spec"].get("holderIdentity") == "operator-b", 30, "operator-b to lead", second.log)
+        wait_for(
+            lambda: (
+                kubectl_json(cluster, "get", "lease", "omnikube-operator", "-n", "default")["spec"].get(
+                    "holderIdentity"
+                )
+                == "operator-b"
+            ),
+            30,
+            "operator-b to lead",
+            second.log,
+        )
         apply(cluster, namespace, pipeline("takeover", "text-chat", []))
         wait_ready(cluster, second, namespace, "takeover")
     finally:
         second.stop()
         operator.start()
-        wait_for(lambda: kubectl_json(cluster, "get", "lease", "omnikube-operator", "-n", "default")
-                 ["spec"].get("holderIdentity") == "operator-a", 40, "operator-a to lead again", operator.log)
-
-
+        wait_for(
+            lambda: (
+                kubectl_json(cluster, "get", "lease", "omnikube-operator", "-n", "default")["spec"].get(
+                    "holderIdentity"
+                )
+                == "operator-a"
+            ),
+            40,
+            "operator-a to lead again",
+            operator.log,
+        )

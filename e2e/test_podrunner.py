@@ -37,8 +37,14 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 30, interval:
 
 
 def apply(cluster, namespace: str, *objects: dict) -> None:
-    cluster.kubectl("-n", namespace, "apply", "-f", "-",
-                    input=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objects)}))
+    cluster.kubectl(
+        "-n",
+        namespace,
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objects)}),
+    )
 
 
 def get_pod(cluster, ns: str, name: str) -> dict:
@@ -61,19 +67,29 @@ def container_status(pod: dict, name: str | None = None) -> dict:
 
 
 def pod(name: str, containers: list[dict], labels: dict | None = None, **spec: Any) -> dict:
-    return on_runner({"apiVersion": "v1", "kind": "Pod",
-                      "metadata": {"name": name, "labels": {"app": name, **(labels or {})}},
-                      "spec": {"terminationGracePeriodSeconds": 5, "containers": containers, **spec}})
+    return on_runner(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "labels": {"app": name, **(labels or {})}},
+            "spec": {"terminationGracePeriodSeconds": 5, "containers": containers, **spec},
+        }
+    )
 
 
 def http_server(port: int = 8080, delay: float = 0, **extra: Any) -> dict:
     """A container serving /srv (an emptyDir holding a file `name` with the pod's name) over HTTP."""
     script = f"sleep {delay}; echo $POD_NAME > /srv/name; cd /srv && exec python -u -m http.server {port}"
-    return {"name": "web", "image": "python:3.11", "command": ["sh", "-c", script],
-            "ports": [{"name": "http", "containerPort": port}],
-            "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
-            "volumeMounts": [{"name": "srv", "mountPath": "/srv"}],
-            "readinessProbe": {"httpGet": {"path": "/name", "port": "http"}, "periodSeconds": 1}, **extra}
+    return {
+        "name": "web",
+        "image": "python:3.11",
+        "command": ["sh", "-c", script],
+        "ports": [{"name": "http", "containerPort": port}],
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        "volumeMounts": [{"name": "srv", "mountPath": "/srv"}],
+        "readinessProbe": {"httpGet": {"path": "/name", "port": "http"}, "periodSeconds": 1},
+        **extra,
+    }
 
 
 SRV = [{"name": "srv", "emptyDir": {}}]
@@ -81,9 +97,12 @@ SRV = [{"name": "srv", "emptyDir": {}}]
 
 def test_http_pod_runs_with_its_own_ip_and_is_ready_after_its_probe(cluster, namespace, podrunner: PodRunner):
     apply(cluster, namespace, pod("web", [http_server(delay=3)], volumes=SRV))
-    running = wait_for("web Running with a pod IP",
-                       lambda: (p := get_pod(cluster, namespace, "web"))["status"].get("podIP")
-                       and p["status"]["phase"] == "Running" and p)
+    running = wait_for(
+        "web Running with a pod IP",
+        lambda: (
+            (p := get_pod(cluster, namespace, "web"))["status"].get("podIP") and p["status"]["phase"] == "Running" and p
+        ),
+    )
     # The server sleeps 3s before listening: Running with an IP, but not Ready until the probe passes.
     assert condition(running, "Ready") == "False"
     assert container_status(running)["started"] is True and container_status(running)["ready"] is False
@@ -93,7 +112,8 @@ def test_http_pod_runs_with_its_own_ip_and_is_ready_after_its_probe(cluster, nam
     ready = wait_for("web Ready", lambda: condition(p := get_pod(cluster, namespace, "web"), "Ready") == "True" and p)
     assert container_status(ready)["ready"] is True
     assert {"PodScheduled", "Initialized", "ContainersReady", "Ready"} <= {
-        c["type"] for c in ready["status"]["conditions"]}
+        c["type"] for c in ready["status"]["conditions"]
+    }
     assert httpx.get(f"http://{ip}:8080/name", timeout=5).text.strip() == "web"
     assert "GET /name" in podrunner.logs(namespace, "web", "web")  # the probes' requests, in its log
     assert podrunner.exec(namespace, "web", "web", ["cat", "/etc/hostname"])[1].strip() == "web"
@@ -101,16 +121,24 @@ def test_http_pod_runs_with_its_own_ip_and_is_ready_after_its_probe(cluster, nam
 
 def test_pods_on_the_same_port_and_their_endpointslice(cluster, namespace, podrunner: PodRunner):
     never_ready = http_server(readinessProbe={"tcpSocket": {"port": 9999}, "periodSeconds": 1})
-    apply(cluster, namespace,
-          pod("a", [http_server()], volumes=SRV, nodeName="runner-node-0", labels={"svc": "web"}),
-          pod("b", [http_server()], volumes=SRV, nodeName="runner-node-1", labels={"svc": "web"}),
-          pod("c", [never_ready], volumes=SRV, labels={"svc": "web"}),
-          {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"},
-           "spec": {"selector": {"svc": "web"}, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}})
+    apply(
+        cluster,
+        namespace,
+        pod("a", [http_server()], volumes=SRV, nodeName="runner-node-0", labels={"svc": "web"}),
+        pod("b", [http_server()], volumes=SRV, nodeName="runner-node-1", labels={"svc": "web"}),
+        pod("c", [never_ready], volumes=SRV, labels={"svc": "web"}),
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "web"},
+            "spec": {"selector": {"svc": "web"}, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]},
+        },
+    )
     ips = {}
     for name in "ab":
-        p = wait_for(f"{name} Ready", lambda n=name: condition(q := get_pod(cluster, namespace, n), "Ready") == "True"
-                     and q)
+        p = wait_for(
+            f"{name} Ready", lambda n=name: condition(q := get_pod(cluster, namespace, n), "Ready") == "True" and q
+        )
         ips[name] = p["status"]["podIP"]
     assert ips["a"] != ips["b"]
     for name, ip in ips.items():  # both listen on 8080, each in its own network namespace
@@ -118,10 +146,15 @@ def test_pods_on_the_same_port_and_their_endpointslice(cluster, namespace, podru
     c_ip = wait_for("c has an IP", lambda: get_pod(cluster, namespace, "c")["status"].get("podIP"))
 
     def endpoints() -> dict[str, bool] | None:
-        slices = kubectl_json(cluster, "-n", namespace, "get", "endpointslices", "-l",
-                              "kubernetes.io/service-name=web")["items"]
-        found = {a: bool(e["conditions"].get("ready")) for s in slices for e in s.get("endpoints") or []
-                 for a in e["addresses"]}
+        slices = kubectl_json(
+            cluster, "-n", namespace, "get", "endpointslices", "-l", "kubernetes.io/service-name=web"
+        )["items"]
+        found = {
+            a: bool(e["conditions"].get("ready"))
+            for s in slices
+            for e in s.get("endpoints") or []
+            for a in e["addresses"]
+        }
         want = {ips["a"]: True, ips["b"]: True, c_ip: False}
         return found if found == want else None
 
@@ -154,48 +187,81 @@ def test_volumes_env_and_downward_api_inside_the_pod(cluster, namespace, podrunn
         }), flush=True)
     """)
     reader = "for i in $(seq 100); do [ -f /dev/shm/from-writer ] && break; sleep 0.1; done; cat /dev/shm/from-writer"
-    apply(cluster, namespace,
-          {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"},
-           "data": {"settings.yaml": "answer: 42\n", "greeting": "hello", "MODE": "fast"}},
-          {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "sec"}, "stringData": {"password": "s3cret"}},
-          pod("vols", [
-              {"name": "writer", "image": "python:3.11", "command": ["python", "-c", script],
-               "args": ["$(MY_POD_NAME)", "$$(MY_POD_NAME)", "$(UNDEFINED)"], "workingDir": "/cache/work",
-               "env": [
-                   {"name": "MY_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                   {"name": "MY_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-                   {"name": "MY_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
-                   {"name": "MY_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                   {"name": "MY_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-                   {"name": "MY_LABEL", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
-                   {"name": "MY_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "sec", "key": "password"}}},
-                   {"name": "MY_GREETING", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "greeting"}}},
-                   {"name": "MY_MISSING", "valueFrom": {"configMapKeyRef": {"name": "nope", "key": "x",
-                                                                            "optional": True}}},
-                   {"name": "MY_COMPOSED", "value": "$(MY_POD_NAME).$(MY_NAMESPACE)"},
-                   {"name": "MY_MEMORY_MI", "valueFrom": {"resourceFieldRef": {"resource": "limits.memory",
-                                                                               "divisor": "1Mi"}}},
-               ],
-               "envFrom": [{"configMapRef": {"name": "cfg"}, "prefix": "CFG_"}],
-               "resources": {"limits": {"memory": "256Mi", "cpu": "1"}},
-               "volumeMounts": [{"name": "cfg", "mountPath": "/etc/omnikube"},
-                                {"name": "items", "mountPath": "/etc/items"},
-                                {"name": "sec", "mountPath": "/var/secret", "readOnly": True},
-                                {"name": "cache", "mountPath": "/cache"},
-                                {"name": "dshm", "mountPath": "/dev/shm"}]},
-              {"name": "reader", "image": "busybox", "command": ["sh", "-c", reader],
-               "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]},
-          ], restartPolicy="Never", volumes=[
-              {"name": "cfg", "configMap": {"name": "cfg", "items": [{"key": "settings.yaml",
-                                                                      "path": "settings.yaml"}]}},
-              {"name": "items", "configMap": {"name": "cfg", "items": [{"key": "greeting",
-                                                                        "path": "renamed/greeting"}]}},
-              {"name": "sec", "secret": {"secretName": "sec"}},
-              {"name": "cache", "emptyDir": {}},
-              {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Mi"}},
-          ]))
-    done = wait_for("vols Succeeded", lambda: (p := get_pod(cluster, namespace, "vols"))["status"]["phase"]
-                    in ("Succeeded", "Failed") and p)
+    apply(
+        cluster,
+        namespace,
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "cfg"},
+            "data": {"settings.yaml": "answer: 42\n", "greeting": "hello", "MODE": "fast"},
+        },
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "sec"}, "stringData": {"password": "s3cret"}},
+        pod(
+            "vols",
+            [
+                {
+                    "name": "writer",
+                    "image": "python:3.11",
+                    "command": ["python", "-c", script],
+                    "args": ["$(MY_POD_NAME)", "$$(MY_POD_NAME)", "$(UNDEFINED)"],
+                    "workingDir": "/cache/work",
+                    "env": [
+                        {"name": "MY_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                        {"name": "MY_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                        {"name": "MY_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+                        {"name": "MY_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                        {"name": "MY_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                        {"name": "MY_LABEL", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+                        {"name": "MY_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "sec", "key": "password"}}},
+                        {"name": "MY_GREETING", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "greeting"}}},
+                        {
+                            "name": "MY_MISSING",
+                            "valueFrom": {"configMapKeyRef": {"name": "nope", "key": "x", "optional": True}},
+                        },
+                        {"name": "MY_COMPOSED", "value": "$(MY_POD_NAME).$(MY_NAMESPACE)"},
+                        {
+                            "name": "MY_MEMORY_MI",
+                            "valueFrom": {"resourceFieldRef": {"resource": "limits.memory", "divisor": "1Mi"}},
+                        },
+                    ],
+                    "envFrom": [{"configMapRef": {"name": "cfg"}, "prefix": "CFG_"}],
+                    "resources": {"limits": {"memory": "256Mi", "cpu": "1"}},
+                    "volumeMounts": [
+                        {"name": "cfg", "mountPath": "/etc/omnikube"},
+                        {"name": "items", "mountPath": "/etc/items"},
+                        {"name": "sec", "mountPath": "/var/secret", "readOnly": True},
+                        {"name": "cache", "mountPath": "/cache"},
+                        {"name": "dshm", "mountPath": "/dev/shm"},
+                    ],
+                },
+                {
+                    "name": "reader",
+                    "image": "busybox",
+                    "command": ["sh", "-c", reader],
+                    "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+                },
+            ],
+            restartPolicy="Never",
+            volumes=[
+                {
+                    "name": "cfg",
+                    "configMap": {"name": "cfg", "items": [{"key": "settings.yaml", "path": "settings.yaml"}]},
+                },
+                {
+                    "name": "items",
+                    "configMap": {"name": "cfg", "items": [{"key": "greeting", "path": "renamed/greeting"}]},
+                },
+                {"name": "sec", "secret": {"secretName": "sec"}},
+                {"name": "cache", "emptyDir": {}},
+                {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Mi"}},
+            ],
+        ),
+    )
+    done = wait_for(
+        "vols Succeeded",
+        lambda: (p := get_pod(cluster, namespace, "vols"))["status"]["phase"] in ("Succeeded", "Failed") and p,
+    )
     out = podrunner.logs(namespace, "vols", "writer")
     assert done["status"]["phase"] == "Succeeded", (done["status"], out, podrunner.logs(namespace, "vols", "reader"))
     seen = json.loads(out.strip().splitlines()[-1])
@@ -208,10 +274,19 @@ def test_volumes_env_and_downward_api_inside_the_pod(cluster, namespace, podrunn
     assert seen["token"] is True  # the ServiceAccount admission plugin's projected volume, with a real token
     uid, ip = done["metadata"]["uid"], done["status"]["podIP"]
     assert seen["env"] == {
-        "MY_POD_NAME": "vols", "MY_NAMESPACE": namespace, "MY_UID": uid, "MY_POD_IP": ip,
-        "MY_NODE": done["spec"]["nodeName"], "MY_LABEL": "vols", "MY_PASSWORD": "s3cret", "MY_GREETING": "hello",
-        "MY_COMPOSED": f"vols.{namespace}", "MY_MEMORY_MI": "256",
-        "CFG_settings.yaml": "answer: 42\n", "CFG_greeting": "hello", "CFG_MODE": "fast",
+        "MY_POD_NAME": "vols",
+        "MY_NAMESPACE": namespace,
+        "MY_UID": uid,
+        "MY_POD_IP": ip,
+        "MY_NODE": done["spec"]["nodeName"],
+        "MY_LABEL": "vols",
+        "MY_PASSWORD": "s3cret",
+        "MY_GREETING": "hello",
+        "MY_COMPOSED": f"vols.{namespace}",
+        "MY_MEMORY_MI": "256",
+        "CFG_settings.yaml": "answer: 42\n",
+        "CFG_greeting": "hello",
+        "CFG_MODE": "fast",
         "KUBERNETES_SERVICE_HOST": "10.96.0.1",
     }
     assert seen["args"] == ["vols", "$(MY_POD_NAME)", "$(UNDEFINED)"]
@@ -226,27 +301,67 @@ def test_init_containers_and_a_claim_on_a_host_path_volume(cluster, namespace, p
     data = tmp_path / "pv"
     data.mkdir()
     pv_name = f"{namespace}-pv"
-    apply(cluster, namespace,
-          {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv_name},
-           "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "",
-                    "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(data)}}})
+    apply(
+        cluster,
+        namespace,
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": pv_name},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "",
+                "persistentVolumeReclaimPolicy": "Retain",
+                "hostPath": {"path": str(data)},
+            },
+        },
+    )
     # Once the PV controller has seen the PV, it binds the claim at once (else at its next 15s resync).
-    wait_for("PV Available", lambda: kubectl_json(cluster, "get", "pv", pv_name).get("status", {}).get("phase")
-             == "Available")
-    apply(cluster, namespace,
-          {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "claim"},
-           "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": pv_name,
-                    "resources": {"requests": {"storage": "1Gi"}}}},
-          pod("init", [{"name": "app", "image": "x", "command": ["sh", "-c", "cat /data/made-by-init"],
-                        "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
-              restartPolicy="OnFailure",
-              initContainers=[{"name": "fill", "image": "x",
-                               "command": ["sh", "-c", "echo filled > /data/made-by-init"],
-                               "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
-              volumes=[{"name": "data", "persistentVolumeClaim": {"claimName": "claim"}}]))
+    wait_for(
+        "PV Available",
+        lambda: kubectl_json(cluster, "get", "pv", pv_name).get("status", {}).get("phase") == "Available",
+    )
+    apply(
+        cluster,
+        namespace,
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "claim"},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "",
+                "volumeName": pv_name,
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        },
+        pod(
+            "init",
+            [
+                {
+                    "name": "app",
+                    "image": "x",
+                    "command": ["sh", "-c", "cat /data/made-by-init"],
+                    "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                }
+            ],
+            restartPolicy="OnFailure",
+            initContainers=[
+                {
+                    "name": "fill",
+                    "image": "x",
+                    "command": ["sh", "-c", "echo filled > /data/made-by-init"],
+                    "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                }
+            ],
+            volumes=[{"name": "data", "persistentVolumeClaim": {"claimName": "claim"}}],
+        ),
+    )
     try:
-        done = wait_for("init Succeeded", lambda: (p := get_pod(cluster, namespace, "init"))["status"]["phase"]
-                        == "Succeeded" and p)
+        done = wait_for(
+            "init Succeeded", lambda: (p := get_pod(cluster, namespace, "init"))["status"]["phase"] == "Succeeded" and p
+        )
         init = done["status"]["initContainerStatuses"][0]
         assert init["state"]["terminated"]["reason"] == "Completed"
         assert condition(done, "Initialized") == "True"
@@ -257,18 +372,29 @@ def test_init_containers_and_a_claim_on_a_host_path_volume(cluster, namespace, p
 
 
 def test_a_failing_container_restarts_into_crash_loop_back_off(cluster, namespace, podrunner: PodRunner):
-    apply(cluster, namespace,
-          pod("crash", [{"name": "c", "image": "x", "command": ["sh", "-c", "echo attempt; exit 3"]}]),
-          pod("once", [{"name": "c", "image": "x", "command": ["sh", "-c", "exit 4"]}], restartPolicy="Never"))
-    seen_backoff = wait_for("CrashLoopBackOff with restartCount >= 2", lambda: (
-        s := container_status(get_pod(cluster, namespace, "crash"))).get("restartCount", 0) >= 2
-        and s["state"].get("waiting", {}).get("reason") == "CrashLoopBackOff" and s, timeout=40, interval=0.1)
+    apply(
+        cluster,
+        namespace,
+        pod("crash", [{"name": "c", "image": "x", "command": ["sh", "-c", "echo attempt; exit 3"]}]),
+        pod("once", [{"name": "c", "image": "x", "command": ["sh", "-c", "exit 4"]}], restartPolicy="Never"),
+    )
+    seen_backoff = wait_for(
+        "CrashLoopBackOff with restartCount >= 2",
+        lambda: (
+            (s := container_status(get_pod(cluster, namespace, "crash"))).get("restartCount", 0) >= 2
+            and s["state"].get("waiting", {}).get("reason") == "CrashLoopBackOff"
+            and s
+        ),
+        timeout=40,
+        interval=0.1,
+    )
     assert seen_backoff["lastState"]["terminated"]["exitCode"] == 3
     assert seen_backoff["lastState"]["terminated"]["reason"] == "Error"
     assert "back-off" in seen_backoff["state"]["waiting"]["message"]
     assert podrunner.logs(namespace, "crash", "c").count("attempt") >= 3
-    once = wait_for("once Failed", lambda: (p := get_pod(cluster, namespace, "once"))["status"]["phase"] == "Failed"
-                    and p)
+    once = wait_for(
+        "once Failed", lambda: (p := get_pod(cluster, namespace, "once"))["status"]["phase"] == "Failed" and p
+    )
     assert container_status(once)["state"]["terminated"]["exitCode"] == 4
     assert container_status(once)["restartCount"] == 0
 
@@ -276,19 +402,38 @@ def test_a_failing_container_restarts_into_crash_loop_back_off(cluster, namespac
 def test_a_failing_liveness_probe_restarts_the_container(cluster, namespace, podrunner: PodRunner):
     # Alive for ~2s (the marker in the pod's own /dev/shm), then the exec probe fails twice: restart.
     script = "touch /dev/shm/alive; echo up; sleep 2; rm /dev/shm/alive; exec sleep 1000"
-    apply(cluster, namespace, pod("sick", [{
-        "name": "c", "image": "x", "command": ["sh", "-c", script],
-        "livenessProbe": {"exec": {"command": ["test", "-f", "/dev/shm/alive"]}, "periodSeconds": 1,
-                          "failureThreshold": 2},
-    }], terminationGracePeriodSeconds=1))
+    apply(
+        cluster,
+        namespace,
+        pod(
+            "sick",
+            [
+                {
+                    "name": "c",
+                    "image": "x",
+                    "command": ["sh", "-c", script],
+                    "livenessProbe": {
+                        "exec": {"command": ["test", "-f", "/dev/shm/alive"]},
+                        "periodSeconds": 1,
+                        "failureThreshold": 2,
+                    },
+                }
+            ],
+            terminationGracePeriodSeconds=1,
+        ),
+    )
     first_ip = wait_for("sick has an IP", lambda: get_pod(cluster, namespace, "sick")["status"].get("podIP"))
-    restarted = wait_for("a liveness restart", lambda: (
-        s := container_status(get_pod(cluster, namespace, "sick"))).get("restartCount", 0) >= 1 and s, timeout=30)
+    restarted = wait_for(
+        "a liveness restart",
+        lambda: (s := container_status(get_pod(cluster, namespace, "sick"))).get("restartCount", 0) >= 1 and s,
+        timeout=30,
+    )
     last = restarted["lastState"]["terminated"]
     assert last["exitCode"] == 137 and "Liveness probe failed" in last.get("message", "")  # PID 1 ignored SIGTERM
     assert get_pod(cluster, namespace, "sick")["status"]["podIP"] == first_ip  # same sandbox, same IP
-    events = kubectl_json(cluster, "-n", namespace, "get", "events", "--field-selector",
-                          "involvedObject.name=sick")["items"]
+    events = kubectl_json(cluster, "-n", namespace, "get", "events", "--field-selector", "involvedObject.name=sick")[
+        "items"
+    ]
     assert {"Unhealthy", "Killing", "Started"} <= {e["reason"] for e in events}
 
 
@@ -320,11 +465,16 @@ def _link_exists(name: str) -> bool:
 
 def test_deleting_a_pod_stops_its_processes_and_removes_its_netns(cluster, namespace, podrunner: PodRunner):
     script = 'trap "echo got SIGTERM; exit 0" TERM; sleep 1000 & while true; do sleep 0.2; done'
-    apply(cluster, namespace, pod("doomed", [{"name": "c", "image": "x", "command": ["sh", "-c", script]}],
-                       terminationGracePeriodSeconds=10))
+    apply(
+        cluster,
+        namespace,
+        pod("doomed", [{"name": "c", "image": "x", "command": ["sh", "-c", script]}], terminationGracePeriodSeconds=10),
+    )
     wait_for("doomed Running", lambda: get_pod(cluster, namespace, "doomed")["status"]["phase"] == "Running")
-    info = wait_for("sandbox info", lambda: (i := podrunner.sandbox_info(namespace, "doomed")) and
-                    i["container_pids"].get("c") and i)
+    info = wait_for(
+        "sandbox info",
+        lambda: (i := podrunner.sandbox_info(namespace, "doomed")) and i["container_pids"].get("c") and i,
+    )
     pids = [info["unshare_pid"], info["agent_pid"], info["container_pids"]["c"]]
     assert all(_alive(p) for p in pids) and _netns_holders(info["netns"]) and _link_exists(info["veth"])
     started = time.monotonic()
@@ -338,10 +488,24 @@ def test_deleting_a_pod_stops_its_processes_and_removes_its_netns(cluster, names
 
 
 def test_a_gpu_requesting_pod_schedules_onto_the_runner_gpu_node(cluster, namespace, podrunner: PodRunner):
-    apply(cluster, namespace, pod("gpu", [{"name": "c", "image": "x", "command": ["sleep", "1000"],
-                                "resources": {"limits": {"nvidia.com/gpu": "1"}}}]))
-    p = wait_for("gpu Running", lambda: (q := get_pod(cluster, namespace, "gpu"))["status"].get("phase") == "Running"
-                 and q)
+    apply(
+        cluster,
+        namespace,
+        pod(
+            "gpu",
+            [
+                {
+                    "name": "c",
+                    "image": "x",
+                    "command": ["sleep", "1000"],
+                    "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                }
+            ],
+        ),
+    )
+    p = wait_for(
+        "gpu Running", lambda: (q := get_pod(cluster, namespace, "gpu"))["status"].get("phase") == "Running" and q
+    )
     assert p["spec"]["nodeName"] == "runner-node-0"
 
 
@@ -352,14 +516,30 @@ def test_runner_shutdown_leaves_nothing_behind(cluster, namespace, tmp_path):
     with PodRunner(cluster.kubeconfig, [NodeConfig(node)], state) as runner:
         bridge = json.loads((state / "runner.json").read_text())["bridge"]
         assert _link_exists(bridge)
-        apply(cluster, namespace, pod("stay", [
-            {"name": "c", "image": "x", "command": ["sh", "-c", "sleep 1000 & sleep 1000"],
-             "volumeMounts": [{"name": "m", "mountPath": "/models"}, {"name": "shm", "mountPath": "/dev/shm"}]}],
-            nodeSelector={"kubernetes.io/hostname": node},
-            volumes=[{"name": "m", "emptyDir": {}}, {"name": "shm", "emptyDir": {"medium": "Memory"}}]))
+        apply(
+            cluster,
+            namespace,
+            pod(
+                "stay",
+                [
+                    {
+                        "name": "c",
+                        "image": "x",
+                        "command": ["sh", "-c", "sleep 1000 & sleep 1000"],
+                        "volumeMounts": [
+                            {"name": "m", "mountPath": "/models"},
+                            {"name": "shm", "mountPath": "/dev/shm"},
+                        ],
+                    }
+                ],
+                nodeSelector={"kubernetes.io/hostname": node},
+                volumes=[{"name": "m", "emptyDir": {}}, {"name": "shm", "emptyDir": {"medium": "Memory"}}],
+            ),
+        )
         wait_for("stay Running", lambda: get_pod(cluster, namespace, "stay")["status"]["phase"] == "Running")
-        info = wait_for("sandbox info", lambda: (i := runner.sandbox_info(namespace, "stay")) and
-                        i["container_pids"].get("c") and i)
+        info = wait_for(
+            "sandbox info", lambda: (i := runner.sandbox_info(namespace, "stay")) and i["container_pids"].get("c") and i
+        )
         pids = [info["unshare_pid"], info["agent_pid"], info["container_pids"]["c"]]
         assert all(_alive(p) for p in pids)
         # The pod's mounts exist only in its own mount namespaces, never in the host's.
@@ -368,8 +548,13 @@ def test_runner_shutdown_leaves_nothing_behind(cluster, namespace, tmp_path):
     assert not any(_alive(p) for p in pids)
     assert _netns_holders(info["netns"]) == []
     assert not _link_exists(info["veth"]) and not _link_exists(bridge)
-    mounts = [line for pid in os.listdir("/proc") if pid.isdigit()
-              for line in _read(f"/proc/{pid}/mountinfo").splitlines() if str(state) in line]
+    mounts = [
+        line
+        for pid in os.listdir("/proc")
+        if pid.isdigit()
+        for line in _read(f"/proc/{pid}/mountinfo").splitlines()
+        if str(state) in line
+    ]
     assert mounts == []
     assert not os.path.exists("/models")
     assert not (state / "runner.json").exists()

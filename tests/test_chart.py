@@ -39,8 +39,9 @@ def _load_sync_script():
 
 def test_chart_crds_equal_the_generated_crds():
     problems = _load_sync_script().drift()
-    assert not problems, "the chart's CRDs drifted from crds/:\n" + "\n".join(problems) + \
-        "\nrun: python hack/sync-chart-crds.py"
+    assert not problems, (
+        "the chart's CRDs drifted from crds/:\n" + "\n".join(problems) + "\nrun: python hack/sync-chart-crds.py"
+    )
 
 
 def test_chart_crds_are_small_enough_to_apply():
@@ -107,21 +108,24 @@ def _with(values: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize(("dotted", "value"), [
-    ("replicas", "two"),
-    ("replicas", -1),
-    ("image.pullPolicy", "Sometimes"),
-    ("watchNamespaces", ["Bad_Namespace"]),
-    ("watchNamespaces", ["a", "a"]),
-    ("liveness.port", 70000),
-    ("metrics.port", "9090"),
-    ("crds.keep", "yes"),
-    ("serviceMonitor.interval", "soon"),
-    ("resources.requests", {"cpu": "lots"}),
-    ("typo", 1),
-    ("operator.workerz", 4),
-    ("leaderElection.enabled", False),  # with the default 2 replicas: both would act
-])
+@pytest.mark.parametrize(
+    ("dotted", "value"),
+    [
+        ("replicas", "two"),
+        ("replicas", -1),
+        ("image.pullPolicy", "Sometimes"),
+        ("watchNamespaces", ["Bad_Namespace"]),
+        ("watchNamespaces", ["a", "a"]),
+        ("liveness.port", 70000),
+        ("metrics.port", "9090"),
+        ("crds.keep", "yes"),
+        ("serviceMonitor.interval", "soon"),
+        ("resources.requests", {"cpu": "lots"}),
+        ("typo", 1),
+        ("operator.workerz", 4),
+        ("leaderElection.enabled", False),  # with the default 2 replicas: both would act
+    ],
+)
 def test_schema_rejects_bad_values(dotted, value):
     bad = _with(_values(), dotted, value)
     assert list(_validator().iter_errors(bad)), f"{dotted}={value!r} should be rejected"
@@ -158,8 +162,13 @@ def _operator_rules() -> list[dict[str, Any]]:
 
 
 def _grants(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
-    return {(group, resource, verb) for rule in rules for group in rule["apiGroups"]
-            for resource in rule["resources"] for verb in rule["verbs"]}
+    return {
+        (group, resource, verb)
+        for rule in rules
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
 
 
 def _group(api_version: str) -> str:

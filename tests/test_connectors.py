@@ -1,7 +1,8 @@
-"""Connectors: codec exactness, and put/get/release through inline, shm and a real Mooncake store.
+"""Connectors: codec exactness, and put/get/release through inline, shm and real Mooncake.
 
 The Mooncake tests start a real `mooncake_master` (and its HTTP metadata server) on free
-127.0.0.1 ports for this module and talk to it through real store clients.
+127.0.0.1 ports for this module and talk to it through real store clients (mode `store`) and real
+transfer engines (mode `p2p`, the default).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from omni_runtime.connectors import (
     Connector,
+    ConnectorError,
     InlineHandle,
     PayloadGone,
     PayloadTooLarge,
@@ -39,6 +41,7 @@ pytestmark = pytest.mark.timeout(180)
 RUN = uuid.uuid4().hex[:8]  # segment names of this run only: other runs may share /dev/shm
 PIPE = f"test{RUN}"
 MOONCAKE_SPEC = {"mooncake": {"global_segment_size": 64 * 1024**2, "local_buffer_size": 16 * 1024**2}}
+STORE_SPEC = {"mooncake": {**MOONCAKE_SPEC["mooncake"], "mode": "store"}}
 
 
 def mixed_payload() -> dict:
@@ -159,20 +162,44 @@ def mooncake_master(tmp_path_factory):
         assert not process_exists(pid), f"mooncake process {pid} still running after stop"
 
 
+def store_info(master: MooncakeMaster) -> dict:
+    return {"master_address": master.master_address, "metadata_server": master.metadata_server, "pipeline": PIPE}
+
+
+def p2p_info(master: MooncakeMaster) -> dict:
+    return {"metadata_server": master.metadata_server, "pipeline": PIPE}
+
+
 @pytest.fixture(scope="module")
-def mooncake_pair(mooncake_master):
-    """Two store clients: a producer stage and a consumer stage."""
-    spec = ConnectorsSpec.model_validate(MOONCAKE_SPEC)
-    kw = {
-        "master_address": mooncake_master.master_address,
-        "metadata_server": mooncake_master.metadata_server,
-        "pipeline": PIPE,
-    }
-    producer = make_connector("mooncake", spec, **kw)
-    consumer = make_connector("mooncake", spec, **kw)
+def mooncake_store_pair(mooncake_master):
+    """Two store clients (mode store): a producer stage and a consumer stage."""
+    spec = ConnectorsSpec.model_validate(STORE_SPEC)
+    producer = make_connector("mooncake", spec, **store_info(mooncake_master))
+    consumer = make_connector("mooncake", spec, **store_info(mooncake_master))
+    assert type(producer).__name__ == "MooncakeStoreConnector"
     yield producer, consumer
     consumer.close()
     producer.close()
+
+
+@pytest.fixture
+def mooncake_p2p_pair(mooncake_master):
+    """Two transfer engines (mode p2p, the default): a producer stage and a consumer stage."""
+    spec = ConnectorsSpec.model_validate(MOONCAKE_SPEC)
+    producer = make_connector("mooncake", spec, **p2p_info(mooncake_master))
+    consumer = make_connector("mooncake", spec, **p2p_info(mooncake_master))
+    assert type(producer).__name__ == "MooncakePeerConnector"
+    yield producer, consumer
+    consumer.close()
+    producer.close()
+
+
+async def p2p_settled(producer, timeout: float = 10.0) -> dict:
+    """The producer's block stats once no block is busy (remote releases land asynchronously)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while producer.stats()["busy"] and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+    return producer.stats()
 
 
 @pytest.fixture
@@ -186,7 +213,7 @@ def shm_pair():
     assert shm_segments(segment_prefix(PIPE)) == []
 
 
-@pytest.fixture(params=["inline", "shm", "mooncake"])
+@pytest.fixture(params=["inline", "shm", "mooncake_p2p", "mooncake_store"])
 def pair(request) -> tuple[Connector, Connector]:
     if request.param == "inline":
         c = make_connector("inline", ConnectorsSpec())
@@ -333,13 +360,26 @@ async def test_shm_leaves_nothing_after_churn():
     assert shm_segments(prefix) == []
 
 
-async def test_mooncake_leaves_nothing_after_churn(mooncake_pair):
-    producer, consumer = mooncake_pair
+async def test_mooncake_store_leaves_nothing_after_churn(mooncake_store_pair):
+    producer, consumer = mooncake_store_pair
     handles = await churn(producer, consumer, ops=200, seed=11)
     assert handles
     assert not any(consumer.exists(h) for h in handles)
     # keys of cancelled puts are unknown to the test: nothing may remain under the pipeline prefix
     assert consumer.sweep() == 0
+
+
+async def test_mooncake_p2p_leaves_nothing_after_churn(mooncake_p2p_pair):
+    producer, consumer = mooncake_p2p_pair
+    handles = await churn(producer, consumer, ops=200, seed=11)
+    assert handles
+    stats = await p2p_settled(producer)
+    assert stats["busy"] == 0, stats  # every block the producer lent out came back
+    assert consumer.stats()["receiving"] == 0
+    assert stats["bytes"] <= 256 * 1024**2
+    for h in handles[:5]:
+        with pytest.raises(PayloadGone):
+            await consumer.get(h)
 
 
 async def test_shm_failed_or_cancelled_put_leaves_nothing(shm_pair):
@@ -366,8 +406,8 @@ async def test_shm_failed_or_cancelled_put_leaves_nothing(shm_pair):
     assert producer.stats()["busy"] == 0
 
 
-async def test_mooncake_cancelled_put_leaves_nothing(mooncake_pair):
-    producer, consumer = mooncake_pair
+async def test_mooncake_store_cancelled_put_leaves_nothing(mooncake_store_pair):
+    producer, consumer = mooncake_store_pair
     task = asyncio.create_task(producer.put("a", "b", "k", {"x": zeros_mib(24)}))
     await asyncio.sleep(0)  # the transfer has started in a worker thread
     task.cancel()
@@ -376,8 +416,8 @@ async def test_mooncake_cancelled_put_leaves_nothing(mooncake_pair):
     assert consumer.sweep() == 0
 
 
-async def test_mooncake_full_store_is_an_error_not_an_eviction(mooncake_pair):
-    producer, consumer = mooncake_pair
+async def test_mooncake_store_full_is_an_error_not_an_eviction(mooncake_store_pair):
+    producer, consumer = mooncake_store_pair
     chunk = {"x": torch.zeros(20 * 1024**2, dtype=torch.uint8)}
     handles = []
     try:
@@ -467,25 +507,112 @@ async def test_shm_between_two_processes(shm_pair):
     producer, _ = shm_pair
     x = torch.randn(2 * 1024**2)
     handle = await producer.put("a", "b", "xproc", {"x": x, "text": "from parent", "bf": x[:8].bfloat16()})
-    result = await asyncio.to_thread(
-        run_reader_process, "shm", {"pipeline": PIPE, "owner": "child"}, {}, handle, x
-    )
+    result = await asyncio.to_thread(run_reader_process, "shm", {"pipeline": PIPE, "owner": "child"}, {}, handle, x)
     assert result == {"same": True, "dtype": "torch.bfloat16"}
     assert producer.stats()["busy"] == 0  # the child's release reached the producer's segment
 
 
-async def test_mooncake_between_two_processes(mooncake_pair, mooncake_master):
-    producer, consumer = mooncake_pair
+async def test_mooncake_store_between_two_processes(mooncake_store_pair, mooncake_master):
+    producer, consumer = mooncake_store_pair
     x = torch.randn(1024**2)
     handle = await producer.put("a", "b", "xproc", {"x": x, "text": "from parent", "bf": x[:8].bfloat16()})
-    info = {
-        "master_address": mooncake_master.master_address,
-        "metadata_server": mooncake_master.metadata_server,
-        "pipeline": PIPE,
-    }
-    result = await asyncio.to_thread(run_reader_process, "mooncake", info, MOONCAKE_SPEC, handle, x)
+    info = store_info(mooncake_master)
+    result = await asyncio.to_thread(run_reader_process, "mooncake", info, STORE_SPEC, handle, x)
     assert result == {"same": True, "dtype": "torch.bfloat16"}
     assert not consumer.exists(handle)
+
+
+@pytest.mark.parametrize("mib", [1, 5])  # one read, and a read in parallel slices through a worker thread
+async def test_mooncake_p2p_between_two_processes(mooncake_p2p_pair, mooncake_master, mib):
+    producer, _ = mooncake_p2p_pair
+    x = torch.randn(mib * 1024**2 // 4)
+    handle = await producer.put("a", "b", "xproc", {"x": x, "text": "from parent", "bf": x[:8].bfloat16()})
+    assert producer.stats()["busy"] == 1
+    info = p2p_info(mooncake_master)
+    result = await asyncio.to_thread(run_reader_process, "mooncake", info, MOONCAKE_SPEC, handle, x)
+    assert result == {"same": True, "dtype": "torch.bfloat16"}
+    assert producer.stats()["busy"] == 0  # the child's release reached the producer's block before it exited
+
+
+async def test_mooncake_p2p_stale_release_does_not_free_a_reused_block(mooncake_p2p_pair):
+    producer, consumer = mooncake_p2p_pair
+    first = await producer.put("a", "b", "one", {"x": torch.arange(100)})
+    await consumer.release(first)
+    await p2p_settled(producer)
+    second = await producer.put("a", "b", "two", {"x": torch.arange(100) * 2})
+    assert (second.address, second.generation) == (first.address, first.generation + 1)
+    await consumer.release(first)  # stale: must not free `second`
+    await asyncio.sleep(0.2)
+    assert producer.stats()["busy"] == 1
+    with pytest.raises(PayloadGone, match="already released"):
+        await consumer.get(first)
+    got = await consumer.get(second)
+    assert torch.equal(got["x"], torch.arange(100) * 2)
+    await consumer.release(second)
+    assert (await p2p_settled(producer))["busy"] == 0
+
+
+async def test_mooncake_p2p_full_is_an_error_not_an_eviction(mooncake_p2p_pair):
+    producer, consumer = mooncake_p2p_pair
+    chunk = {"x": torch.zeros(20 * 1024**2, dtype=torch.uint8)}
+    handles = []
+    try:
+        with pytest.raises(PayloadTooLarge, match="globalSegmentSize"):
+            for i in range(5):  # 64 MiB for unreleased payloads
+                handles.append(await producer.put("a", "b", f"fill-{i}", chunk))
+        assert len(handles) == 2  # 24 MiB blocks (20 MiB rounded to its size class) in 64 MiB
+        for h in handles:  # nothing was evicted to make room
+            got = await consumer.get(h)
+            assert got["x"].shape == (20 * 1024**2,)
+    finally:
+        for h in handles:
+            await consumer.release(h)
+    assert (await p2p_settled(producer))["busy"] == 0
+    await consumer.release(await producer.put("a", "b", "after", chunk))  # room again
+
+
+async def test_mooncake_p2p_failed_put_leaves_nothing(mooncake_p2p_pair):
+    producer, _ = mooncake_p2p_pair
+
+    def failing_copy(*args):
+        raise OSError("memory on fire")
+
+    original = producer._put_sync
+
+    def put_then_fail(claims, *args):
+        original(claims, *args)
+        failing_copy()
+
+    producer._put_sync = put_then_fail
+    try:
+        with pytest.raises(OSError, match="on fire"):
+            await producer.put("a", "b", "k", {"x": zeros_mib(3)})
+    finally:
+        del producer._put_sync
+    assert producer.stats()["busy"] == 0
+
+
+async def test_mooncake_p2p_payload_of_a_gone_producer_is_payload_gone(mooncake_master):
+    spec = ConnectorsSpec.model_validate(MOONCAKE_SPEC)
+    producer = make_connector("mooncake", spec, **p2p_info(mooncake_master))
+    consumer = make_connector("mooncake", spec, **p2p_info(mooncake_master))
+    try:
+        handle = await producer.put("a", "b", "orphan", {"x": torch.arange(1000)})
+        producer.close()
+        with pytest.raises(PayloadGone, match=f"reading it from {handle.segment} failed.*producer exited"):
+            await consumer.get(handle)
+        await consumer.release(handle)  # nothing left to free: not an error
+        assert consumer.stats()["receiving"] == 0
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_mooncake_p2p_unreachable_metadata_server_is_a_clear_error():
+    spec = ConnectorsSpec.model_validate(MOONCAKE_SPEC)
+    dead = f"http://127.0.0.1:{free_port()}/metadata"
+    with pytest.raises(ConnectorError, match="could not start the Mooncake transfer engine.*metadata server"):
+        make_connector("mooncake", spec, metadata_server=dead, port=free_port())
 
 
 def test_master_process_is_gone_after_stop():

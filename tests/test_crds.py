@@ -202,9 +202,7 @@ def test_schemas_are_structural(crds: list[dict[str, Any]]) -> None:
         assert root["properties"]["metadata"] == {"type": "object"}
         for path, node in _walk(root, crd["spec"]["names"]["kind"]):
             assert not forbidden & node.keys(), f"{path}: {sorted(forbidden & node.keys())}"
-            special = node.get("x-kubernetes-int-or-string") or node.get(
-                "x-kubernetes-preserve-unknown-fields"
-            )
+            special = node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields")
             assert "type" in node or special, f"{path} has no type"
             if node.get("x-kubernetes-int-or-string"):
                 assert "type" not in node, f"{path}: int-or-string takes no type"
@@ -213,9 +211,7 @@ def test_schemas_are_structural(crds: list[dict[str, Any]]) -> None:
             if node.get("type") == "object":
                 assert not ("properties" in node and "additionalProperties" in node), path
             for key in ("exclusiveMinimum", "exclusiveMaximum"):
-                assert isinstance(node.get(key, True), bool), (
-                    f"{path}: {key} must be a boolean in OpenAPI v3.0"
-                )
+                assert isinstance(node.get(key, True), bool), f"{path}: {key} must be a boolean in OpenAPI v3.0"
             if node.get("x-kubernetes-list-type") == "map":
                 item = node["items"]
                 for key in node["x-kubernetes-list-map-keys"]:
@@ -509,17 +505,14 @@ def test_invalid_pipelines_are_rejected_offline(case: str) -> None:
     with pytest.raises(ValidationError) as caught:
         OmniPipeline.model_validate(copy.deepcopy(manifest))
     lines = validation_messages(caught.value)
-    assert any(
-        line.startswith(f"{path}: " if path else "") and fragment.lower() in line.lower() for line in lines
-    ), lines
+    assert any(line.startswith(f"{path}: " if path else "") and fragment.lower() in line.lower() for line in lines), (
+        lines
+    )
 
 
 def test_offline_messages_match_the_cel_messages(crds: list[dict[str, Any]]) -> None:
     cel = {
-        r["message"]
-        for crd in crds
-        for _, n in _walk(_schema(crd), "")
-        for r in n.get("x-kubernetes-validations", [])
+        r["message"] for crd in crds for _, n in _walk(_schema(crd), "") for r in n.get("x-kubernetes-validations", [])
     }
     for case in (
         "autoscaling min > max",
@@ -538,12 +531,8 @@ def test_offline_messages_match_the_cel_messages(crds: list[dict[str, Any]]) -> 
 def test_valid_edge_cases_pass() -> None:
     OmniPipeline.model_validate(_stage(accelerator={"type": "none", "count": 0}))
     OmniPipeline.model_validate(_stage(autoscaling={"minReplicas": 2, "maxReplicas": 2}))
-    OmniPipeline.model_validate(
-        _stage(tolerations=[{"operator": "Exists"}], resources={"limits": {"cpu": 4}})
-    )
-    OmniPipeline.model_validate(
-        _pipeline(stages=[], connectors={"edges": [{"from": "a", "to": "b", "window": 0}]})
-    )
+    OmniPipeline.model_validate(_stage(tolerations=[{"operator": "Exists"}], resources={"limits": {"cpu": 4}}))
+    OmniPipeline.model_validate(_pipeline(stages=[], connectors={"edges": [{"from": "a", "to": "b", "window": 0}]}))
     stage = OmniStage.model_validate(
         {
             "apiVersion": "omnikube.io/v1alpha1",
@@ -563,9 +552,7 @@ def test_valid_edge_cases_pass() -> None:
     )
     assert stage.to_dict()["spec"]["configMap"] == "p-resolved"
     with pytest.raises(ValidationError, match="colocated: must list other stages"):
-        OmniStage.model_validate(
-            {**stage.to_dict(), "spec": {**stage.to_dict()["spec"], "colocated": ["talker"]}}
-        )
+        OmniStage.model_validate({**stage.to_dict(), "spec": {**stage.to_dict()["spec"], "colocated": ["talker"]}})
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,7 @@ def stages() -> dict[str, list[str]]:
 
 
 def instruction(stage: str, keyword: str) -> list[str]:
-    return [line[len(keyword):].strip() for line in stages()[stage] if line.upper().startswith(keyword + " ")]
+    return [line[len(keyword) :].strip() for line in stages()[stage] if line.upper().startswith(keyword + " ")]
 
 
 def test_hadolint_finds_nothing() -> None:
@@ -82,8 +82,10 @@ def test_every_command_the_builders_write_exists_in_the_runtime_image(sample: Pa
         for container in obj["spec"]["template"]["spec"]["containers"]:
             program = container["command"][0]
             if program == "mooncake_master":  # shipped by the Mooncake package of both runtime extras
-                assert all(any(d.startswith("mooncake-transfer-engine") for d in extras[e])
-                           for e in ("runtime-cpu", "runtime-cuda"))
+                assert all(
+                    any(d.startswith("mooncake-transfer-engine") for d in extras[e])
+                    for e in ("runtime-cpu", "runtime-cuda")
+                )
             else:
                 assert program in scripts, f"{program} is not a console script of the package"
 

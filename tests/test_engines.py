@@ -562,9 +562,7 @@ async def test_diffusion_takes_prompt_embeddings(dit: DiffusionEngine) -> None:
 
 @models
 @in_module_loop
-async def test_generation_decodes_latents_chunk_by_chunk_in_order(
-    model_dir: Path, dit: DiffusionEngine
-) -> None:
+async def test_generation_decodes_latents_chunk_by_chunk_in_order(model_dir: Path, dit: DiffusionEngine) -> None:
     pipeline = _vae_pipeline(str(model_dir))
     latent_dit = make_engine(pipeline, "dit")
     vae = make_engine(pipeline, "vae")

@@ -63,8 +63,12 @@ def resolved_config(objects: list[dict[str, Any]], pipeline: str) -> dict[str, A
 
 
 def minimal(pipeline: str, **spec: Any) -> dict[str, Any]:
-    return {"apiVersion": "omnikube.io/v1alpha1", "kind": "OmniPipeline", "metadata": {"name": "p"},
-            "spec": {"model": "some/model", "pipeline": pipeline, **spec}}
+    return {
+        "apiVersion": "omnikube.io/v1alpha1",
+        "kind": "OmniPipeline",
+        "metadata": {"name": "p"},
+        "spec": {"model": "some/model", "pipeline": pipeline, **spec},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +80,12 @@ def qwen3() -> list[dict[str, Any]]:
 
 
 def test_samples_exist():
-    assert {p.name for p in SAMPLE_FILES} >= {"qwen3-omni.yaml", "qwen-image.yaml", "ascend-chat.yaml",
-                                               "tiny-chat-cpu.yaml"}
+    assert {p.name for p in SAMPLE_FILES} >= {
+        "qwen3-omni.yaml",
+        "qwen-image.yaml",
+        "ascend-chat.yaml",
+        "tiny-chat-cpu.yaml",
+    }
 
 
 @pytest.mark.parametrize("path", SAMPLE_FILES, ids=lambda p: p.stem)
@@ -87,8 +95,15 @@ def test_every_sample_object_is_labelled_owned_hashed_and_named_validly(path: Pa
     objects = render(manifest)
     kinds = [o["kind"] for o in objects]
     assert kinds.count("ConfigMap") == 1
-    assert {"OmniStage", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
-            "PodDisruptionBudget"} <= set(kinds)
+    assert {
+        "OmniStage",
+        "Deployment",
+        "Service",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "PodDisruptionBudget",
+    } <= set(kinds)
     assert kinds.count("OmniStage") == kinds.count("Deployment") - 1  # one per pod group, plus the router
     stages = {o["metadata"]["name"] for o in objects if o["kind"] == "OmniStage"}
     for obj in objects:
@@ -151,12 +166,15 @@ def test_rendering_twice_is_identical():
 # --- names ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("parts", "expected"), [
-    (("p", "thinker"), "p-thinker"),
-    (("p", "", "router"), "p-router"),
-    (("a" * 55, "router"), "a" * 55 + "-router"),  # exactly 62: kept
-    (("a" * 56, "router"), "a" * 56 + "-router"),  # exactly 63: kept
-])
+@pytest.mark.parametrize(
+    ("parts", "expected"),
+    [
+        (("p", "thinker"), "p-thinker"),
+        (("p", "", "router"), "p-router"),
+        (("a" * 55, "router"), "a" * 55 + "-router"),  # exactly 62: kept
+        (("a" * 56, "router"), "a" * 56 + "-router"),  # exactly 63: kept
+    ],
+)
 def test_child_name_keeps_short_names(parts: tuple[str, ...], expected: str):
     assert child_name(*parts) == expected
 
@@ -237,8 +255,11 @@ def test_qwen3_talker_service_is_headless_and_exposes_both_stages(qwen3):
 
 def test_qwen3_discovery_points_code2wav_at_the_talker_service_and_its_port(qwen3):
     discovery = resolved_config(qwen3, "qwen3-omni")["discovery"]
-    code2wav_stage_port = next(p["containerPort"] for p in containers(
-        find(qwen3, "Deployment", "qwen3-omni-talker"))["code2wav"]["ports"] if p["name"].startswith("stage"))
+    code2wav_stage_port = next(
+        p["containerPort"]
+        for p in containers(find(qwen3, "Deployment", "qwen3-omni-talker"))["code2wav"]["ports"]
+        if p["name"].startswith("stage")
+    )
     assert discovery["code2wav"]["service"] == "qwen3-omni-talker"
     assert discovery["code2wav"]["namespace"] == "default"
     assert discovery["code2wav"]["port"] == code2wav_stage_port
@@ -252,18 +273,32 @@ def test_qwen3_discovery_points_code2wav_at_the_talker_service_and_its_port(qwen
 def router_parts(objects: list[dict[str, Any]], pipeline: str) -> tuple[set[str], set[str], list[dict]]:
     deployment = find(objects, "Deployment", f"{pipeline}-router")
     service = find(objects, "Service", f"{pipeline}-router")
-    stage_env = [e for o in objects if o["kind"] == "Deployment" and o is not deployment
-                 for c in o["spec"]["template"]["spec"]["containers"] for e in c["env"]]
+    stage_env = [
+        e
+        for o in objects
+        if o["kind"] == "Deployment" and o is not deployment
+        for c in o["spec"]["template"]["spec"]["containers"]
+        for e in c["env"]
+    ]
     return set(containers(deployment)), {p["name"] for p in service["spec"]["ports"]}, stage_env
 
 
-@pytest.mark.parametrize(("manifest", "pipeline", "mooncake"), [
-    (load("qwen3-omni.yaml"), "qwen3-omni", True),  # thinker -> talker over mooncake
-    (minimal("prompt-enhanced-t2i"), "p", False),  # the topology's default connector: inline
-    (minimal("prompt-enhanced-t2i", connectors={"default": "mooncake"}), "p", True),
-    (minimal("prompt-enhanced-t2i", connectors={"edges": [{"from": "enhancer", "to": "dit", "kind": "mooncake"}]}),
-     "p", True),
-], ids=["qwen3-sample", "t2i-default", "t2i-default-mooncake", "t2i-edge-mooncake"])
+@pytest.mark.parametrize(
+    ("manifest", "pipeline", "mooncake"),
+    [
+        (load("qwen3-omni.yaml"), "qwen3-omni", True),  # thinker -> talker over mooncake
+        (minimal("prompt-enhanced-t2i"), "p", False),  # the topology's default connector: inline
+        (minimal("prompt-enhanced-t2i", connectors={"default": "mooncake"}), "p", True),
+        (
+            minimal(
+                "prompt-enhanced-t2i", connectors={"edges": [{"from": "enhancer", "to": "dit", "kind": "mooncake"}]}
+            ),
+            "p",
+            True,
+        ),
+    ],
+    ids=["qwen3-sample", "t2i-default", "t2i-default-mooncake", "t2i-edge-mooncake"],
+)
 def test_router_runs_a_mooncake_master_iff_an_edge_uses_mooncake(manifest, pipeline, mooncake):
     objects = render(manifest)
     router_containers, service_ports, stage_env = router_parts(objects, pipeline)
@@ -280,15 +315,19 @@ def test_router_runs_a_mooncake_master_iff_an_edge_uses_mooncake(manifest, pipel
 
 def test_qwen3_router_role_only_reads_endpointslices_and_pods(qwen3):
     role = find(qwen3, "Role", "qwen3-omni-router")
-    granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
-               for resource in rule["resources"] for verb in rule["verbs"]}
-    assert granted == {(g, r, v) for g, r in (("discovery.k8s.io", "endpointslices"), ("", "pods"))
-                       for v in ("get", "list", "watch")}
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    assert granted == {
+        (g, r, v) for g, r in (("discovery.k8s.io", "endpointslices"), ("", "pods")) for v in ("get", "list", "watch")
+    }
     binding = find(qwen3, "RoleBinding", "qwen3-omni-router")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                  "name": "qwen3-omni-router"}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "qwen3-omni-router",
-                                    "namespace": "default"}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "qwen3-omni-router"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "qwen3-omni-router", "namespace": "default"}]
     # No ClusterRole: the router's rights stop at its namespace.
     assert not [o for o in qwen3 if o["kind"].startswith("Cluster")]
 
@@ -330,8 +369,12 @@ def test_dev_shm_is_a_memory_emptydir_sized_by_shm_size(override, expected):
 def test_hf_token_only_reaches_pods_through_a_secret_key_ref(qwen3):
     text = yaml.safe_dump_all(qwen3)
     assert "secretKeyRef" in text
-    stage_containers = [c for o in qwen3 if o["kind"] == "Deployment" and o["metadata"]["name"] != "qwen3-omni-router"
-                        for c in o["spec"]["template"]["spec"]["containers"]]
+    stage_containers = [
+        c
+        for o in qwen3
+        if o["kind"] == "Deployment" and o["metadata"]["name"] != "qwen3-omni-router"
+        for c in o["spec"]["template"]["spec"]["containers"]
+    ]
     for container in stage_containers:
         [token] = [e for e in container["env"] if e["name"] == "HF_TOKEN"]
         assert "value" not in token
@@ -494,19 +537,34 @@ def with_change(change) -> dict[str, Any]:
     return manifest
 
 
-@pytest.mark.parametrize(("change", "expected"), [
-    pytest.param(lambda s: s["stages"].append({"name": "vocoder"}),
-                 [r"stages\[3\]\.name", "'vocoder'", r"\['thinker', 'talker', 'code2wav'\]"], id="unknown-stage"),
-    pytest.param(lambda s: s.update(pipeline="no-such-pipeline"),
-                 ["pipeline 'no-such-pipeline' is unknown", "qwen3-omni", "text-chat", "prompt-enhanced-t2i"],
-                 id="unknown-pipeline"),
-    pytest.param(lambda s: s["stages"][2].pop("colocateWith"),
-                 ["talker->code2wav", "'shm' needs both stages in one pod", "colocateWith"], id="shm-across-pods"),
-    pytest.param(lambda s: s["connectors"]["edges"].append({"from": "thinker", "to": "code2wav"}),
-                 [r"connectors\.edges\[2\]", "thinker->code2wav"], id="unknown-edge"),
-    pytest.param(lambda s: s["stages"][0].update(replicas=-1), [r"spec\.stages\[0\]\.replicas"],
-                 id="negative-replicas"),
-])
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        pytest.param(
+            lambda s: s["stages"].append({"name": "vocoder"}),
+            [r"stages\[3\]\.name", "'vocoder'", r"\['thinker', 'talker', 'code2wav'\]"],
+            id="unknown-stage",
+        ),
+        pytest.param(
+            lambda s: s.update(pipeline="no-such-pipeline"),
+            ["pipeline 'no-such-pipeline' is unknown", "qwen3-omni", "text-chat", "prompt-enhanced-t2i"],
+            id="unknown-pipeline",
+        ),
+        pytest.param(
+            lambda s: s["stages"][2].pop("colocateWith"),
+            ["talker->code2wav", "'shm' needs both stages in one pod", "colocateWith"],
+            id="shm-across-pods",
+        ),
+        pytest.param(
+            lambda s: s["connectors"]["edges"].append({"from": "thinker", "to": "code2wav"}),
+            [r"connectors\.edges\[2\]", "thinker->code2wav"],
+            id="unknown-edge",
+        ),
+        pytest.param(
+            lambda s: s["stages"][0].update(replicas=-1), [r"spec\.stages\[0\]\.replicas"], id="negative-replicas"
+        ),
+    ],
+)
 def test_render_errors_name_the_field(change, expected: list[str]):
     with pytest.raises(RenderError) as err:
         render(with_change(change))
@@ -553,9 +611,16 @@ def test_cli_render_a_missing_file_exits_1(tmp_path: Path):
 
 def test_router_placement_reaches_the_router_pod_only() -> None:
     toleration = {"key": "dedicated", "operator": "Equal", "value": "routers", "effect": "NoSchedule"}
-    manifest = {"apiVersion": "omnikube.io/v1alpha1", "kind": "OmniPipeline", "metadata": {"name": "placed"},
-                "spec": {"model": "/models/m", "pipeline": "text-chat",
-                         "router": {"nodeSelector": {"pool": "cpu"}, "tolerations": [toleration]}}}
+    manifest = {
+        "apiVersion": "omnikube.io/v1alpha1",
+        "kind": "OmniPipeline",
+        "metadata": {"name": "placed"},
+        "spec": {
+            "model": "/models/m",
+            "pipeline": "text-chat",
+            "router": {"nodeSelector": {"pool": "cpu"}, "tolerations": [toleration]},
+        },
+    }
     objects = {(o["kind"], o["metadata"]["name"]): o for o in render(manifest)}
     router = objects[("Deployment", "placed-router")]["spec"]["template"]["spec"]
     assert router["nodeSelector"] == {"pool": "cpu"}

@@ -21,8 +21,16 @@ T0, T1, T2 = "2024-01-01T00:00:00Z", "2024-01-01T00:05:00Z", "2024-01-01T00:10:0
 def test_new_condition_gets_a_transition_time_and_is_a_change():
     conditions, changed = set_condition([], Condition("Ready", "False", "Creating", "wait"), 1, now=T0)
     assert changed is True
-    assert conditions == [{"type": "Ready", "status": "False", "reason": "Creating", "message": "wait",
-                           "observedGeneration": 1, "lastTransitionTime": T0}]
+    assert conditions == [
+        {
+            "type": "Ready",
+            "status": "False",
+            "reason": "Creating",
+            "message": "wait",
+            "observedGeneration": 1,
+            "lastTransitionTime": T0,
+        }
+    ]
 
 
 def test_new_condition_without_now_gets_the_current_time():
@@ -64,10 +72,22 @@ def test_new_generation_alone_is_a_change():
 
 def test_other_conditions_are_kept_in_place_and_the_input_is_not_modified():
     conditions = [
-        {"type": "Ready", "status": "False", "reason": "RollingOut", "message": "", "observedGeneration": 1,
-         "lastTransitionTime": T0},
-        {"type": "Degraded", "status": "False", "reason": "AsExpected", "message": "", "observedGeneration": 1,
-         "lastTransitionTime": T0},
+        {
+            "type": "Ready",
+            "status": "False",
+            "reason": "RollingOut",
+            "message": "",
+            "observedGeneration": 1,
+            "lastTransitionTime": T0,
+        },
+        {
+            "type": "Degraded",
+            "status": "False",
+            "reason": "AsExpected",
+            "message": "",
+            "observedGeneration": 1,
+            "lastTransitionTime": T0,
+        },
     ]
     snapshot = copy.deepcopy(conditions)
     out, changed = set_condition(conditions, Condition("Ready", "True", "Available", "ok"), 2, now=T1)
@@ -89,28 +109,61 @@ def omnistage(replicas: int = 2, stage: str = "thinker") -> dict[str, Any]:
     return {"metadata": {"name": f"p-{stage}", "generation": 1}, "spec": {"stage": stage, "replicas": replicas}}
 
 
-def deployment(*, generation: int = 2, observed: int = 2, replicas: int = 2, updated: int = 2, ready: int = 2,
-               available: int | None = None) -> dict[str, Any]:
-    return {"metadata": {"name": "p-thinker", "generation": generation},
-            "status": {"observedGeneration": observed, "replicas": replicas, "updatedReplicas": updated,
-                       "readyReplicas": ready, "availableReplicas": ready if available is None else available}}
+def deployment(
+    *,
+    generation: int = 2,
+    observed: int = 2,
+    replicas: int = 2,
+    updated: int = 2,
+    ready: int = 2,
+    available: int | None = None,
+) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "p-thinker", "generation": generation},
+        "status": {
+            "observedGeneration": observed,
+            "replicas": replicas,
+            "updatedReplicas": updated,
+            "readyReplicas": ready,
+            "availableReplicas": ready if available is None else available,
+        },
+    }
 
 
 def pending_pod(message: str) -> dict[str, Any]:
-    return {"metadata": {"name": "p-thinker-abc"},
-            "status": {"phase": "Pending", "conditions": [
-                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}]}}
+    return {
+        "metadata": {"name": "p-thinker-abc"},
+        "status": {
+            "phase": "Pending",
+            "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}],
+        },
+    }
 
 
-def waiting_pod(reason: str, message: str = "", *, restarts: int = 0, last: dict | None = None,
-                image: str = "ghcr.io/omnikube/runtime:0.1.0") -> dict[str, Any]:
-    status: dict[str, Any] = {"name": "thinker", "image": image, "restartCount": restarts,
-                              "state": {"waiting": {"reason": reason, "message": message}}}
+def waiting_pod(
+    reason: str,
+    message: str = "",
+    *,
+    restarts: int = 0,
+    last: dict | None = None,
+    image: str = "ghcr.io/omnikube/runtime:0.1.0",
+) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "name": "thinker",
+        "image": image,
+        "restartCount": restarts,
+        "state": {"waiting": {"reason": reason, "message": message}},
+    }
     if last:
         status["lastState"] = {"terminated": last}
-    return {"metadata": {"name": "p-thinker-abc"},
-            "status": {"phase": "Running", "conditions": [{"type": "PodScheduled", "status": "True"}],
-                       "containerStatuses": [status]}}
+    return {
+        "metadata": {"name": "p-thinker-abc"},
+        "status": {
+            "phase": "Running",
+            "conditions": [{"type": "PodScheduled", "status": "True"}],
+            "containerStatuses": [status],
+        },
+    }
 
 
 def conds(conditions: list[Condition]) -> dict[str, Condition]:
@@ -122,63 +175,230 @@ def conds(conditions: list[Condition]) -> dict[str, Condition]:
 STAGE_CASES = [
     ("no-deployment", 2, None, [], "False", "Creating", "False", "AsExpected", ["Deployment is being created"]),
     ("rolled-and-ready", 2, deployment(), [], "True", "Available", "False", "AsExpected", ["2/2 replicas ready"]),
-    ("old-pods-still-serving", 2, deployment(replicas=3, updated=2, ready=3), [], "False", "RollingOut",
-     "False", "AsExpected", []),
-    ("updated-but-old-pods-ready", 2, deployment(replicas=4, updated=2, ready=2), [], "False", "RollingOut",
-     "False", "AsExpected", []),
-    ("generation-not-observed", 2, deployment(generation=3, observed=2), [], "False", "RollingOut",
-     "False", "AsExpected", []),
-    ("rolled-but-not-yet-ready", 2, deployment(ready=1), [], "False", "WaitingForReplicas",
-     "False", "AsExpected", ["1/2 replicas ready"]),
-    ("ready-but-not-available", 2, deployment(ready=2, available=1), [], "False", "WaitingForReplicas",
-     "False", "AsExpected", []),
-    ("scaled-to-zero", 0, deployment(replicas=0, updated=0, ready=0), [], "True", "ScaledToZero",
-     "False", "AsExpected", []),
-    ("insufficient-gpu", 2, deployment(ready=0),
-     [pending_pod("0/4 nodes are available: 1 Insufficient cpu, 3 Insufficient nvidia.com/gpu. preemption: "
-                  "0/4 nodes are available: 4 No preemption victims found for incoming pod.")],
-     "False", "WaitingForReplicas", "True", "InsufficientAccelerator",
-     ["stage thinker", "nvidia.com/gpu", "accelerator.count"]),
-    ("insufficient-npu", 2, deployment(ready=0),
-     [pending_pod("0/2 nodes are available: 2 Insufficient huawei.com/Ascend910.")],
-     "False", "WaitingForReplicas", "True", "InsufficientAccelerator", ["huawei.com/Ascend910"]),
-    ("pvc-missing", 2, deployment(ready=0),
-     [pending_pod('0/1 nodes are available: persistentvolumeclaim "model-cache" not found. preemption: '
-                  "0/1 nodes are available: 1 Preemption is not helpful for scheduling.")],
-     "False", "WaitingForReplicas", "True", "ModelCacheMissing", ["model-cache", "spec.runtime.modelCache"]),
-    ("pvc-unbound", 2, deployment(ready=0),
-     [pending_pod("0/1 nodes are available: pod has unbound immediate PersistentVolumeClaims. preemption: "
-                  "0/1 nodes are available: 1 Preemption is not helpful for scheduling.")],
-     "False", "WaitingForReplicas", "True", "ModelCacheMissing", ["spec.runtime.modelCache"]),
-    ("untolerated-taint", 2, deployment(ready=0),
-     [pending_pod("0/2 nodes are available: 2 node(s) had untolerated taint {huawei.com/Ascend910: }.")],
-     "False", "WaitingForReplicas", "True", "Unschedulable", ["untolerated taint", "tolerations"]),
-    ("node-selector-mismatch", 2, deployment(ready=0),
-     [pending_pod("0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector.")],
-     "False", "WaitingForReplicas", "True", "Unschedulable", ["nodeSelector"]),
-    ("insufficient-cpu-only", 2, deployment(ready=0),
-     [pending_pod("0/3 nodes are available: 3 Insufficient cpu.")],
-     "False", "WaitingForReplicas", "True", "Unschedulable", ["Insufficient cpu", "resources"]),
-    ("crash-loop", 2, deployment(ready=1),
-     [waiting_pod("CrashLoopBackOff", "back-off 5m0s", restarts=7,
-                  last={"exitCode": 1, "message": "CUDA out of memory"})],
-     "False", "WaitingForReplicas", "True", "CrashLoop",
-     ["7 restarts", "exit code 1", "CUDA out of memory", "kubectl logs p-thinker-abc -c thinker --previous"]),
-    ("image-pull", 2, deployment(ready=0),
-     [waiting_pod("ImagePullBackOff", "Back-off pulling image", image="ghcr.io/omnikube/runtime:nope")],
-     "False", "WaitingForReplicas", "True", "ImagePull", ["ghcr.io/omnikube/runtime:nope", "imagePullSecrets"]),
-    ("err-image-pull", 2, deployment(ready=0), [waiting_pod("ErrImagePull", "manifest unknown")],
-     "False", "WaitingForReplicas", "True", "ImagePull", ["manifest unknown"]),
-    ("missing-secret", 2, deployment(ready=0),
-     [waiting_pod("CreateContainerConfigError", 'secret "hf-token" not found')],
-     "False", "WaitingForReplicas", "True", "ContainerConfig", ['secret "hf-token" not found']),
-    ("container-creating-is-fine", 2, deployment(ready=0), [waiting_pod("ContainerCreating")],
-     "False", "WaitingForReplicas", "False", "AsExpected", []),
+    (
+        "old-pods-still-serving",
+        2,
+        deployment(replicas=3, updated=2, ready=3),
+        [],
+        "False",
+        "RollingOut",
+        "False",
+        "AsExpected",
+        [],
+    ),
+    (
+        "updated-but-old-pods-ready",
+        2,
+        deployment(replicas=4, updated=2, ready=2),
+        [],
+        "False",
+        "RollingOut",
+        "False",
+        "AsExpected",
+        [],
+    ),
+    (
+        "generation-not-observed",
+        2,
+        deployment(generation=3, observed=2),
+        [],
+        "False",
+        "RollingOut",
+        "False",
+        "AsExpected",
+        [],
+    ),
+    (
+        "rolled-but-not-yet-ready",
+        2,
+        deployment(ready=1),
+        [],
+        "False",
+        "WaitingForReplicas",
+        "False",
+        "AsExpected",
+        ["1/2 replicas ready"],
+    ),
+    (
+        "ready-but-not-available",
+        2,
+        deployment(ready=2, available=1),
+        [],
+        "False",
+        "WaitingForReplicas",
+        "False",
+        "AsExpected",
+        [],
+    ),
+    (
+        "scaled-to-zero",
+        0,
+        deployment(replicas=0, updated=0, ready=0),
+        [],
+        "True",
+        "ScaledToZero",
+        "False",
+        "AsExpected",
+        [],
+    ),
+    (
+        "insufficient-gpu",
+        2,
+        deployment(ready=0),
+        [
+            pending_pod(
+                "0/4 nodes are available: 1 Insufficient cpu, 3 Insufficient nvidia.com/gpu. preemption: "
+                "0/4 nodes are available: 4 No preemption victims found for incoming pod."
+            )
+        ],
+        "False",
+        "WaitingForReplicas",
+        "True",
+        "InsufficientAccelerator",
+        ["stage thinker", "nvidia.com/gpu", "accelerator.count"],
+    ),
+    (
+        "insufficient-npu",
+        2,
+        deployment(ready=0),
+        [pending_pod("0/2 nodes are available: 2 Insufficient huawei.com/Ascend910.")],
+        "False",
+        "WaitingForReplicas",
+        "True",
+        "InsufficientAccelerator",
+        ["huawei.com/Ascend910"],
+    ),
+    (
+        "pvc-missing",
+        2,
+        deployment(ready=0),
+        [
+            pending_pod(
+                '0/1 nodes are available: persistentvolumeclaim "model-cache" not found. preemption: '
+                "0/1 nodes are available: 1 Preemption is not helpful for scheduling."
+            )
+        ],
+        "False",
+        "WaitingForReplicas",
+        "True",
+        "ModelCacheMissing",
+        ["model-cache", "spec.runtime.modelCache"],
+    ),
+    (
+        "pvc-unbound",
+        2,
+        deployment(ready=0),
+        [
+            pending_pod(
+                "0/1 nodes are available: pod has unbound immediate PersistentVolumeClaims. preemption: "
+                "0/1 nodes are available: 1 Preemption is not helpful for scheduling."
+            )
+        ],
+        "False",
+        "WaitingForReplicas",
+        "True",
+        "ModelCacheMissing",
+        ["spec.runtime.modelCache"],
+    ),
+    (
+        "untolerated-taint",
+        2,
+        deployment(ready=0),
+        [pending_pod("0/2 nodes are available: 2 node(s) had untolerated taint {huawei.com/Ascend910: }.")],
+        "False",
+        "WaitingForReplicas",
+        "True",
+        "Unschedulable",
+        ["untolerated taint", "tolerations"],
+    ),
+    (
+        "node-selector-mismatch",
+        2,
+        deployment(ready=0),
+        [pending_pod("0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector.")],
+        "False",
+        "WaitingForReplicas",
+        "True",
+        "Unschedulable",
+        ["nodeSelector"],
+    ),
+    (
+        "insufficient-cpu-only",
+        2,
+        deployment(ready=0),
+        [pending_pod("0/3 nodes are available: 3 Insufficient cpu.")],
+        "False",
+        "WaitingForReplicas",
+        "True",
+        "Unschedulable",
+        ["Insufficient cpu", "resources"],
+    ),
+    (
+        "crash-loop",
+        2,
+        deployment(ready=1),
+        [
+            waiting_pod(
+                "CrashLoopBackOff", "back-off 5m0s", restarts=7, last={"exitCode": 1, "message": "CUDA out of memory"}
+            )
+        ],
+        "False",
+        "WaitingForReplicas",
+        "True",
+        "CrashLoop",
+        ["7 restarts", "exit code 1", "CUDA out of memory", "kubectl logs p-thinker-abc -c thinker --previous"],
+    ),
+    (
+        "image-pull",
+        2,
+        deployment(ready=0),
+        [waiting_pod("ImagePullBackOff", "Back-off pulling image", image="ghcr.io/omnikube/runtime:nope")],
+        "False",
+        "WaitingForReplicas",
+        "True",
+        "ImagePull",
+        ["ghcr.io/omnikube/runtime:nope", "imagePullSecrets"],
+    ),
+    (
+        "err-image-pull",
+        2,
+        deployment(ready=0),
+        [waiting_pod("ErrImagePull", "manifest unknown")],
+        "False",
+        "WaitingForReplicas",
+        "True",
+        "ImagePull",
+        ["manifest unknown"],
+    ),
+    (
+        "missing-secret",
+        2,
+        deployment(ready=0),
+        [waiting_pod("CreateContainerConfigError", 'secret "hf-token" not found')],
+        "False",
+        "WaitingForReplicas",
+        "True",
+        "ContainerConfig",
+        ['secret "hf-token" not found'],
+    ),
+    (
+        "container-creating-is-fine",
+        2,
+        deployment(ready=0),
+        [waiting_pod("ContainerCreating")],
+        "False",
+        "WaitingForReplicas",
+        "False",
+        "AsExpected",
+        [],
+    ),
 ]
 
 
-@pytest.mark.parametrize(("replicas", "deploy", "pods", "ready", "ready_reason", "degraded", "degraded_reason",
-                          "words"), [pytest.param(*case[1:], id=case[0]) for case in STAGE_CASES])
+@pytest.mark.parametrize(
+    ("replicas", "deploy", "pods", "ready", "ready_reason", "degraded", "degraded_reason", "words"),
+    [pytest.param(*case[1:], id=case[0]) for case in STAGE_CASES],
+)
 def test_stage_conditions(replicas, deploy, pods, ready, ready_reason, degraded, degraded_reason, words):
     counts, conditions = stage_conditions(omnistage(replicas), deploy, pods)
     by_type = conds(conditions)
@@ -212,23 +432,41 @@ def test_stage_without_a_deployment_reports_zero_replicas():
 # --- pipeline_conditions ----------------------------------------------------------------------------
 
 
-def stage_obj(stage: str, *, replicas: int = 1, ready_replicas: int | None = None, ready: bool = True,
-              generation: int = 1, observed: int | None = None, degraded: tuple[str, str] | None = None
-              ) -> dict[str, Any]:
+def stage_obj(
+    stage: str,
+    *,
+    replicas: int = 1,
+    ready_replicas: int | None = None,
+    ready: bool = True,
+    generation: int = 1,
+    observed: int | None = None,
+    degraded: tuple[str, str] | None = None,
+) -> dict[str, Any]:
     conditions = [{"type": "Ready", "status": "True" if ready else "False", "reason": "Available"}]
     if degraded:
         conditions.append({"type": "Degraded", "status": "True", "reason": degraded[0], "message": degraded[1]})
-    return {"metadata": {"name": f"p-{stage}", "generation": generation},
-            "spec": {"stage": stage, "replicas": replicas},
-            "status": {"observedGeneration": generation if observed is None else observed,
-                       "readyReplicas": replicas if ready_replicas is None else ready_replicas,
-                       "conditions": conditions}}
+    return {
+        "metadata": {"name": f"p-{stage}", "generation": generation},
+        "spec": {"stage": stage, "replicas": replicas},
+        "status": {
+            "observedGeneration": generation if observed is None else observed,
+            "readyReplicas": replicas if ready_replicas is None else ready_replicas,
+            "conditions": conditions,
+        },
+    }
 
 
 def router_obj(*, available: int = 1, replicas: int = 1) -> dict[str, Any]:
-    return {"metadata": {"name": "p-router", "generation": 1}, "spec": {"replicas": replicas},
-            "status": {"observedGeneration": 1, "replicas": replicas, "updatedReplicas": replicas,
-                       "availableReplicas": available}}
+    return {
+        "metadata": {"name": "p-router", "generation": 1},
+        "spec": {"replicas": replicas},
+        "status": {
+            "observedGeneration": 1,
+            "replicas": replicas,
+            "updatedReplicas": replicas,
+            "availableReplicas": available,
+        },
+    }
 
 
 NAMES = ["thinker", "talker", "code2wav"]
@@ -238,7 +476,8 @@ GROUPS = {"code2wav": "talker"}
 def observe(stages: list[dict[str, Any]], **kwargs: Any) -> tuple[list[dict], str, dict[str, Condition]]:
     kwargs.setdefault("router", router_obj())
     per_stage, ready, conditions = pipeline_conditions(
-        PipelineObservation(stages=stages, stage_names=NAMES, groups=GROUPS, **kwargs))
+        PipelineObservation(stages=stages, stage_names=NAMES, groups=GROUPS, **kwargs)
+    )
     return per_stage, ready, conds(conditions)
 
 
@@ -274,8 +513,9 @@ def test_a_colocated_stage_follows_its_pod_group():
 
 def test_a_missing_router_or_unavailable_router_keeps_the_pipeline_not_ready():
     for router in (None, router_obj(available=0)):
-        observation = PipelineObservation(stages=[stage_obj("thinker"), stage_obj("talker")], stage_names=NAMES,
-                                          groups=GROUPS, router=router)
+        observation = PipelineObservation(
+            stages=[stage_obj("thinker"), stage_obj("talker")], stage_names=NAMES, groups=GROUPS, router=router
+        )
         _, ready, conditions = pipeline_conditions(observation)
         by_type = conds(conditions)
         assert ready == "3/3"
@@ -310,8 +550,10 @@ def test_a_spec_problem_outranks_a_degraded_stage():
 
 
 def test_per_stage_replicas_report_the_pod_groups_replicas_for_colocated_stages():
-    stages = [stage_obj("thinker", replicas=2, ready_replicas=1, ready=False),
-              stage_obj("talker", replicas=3, ready_replicas=3)]
+    stages = [
+        stage_obj("thinker", replicas=2, ready_replicas=1, ready=False),
+        stage_obj("talker", replicas=3, ready_replicas=3),
+    ]
     per_stage, _, _ = observe(stages)
     assert per_stage == [
         {"name": "thinker", "replicas": 2, "readyReplicas": 1},
@@ -322,6 +564,8 @@ def test_per_stage_replicas_report_the_pod_groups_replicas_for_colocated_stages(
 
 def test_a_stage_not_created_yet_reports_zero_and_is_waited_for():
     per_stage, ready, by_type = observe([stage_obj("thinker")])
-    assert per_stage[1:] == [{"name": "talker", "replicas": 0, "readyReplicas": 0},
-                             {"name": "code2wav", "replicas": 0, "readyReplicas": 0}]
+    assert per_stage[1:] == [
+        {"name": "talker", "replicas": 0, "readyReplicas": 0},
+        {"name": "code2wav", "replicas": 0, "readyReplicas": 0},
+    ]
     assert ready == "1/3" and by_type["Ready"].status == "False"

@@ -100,8 +100,17 @@ async def test_a_key_never_runs_on_two_workers_at_once():
 async def test_a_failing_key_is_retried_with_growing_delays_and_its_count_resets_after_success():
     loop = asyncio.get_running_loop()
     times: list[float] = []
-    outcomes = iter([False, False, False, False, True,  # four failures, then success
-                     False, True])  # a later failure starts from the base delay again
+    outcomes = iter(
+        [
+            False,
+            False,
+            False,
+            False,
+            True,  # four failures, then success
+            False,
+            True,
+        ]
+    )  # a later failure starts from the base delay again
 
     async def handler(key: str) -> None:
         times.append(loop.time())

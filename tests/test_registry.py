@@ -41,9 +41,7 @@ BUILTIN = {
 }
 
 
-def model_dir(
-    tmp_path: Path, *, architectures: list[str] | None = None, class_name: str | None = None
-) -> Path:
+def model_dir(tmp_path: Path, *, architectures: list[str] | None = None, class_name: str | None = None) -> Path:
     folder = tmp_path / "model"
     folder.mkdir()
     if architectures is not None:
@@ -188,8 +186,11 @@ def test_names_and_aliases(typed: str, name: str) -> None:
 
 
 def test_aliases_listing() -> None:
-    assert default_registry().aliases() == {"qwen2.5-omni": "qwen2-5-omni", "wan2.2-t2v": "wan2-2-t2v",
-                                            "sd3": "stable-diffusion-3"}
+    assert default_registry().aliases() == {
+        "qwen2.5-omni": "qwen2-5-omni",
+        "wan2.2-t2v": "wan2-2-t2v",
+        "sd3": "stable-diffusion-3",
+    }
 
 
 def test_unknown_name_lists_the_known_ones() -> None:
@@ -221,8 +222,12 @@ def test_resolve_from_config_json(tmp_path: Path, architectures: list[str], pipe
 
 @pytest.mark.parametrize(
     ("class_name", "pipeline"),
-    [("FluxPipeline", "flux"), ("QwenImagePipeline", "qwen-image"), ("WanPipeline", "wan2-2-t2v"),
-     ("StableDiffusion3Pipeline", "stable-diffusion-3")],
+    [
+        ("FluxPipeline", "flux"),
+        ("QwenImagePipeline", "qwen-image"),
+        ("WanPipeline", "wan2-2-t2v"),
+        ("StableDiffusion3Pipeline", "stable-diffusion-3"),
+    ],
 )
 def test_resolve_from_model_index_json(tmp_path: Path, class_name: str, pipeline: str) -> None:
     assert resolve_model_pipeline(str(model_dir(tmp_path, class_name=class_name))).name == pipeline
@@ -233,10 +238,7 @@ def test_unknown_architecture_lists_what_was_found_and_the_pipelines(tmp_path: P
     with pytest.raises(RegistryError) as info:
         resolve_model_pipeline(folder)
     message = str(info.value)
-    assert (
-        f"no pipeline matches the model at {folder}: it has config.json architectures ['BertModel']"
-        in message
-    )
+    assert f"no pipeline matches the model at {folder}: it has config.json architectures ['BertModel']" in message
     assert "qwen3-omni (architectures Qwen3OmniMoeForConditionalGeneration)" in message
     assert "flux (diffusers FluxPipeline)" in message
     assert "prompt-enhanced-t2i (by name only)" in message
@@ -244,9 +246,7 @@ def test_unknown_architecture_lists_what_was_found_and_the_pipelines(tmp_path: P
 
 
 def test_unknown_diffusers_class_says_so(tmp_path: Path) -> None:
-    with pytest.raises(
-        RegistryError, match=re.escape("model_index.json _class_name 'StableDiffusionPipeline'")
-    ):
+    with pytest.raises(RegistryError, match=re.escape("model_index.json _class_name 'StableDiffusionPipeline'")):
         resolve_model_pipeline(model_dir(tmp_path, class_name="StableDiffusionPipeline"))
 
 
@@ -320,9 +320,7 @@ def test_resolution_uses_no_network(tmp_path: Path, no_network: None) -> None:
     cache = tmp_path / "cache"
     snapshot = cache / "models--Qwen--Qwen3-Omni-30B-A3B-Instruct" / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text(
-        json.dumps({"architectures": ["Qwen3OmniMoeForConditionalGeneration"]})
-    )
+    (snapshot / "config.json").write_text(json.dumps({"architectures": ["Qwen3OmniMoeForConditionalGeneration"]}))
     folder = local_model_dir("Qwen/Qwen3-Omni-30B-A3B-Instruct", cache)
     assert folder == snapshot
     registry = load_registry()  # fresh from disk, not the cached one
@@ -418,9 +416,7 @@ def test_other_references_are_paths(tmp_path: Path, ref: str) -> None:
         ),
     ],
 )
-def test_invalid_files_name_the_file_and_field(
-    tmp_path: Path, name: str, content: object, message: str
-) -> None:
+def test_invalid_files_name_the_file_and_field(tmp_path: Path, name: str, content: object, message: str) -> None:
     path = write(tmp_path, name, content)
     with pytest.raises(RegistryError, match=re.escape(message)) as info:
         load_pipeline_file(path)

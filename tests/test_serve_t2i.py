@@ -109,12 +109,12 @@ def test_image_errors_say_what_is_allowed(sd3) -> None:
 # -- prompt enhancer + CFG companion -> diffusion, per connector ----------------------------------
 
 
-@pytest.fixture(scope="module", params=["inline", "shm", "mooncake"])
+@pytest.fixture(scope="module", params=["inline", "shm", "mooncake", "mooncake-store"])
 def t2i(request, tiny_t2i_model, tmp_path_factory):
-    connector = request.param
+    connector, _, mode = request.param.partition("-")
     spec = {
         "model": str(tiny_t2i_model),
-        "name": f"t2i-{connector}",
+        "name": f"t2i-{request.param}",
         "stages": [
             {"name": "enhancer", "engine_args": AR_ARGS, "sampling_params": {"max_tokens": 12, "ignore_eos": True}},
             {"name": "dit", "engine_args": {"torch_dtype": "float32"}, "sampling_params": DIT_PARAMS},
@@ -122,14 +122,19 @@ def t2i(request, tiny_t2i_model, tmp_path_factory):
         "connectors": {
             "default": "inline",
             "edges": [{"from": "enhancer", "to": "dit", "connector": connector}],
-            "mooncake": {"global_segment_size": 64 * 1024**2, "local_buffer_size": 16 * 1024**2},
+            "mooncake": {
+                "global_segment_size": 64 * 1024**2,
+                "local_buffer_size": 16 * 1024**2,
+                "mode": mode or "p2p",
+            },
         },
         "limits": {"max_concurrent_requests": 16, "max_queued_requests": 64, "request_timeout_s": 120},
     }
     # shm: idle segments are unlinked as soon as they are released, so "no segment left" is checkable live
     args = ("--shm-pool-bytes", "0") if connector == "shm" else ()
-    run = Serve(spec, tmp_path_factory.mktemp(f"serve-t2i-{connector}"), args=args)
+    run = Serve(spec, tmp_path_factory.mktemp(f"serve-t2i-{request.param}"), args=args)
     run.connector = connector
+    run.pooled = connector == "shm" or (connector == "mooncake" and mode != "store")
     tree: set[int] = set()
     try:
         yield run
@@ -145,11 +150,19 @@ def mooncake_keys(run: Serve) -> float | None:
     return metric_values(http_get(master[0]["metrics"])[1], "master_key_count")[0]
 
 
+def unreleased_payloads(run: Serve) -> float:
+    """Payloads stage processes put and nobody released yet, as their metrics report them."""
+    return sum(sum(metric_values(text, "omnikube_connector_payloads_unreleased"))
+               for stage in ("enhancer", "dit") for text in run.stage_metrics(stage))  # fmt: skip
+
+
 def assert_nothing_held(run: Serve) -> None:
     run.wait_idle(["enhancer", "dit"], timeout=30)
     deadline = time.monotonic() + 10
-    while busy_shm_segments(run.name) or mooncake_keys(run):
-        assert time.monotonic() < deadline, (busy_shm_segments(run.name), mooncake_keys(run))
+    while held := (busy_shm_segments(run.name), mooncake_keys(run), unreleased_payloads(run)):
+        if not any(held):
+            break
+        assert time.monotonic() < deadline, held
         time.sleep(0.2)
 
 
@@ -182,6 +195,11 @@ def test_enhanced_prompt_and_cfg_companion_reach_the_diffusion_stage(t2i) -> Non
     assert url.startswith("data:image/png;base64,")
     assert png(url.split(",", 1)[1]).size == (64, 64)
     assert_nothing_held(t2i)
+    if t2i.pooled:  # the producer reports what it lent out, so "nothing held" above means something
+        series = [
+            metric_values(text, "omnikube_connector_payloads_unreleased") for text in t2i.stage_metrics("enhancer")
+        ]
+        assert any(series), "the enhancer reports no omnikube_connector_payloads_unreleased"
     api.close()
 
 

@@ -209,9 +209,7 @@ def test_companion_on_ar_stage_is_accepted() -> None:
 def test_stage_lookup_names_the_known_stages() -> None:
     spec = chain("a", "b")
     assert spec.stage("b").name == "b"
-    with pytest.raises(
-        SpecError, match=re.escape("pipeline 'p' has no stage 'z'; its stages are ['a', 'b']")
-    ):
+    with pytest.raises(SpecError, match=re.escape("pipeline 'p' has no stage 'z'; its stages are ['a', 'b']")):
         spec.stage("z")
 
 
@@ -231,9 +229,7 @@ def test_edge_connector_falls_back_to_the_pipeline_default() -> None:
 GRAPHS = [
     pytest.param(["a"], [], ["a"], ["a"], id="single"),
     pytest.param(["a", "b", "c"], [("a", "b"), ("b", "c")], ["a", "b", "c"], ["a"], id="chain"),
-    pytest.param(
-        ["c", "b", "a"], [("a", "b"), ("b", "c")], ["a", "b", "c"], ["a"], id="chain-declared-backwards"
-    ),
+    pytest.param(["c", "b", "a"], [("a", "b"), ("b", "c")], ["a", "b", "c"], ["a"], id="chain-declared-backwards"),
     pytest.param(
         ["a", "b", "c", "d"],
         [("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")],
@@ -254,9 +250,7 @@ GRAPHS = [
 
 @pytest.mark.parametrize(("names", "edges", "order", "entries"), GRAPHS)
 def test_topological_order_and_entry_stages(names, edges, order, entries) -> None:
-    spec = PipelineSpec.model_validate(
-        pipeline([stage(n, final_output=(n == order[-1])) for n in names], edges)
-    )
+    spec = PipelineSpec.model_validate(pipeline([stage(n, final_output=(n == order[-1])) for n in names], edges))
     assert spec.topological_order() == order
     assert spec.entry_stages() == entries
 
@@ -300,14 +294,12 @@ def resolve(**kwargs: Any) -> ResolvedPipeline:
 RESOLVE_ERRORS = [
     pytest.param(
         {"stages": [StageOverride(name="vocoder")]},
-        "stages[0].name: pipeline 'omni' has no stage 'vocoder'; "
-        "its stages are ['thinker', 'talker', 'code2wav']",
+        "stages[0].name: pipeline 'omni' has no stage 'vocoder'; its stages are ['thinker', 'talker', 'code2wav']",
         id="unknown-stage",
     ),
     pytest.param(
         {"stages": [StageOverride(name="thinker"), StageOverride(name="talker", colocate_with="vocoder")]},
-        "stages[1].colocateWith: 'vocoder' is not another stage of 'omni'; "
-        "use one of ['thinker', 'code2wav']",
+        "stages[1].colocateWith: 'vocoder' is not another stage of 'omni'; use one of ['thinker', 'code2wav']",
         id="colocate-with-unknown",
     ),
     pytest.param(
@@ -423,17 +415,11 @@ def test_engine_args_and_sampling_params_are_merged_not_replaced() -> None:
 
 def test_edge_override_sets_connector_and_window() -> None:
     resolved = resolve(
-        edges=[
-            EdgeOverride.model_validate(
-                {"from": "talker", "to": "code2wav", "connector": "mooncake", "window": 50}
-            )
-        ]
+        edges=[EdgeOverride.model_validate({"from": "talker", "to": "code2wav", "connector": "mooncake", "window": 50})]
     )
     edge = resolved.topology.edges[1]
     assert (edge.connector, edge.window) == (ConnectorKind.MOONCAKE, 50)
-    untouched = resolve(
-        edges=[EdgeOverride(source="talker", target="code2wav", connector=ConnectorKind.INLINE)]
-    )
+    untouched = resolve(edges=[EdgeOverride(source="talker", target="code2wav", connector=ConnectorKind.INLINE)])
     assert untouched.topology.edges[1].window == 25
 
 

@@ -166,10 +166,7 @@ def test_chat_tokenizer_round_trips_and_templates(chat_model: Path) -> None:
         ids = tokenizer(text).input_ids
         assert tokenizer.decode(ids) == text
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
-    assert (
-        tokenizer.convert_ids_to_tokens(tokenizer("<|im_start|>user<|im_end|>").input_ids)[0]
-        == "<|im_start|>"
-    )
+    assert tokenizer.convert_ids_to_tokens(tokenizer("<|im_start|>user<|im_end|>").input_ids)[0] == "<|im_start|>"
 
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Draw a cat"}], tokenize=False, add_generation_prompt=True
@@ -390,13 +387,8 @@ def test_prompt_enhanced_folder_holds_both_stages(built: dict[str, Path]) -> Non
         "dit": "dit",
     }
     assert not (root / "config.json").exists() and not (root / "model_index.json").exists()
-    assert json.loads((root / "enhancer" / "config.json").read_text())["architectures"] == [
-        "Qwen2ForCausalLM"
-    ]
-    assert (
-        json.loads((root / "dit" / "model_index.json").read_text())["_class_name"]
-        == "StableDiffusion3Pipeline"
-    )
+    assert json.loads((root / "enhancer" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    assert json.loads((root / "dit" / "model_index.json").read_text())["_class_name"] == "StableDiffusion3Pipeline"
     assert _tree_digest(root / "enhancer") == _tree_digest(built["tiny-qwen2-chat"])
     assert _tree_digest(root / "dit") == _tree_digest(built["tiny-sd3"])
     assert AutoTokenizer.from_pretrained(root / "enhancer").eos_token == "<|im_end|>"

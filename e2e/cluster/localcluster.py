@@ -149,8 +149,13 @@ def write_pki(pki: Path) -> None:
         server_key,
         ca_name,
         ca_key,
-        server_names=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
-                      "kubernetes.default.svc.cluster.local"],
+        server_names=[
+            "localhost",
+            "kubernetes",
+            "kubernetes.default",
+            "kubernetes.default.svc",
+            "kubernetes.default.svc.cluster.local",
+        ],
         server_ips=["127.0.0.1", "10.96.0.1"],
     )
     admin_key = _key()
@@ -178,10 +183,15 @@ def kubeconfig_text(server: str, pki: Path) -> str:
         {
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [{"name": "omnikube-local", "cluster": {
-                "server": server, "certificate-authority": str(pki / "ca.crt")}}],
-            "users": [{"name": "admin", "user": {
-                "client-certificate": str(pki / "admin.crt"), "client-key": str(pki / "admin.key")}}],
+            "clusters": [
+                {"name": "omnikube-local", "cluster": {"server": server, "certificate-authority": str(pki / "ca.crt")}}
+            ],
+            "users": [
+                {
+                    "name": "admin",
+                    "user": {"client-certificate": str(pki / "admin.crt"), "client-key": str(pki / "admin.key")},
+                }
+            ],
             "contexts": [{"name": "omnikube-local", "context": {"cluster": "omnikube-local", "user": "admin"}}],
             "current-context": "omnikube-local",
         },
@@ -235,10 +245,18 @@ class LocalCluster:
         env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', '')}"
         return env
 
-    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
-                timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run([self.binary("kubectl"), *args], env=self.env(), input=input, text=True,
-                              capture_output=True, check=check, timeout=timeout)
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 60
+    ) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [self.binary("kubectl"), *args],
+            env=self.env(),
+            input=input,
+            text=True,
+            capture_output=True,
+            check=check,
+            timeout=timeout,
+        )
 
     # -- lifecycle --
 
@@ -275,70 +293,110 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str]) -> None:
         logf = open(self.workdir / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         # A session of its own lets `down` kill the whole process group, children included.
-        self.procs[name] = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         logf.close()
 
     def _start_etcd(self, ports: dict[str, int]) -> None:
         peer = f"http://127.0.0.1:{ports['etcd_peer']}"
-        self._spawn("etcd", [
-            self.binary("etcd"), "--name=default", f"--data-dir={self.workdir / 'etcd'}",
-            f"--listen-client-urls=http://127.0.0.1:{ports['etcd']}",
-            f"--advertise-client-urls=http://127.0.0.1:{ports['etcd']}",
-            f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster=default={peer}", "--unsafe-no-fsync", "--log-level=warn",
-            "--quota-backend-bytes=4294967296",
-        ])
+        self._spawn(
+            "etcd",
+            [
+                self.binary("etcd"),
+                "--name=default",
+                f"--data-dir={self.workdir / 'etcd'}",
+                f"--listen-client-urls=http://127.0.0.1:{ports['etcd']}",
+                f"--advertise-client-urls=http://127.0.0.1:{ports['etcd']}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=default={peer}",
+                "--unsafe-no-fsync",
+                "--log-level=warn",
+                "--quota-backend-bytes=4294967296",
+            ],
+        )
 
     def _start_apiserver(self, ports: dict[str, int], pki: Path) -> None:
-        self._spawn("kube-apiserver", [
-            self.binary("kube-apiserver"),
-            f"--etcd-servers=http://127.0.0.1:{ports['etcd']}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
-            f"--secure-port={ports['apiserver']}",
-            f"--cert-dir={pki}",
-            f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
-            f"--client-ca-file={pki / 'ca.crt'}",
-            f"--service-account-key-file={pki / 'sa.pub'}",
-            f"--service-account-signing-key-file={pki / 'sa.key'}",
-            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-            "--api-audiences=https://kubernetes.default.svc.cluster.local",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--authorization-mode=RBAC",
-            "--allow-privileged=true",
-            f"--audit-policy-file={self.workdir / 'audit-policy.yaml'}",
-            f"--audit-log-path={self.audit_log}",
-            "--audit-log-format=json", "--audit-log-mode=blocking",
-            "--endpoint-reconciler-type=none",
-            "--profiling=false", "-v=1",
-        ])
+        self._spawn(
+            "kube-apiserver",
+            [
+                self.binary("kube-apiserver"),
+                f"--etcd-servers=http://127.0.0.1:{ports['etcd']}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={ports['apiserver']}",
+                f"--cert-dir={pki}",
+                f"--tls-cert-file={pki / 'apiserver.crt'}",
+                f"--tls-private-key-file={pki / 'apiserver.key'}",
+                f"--client-ca-file={pki / 'ca.crt'}",
+                f"--service-account-key-file={pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                "--api-audiences=https://kubernetes.default.svc.cluster.local",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--authorization-mode=RBAC",
+                "--allow-privileged=true",
+                f"--audit-policy-file={self.workdir / 'audit-policy.yaml'}",
+                f"--audit-log-path={self.audit_log}",
+                "--audit-log-format=json",
+                "--audit-log-mode=blocking",
+                "--endpoint-reconciler-type=none",
+                "--profiling=false",
+                "-v=1",
+            ],
+        )
 
     def _start_controllers(self, pki: Path) -> None:
         kc = str(self.kubeconfig)
-        self._spawn("kube-controller-manager", [
-            self.binary("kube-controller-manager"), f"--kubeconfig={kc}",
-            f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
-            "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
-            f"--service-account-private-key-file={pki / 'sa.key'}",
-            f"--root-ca-file={pki / 'ca.crt'}",
-            f"--cluster-signing-cert-file={pki / 'ca.crt'}", f"--cluster-signing-key-file={pki / 'ca.key'}",
-            "--use-service-account-credentials=true", "--leader-elect=false",
-            # No cloud, no real kubelets: keep the controllers that act on API objects.
-            "--controllers=*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-persistentvolume-expander",
-            "--concurrent-deployment-syncs=10", "--concurrent-replicaset-syncs=10",
-            "--concurrent-gc-syncs=20", "-v=1",
-        ])
-        self._spawn("kube-scheduler", [
-            self.binary("kube-scheduler"), f"--kubeconfig={kc}",
-            f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
-            "--bind-address=127.0.0.1", f"--secure-port={free_port()}", "--leader-elect=false", "-v=1",
-        ])
-        self._spawn("kwok", [
-            self.binary("kwok"), f"--kubeconfig={kc}",
-            f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
-            "--cidr=10.244.0.0/16", "--node-ip=10.250.0.1", "--node-lease-duration-seconds=40",
-            f"--server-address=127.0.0.1:{free_port()}",
-        ])
+        self._spawn(
+            "kube-controller-manager",
+            [
+                self.binary("kube-controller-manager"),
+                f"--kubeconfig={kc}",
+                f"--authentication-kubeconfig={kc}",
+                f"--authorization-kubeconfig={kc}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={free_port()}",
+                f"--service-account-private-key-file={pki / 'sa.key'}",
+                f"--root-ca-file={pki / 'ca.crt'}",
+                f"--cluster-signing-cert-file={pki / 'ca.crt'}",
+                f"--cluster-signing-key-file={pki / 'ca.key'}",
+                "--use-service-account-credentials=true",
+                "--leader-elect=false",
+                # No cloud, no real kubelets: keep the controllers that act on API objects.
+                "--controllers=*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-persistentvolume-expander",
+                "--concurrent-deployment-syncs=10",
+                "--concurrent-replicaset-syncs=10",
+                "--concurrent-gc-syncs=20",
+                "-v=1",
+            ],
+        )
+        self._spawn(
+            "kube-scheduler",
+            [
+                self.binary("kube-scheduler"),
+                f"--kubeconfig={kc}",
+                f"--authentication-kubeconfig={kc}",
+                f"--authorization-kubeconfig={kc}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={free_port()}",
+                "--leader-elect=false",
+                "-v=1",
+            ],
+        )
+        self._spawn(
+            "kwok",
+            [
+                self.binary("kwok"),
+                f"--kubeconfig={kc}",
+                f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
+                "--cidr=10.244.0.0/16",
+                "--node-ip=10.250.0.1",
+                "--node-lease-duration-seconds=40",
+                f"--server-address=127.0.0.1:{free_port()}",
+            ],
+        )
 
     def _wait_ready(self, server: str, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -361,34 +419,66 @@ class LocalCluster:
     def _create_nodes(self) -> None:
         items = []
         for node in NODES:
-            capacity = {"cpu": "64", "memory": "512Gi", "pods": "500", "ephemeral-storage": "1Ti",
-                        **node["extended"]}
-            items.append({
-                "apiVersion": "v1", "kind": "Node",
-                "metadata": {"name": node["name"], "annotations": {KWOK_ANNOTATION: "fake"},
-                             "labels": {"kubernetes.io/hostname": node["name"], "kubernetes.io/os": "linux",
-                                        "kubernetes.io/arch": "amd64", "type": "kwok", **node["labels"]}},
-                "spec": {"taints": node.get("taints", [])},
-                "status": {"capacity": capacity, "allocatable": capacity,
-                           "nodeInfo": {"architecture": "amd64", "operatingSystem": "linux",
-                                        "kubeletVersion": "fake", "kernelVersion": "", "osImage": "",
-                                        "containerRuntimeVersion": "", "kubeProxyVersion": "",
-                                        "machineID": "", "systemUUID": "", "bootID": ""}},
-            })
+            capacity = {"cpu": "64", "memory": "512Gi", "pods": "500", "ephemeral-storage": "1Ti", **node["extended"]}
+            items.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "metadata": {
+                        "name": node["name"],
+                        "annotations": {KWOK_ANNOTATION: "fake"},
+                        "labels": {
+                            "kubernetes.io/hostname": node["name"],
+                            "kubernetes.io/os": "linux",
+                            "kubernetes.io/arch": "amd64",
+                            "type": "kwok",
+                            **node["labels"],
+                        },
+                    },
+                    "spec": {"taints": node.get("taints", [])},
+                    "status": {
+                        "capacity": capacity,
+                        "allocatable": capacity,
+                        "nodeInfo": {
+                            "architecture": "amd64",
+                            "operatingSystem": "linux",
+                            "kubeletVersion": "fake",
+                            "kernelVersion": "",
+                            "osImage": "",
+                            "containerRuntimeVersion": "",
+                            "kubeProxyVersion": "",
+                            "machineID": "",
+                            "systemUUID": "",
+                            "bootID": "",
+                        },
+                    },
+                }
+            )
         self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
 
     def _wait_nodes_ready(self, timeout: float = 60) -> None:
         names = [n["name"] for n in NODES]
-        out = self.kubectl("wait", "--for=condition=Ready", f"--timeout={int(timeout)}s",
-                           *[f"node/{n}" for n in names], check=False, timeout=timeout + 10)
+        out = self.kubectl(
+            "wait",
+            "--for=condition=Ready",
+            f"--timeout={int(timeout)}s",
+            *[f"node/{n}" for n in names],
+            check=False,
+            timeout=timeout + 10,
+        )
         if out.returncode != 0:
             raise TimeoutError(f"KWOK nodes not Ready: {out.stderr.strip()}")
 
     def _write_state(self, server: str) -> None:
-        self.state_file.write_text(json.dumps({
-            "server": server, "bin_dir": str(self.bin_dir),
-            "pids": {name: p.pid for name, p in self.procs.items()},
-        }))
+        self.state_file.write_text(
+            json.dumps(
+                {
+                    "server": server,
+                    "bin_dir": str(self.bin_dir),
+                    "pids": {name: p.pid for name, p in self.procs.items()},
+                }
+            )
+        )
 
     def down(self) -> None:
         """Stop every process this workdir started (also from another Python process), then forget it."""

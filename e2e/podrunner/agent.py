@@ -191,8 +191,13 @@ class Agent:
             if name:
                 self.containers.pop(name, None)
                 code = os.waitstatus_to_exitcode(status)
-                send("exited", name=name, pid=pid, exit_code=code if code >= 0 else 128 - code,
-                     signal=-code if code < 0 else 0)
+                send(
+                    "exited",
+                    name=name,
+                    pid=pid,
+                    exit_code=code if code >= 0 else 128 - code,
+                    signal=-code if code < 0 else 0,
+                )
 
     async def proxy(self, listen_host: str, listen_port: int, unix: str) -> None:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -254,13 +259,15 @@ def _exec_container(req: dict, errw: int) -> None:
         os.dup2(log, 2)
         argv = req["argv"]
         if not argv:
-            raise RuntimeError("no command given: set the container's command (the host is the image; "
-                               "it has no ENTRYPOINT)")
+            raise RuntimeError(
+                "no command given: set the container's command (the host is the image; it has no ENTRYPOINT)"
+            )
         try:
             os.execvpe(argv[0], argv, req["env"])
         except FileNotFoundError:
-            raise RuntimeError(f'exec: "{argv[0]}": executable file not found in $PATH '
-                               f'(PATH={req["env"].get("PATH", "")})') from None
+            raise RuntimeError(
+                f'exec: "{argv[0]}": executable file not found in $PATH (PATH={req["env"].get("PATH", "")})'
+            ) from None
     except BaseException as e:  # noqa: BLE001 - everything goes back to the runner
         msg = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
         try:

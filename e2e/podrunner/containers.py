@@ -56,8 +56,9 @@ class ContainerRunner:
         self.init = init
         self.sidecar = sidecar
         self.restart_count = 0
-        self.state: dict[str, Any] = {"waiting": {"reason": "PodInitializing" if not init and worker.has_init
-                                                  else "ContainerCreating"}}
+        self.state: dict[str, Any] = {
+            "waiting": {"reason": "PodInitializing" if not init and worker.has_init else "ContainerCreating"}
+        }
         self.last_state: dict[str, Any] = {}
         self._last_terminated: dict[str, Any] | None = None
         self.ready = False
@@ -76,9 +77,14 @@ class ContainerRunner:
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "name": self.name, "image": self.spec.get("image") or "host", "imageID": "",
-            "ready": self.ready, "started": self.started, "restartCount": self.restart_count,
-            "state": self.state, "lastState": self.last_state,
+            "name": self.name,
+            "image": self.spec.get("image") or "host",
+            "imageID": "",
+            "ready": self.ready,
+            "started": self.started,
+            "restartCount": self.restart_count,
+            "state": self.state,
+            "lastState": self.last_state,
         }
         if self.container_id:
             out["containerID"] = f"podrunner://{self.container_id}"
@@ -95,8 +101,13 @@ class ContainerRunner:
         self._set({"waiting": {"reason": reason, **({"message": message} if message else {})}})
 
     def _terminated(self, code: int, reason: str, message: str, started_at: str) -> None:
-        info = {"exitCode": code, "reason": reason, "startedAt": started_at, "finishedAt": now(),
-                "containerID": f"podrunner://{self.container_id}"}
+        info = {
+            "exitCode": code,
+            "reason": reason,
+            "startedAt": started_at,
+            "finishedAt": now(),
+            "containerID": f"podrunner://{self.container_id}",
+        }
         if code >= 128 and code - 128 < 65:
             info["signal"] = code - 128
         if message:
@@ -130,11 +141,17 @@ class ContainerRunner:
             delay = self._next_delay()
             if delay > 0:
                 meta = self.worker.pod["metadata"]
-                msg = (f"back-off {go_duration(delay)} restarting failed container={self.name} "
-                       f"pod={meta['name']}_{meta['namespace']}({meta['uid']})")
+                msg = (
+                    f"back-off {go_duration(delay)} restarting failed container={self.name} "
+                    f"pod={meta['name']}_{meta['namespace']}({meta['uid']})"
+                )
                 self._waiting("CrashLoopBackOff", msg)
-                self.worker.event("Warning", "BackOff", "Back-off restarting failed container "
-                                  f"{self.name} in pod {meta['name']}_{meta['namespace']}({meta['uid']})")
+                self.worker.event(
+                    "Warning",
+                    "BackOff",
+                    "Back-off restarting failed container "
+                    f"{self.name} in pod {meta['name']}_{meta['namespace']}({meta['uid']})",
+                )
                 if await self._sleep(delay):
                     break
         return code
@@ -144,8 +161,9 @@ class ContainerRunner:
         self._kill_message = ""
         started_at = now()
         try:
-            process = await self.worker.sandbox.start(self.name, argv=argv, env=env, cwd=cwd, mounts=mounts,
-                                                      log_path=str(self.worker.log_path(self.name)))
+            process = await self.worker.sandbox.start(
+                self.name, argv=argv, env=env, cwd=cwd, mounts=mounts, log_path=str(self.worker.log_path(self.name))
+            )
         except StartError as e:
             self._count_attempt()
             self._terminated(128, "StartError", str(e), started_at)
@@ -230,8 +248,14 @@ class ContainerRunner:
         async def exec_fn(argv: list[str], t: float) -> tuple[int, str]:
             return await self.worker.sandbox.exec(self.name, argv, self.worker.exec_env(self.name), t)
 
-        return await run_handler(handler, pod_ip=self.worker.pod_ip, container=self.spec, http=self.worker.http,
-                                 exec_fn=exec_fn, timeout=timeout)
+        return await run_handler(
+            handler,
+            pod_ip=self.worker.pod_ip,
+            container=self.spec,
+            http=self.worker.http,
+            exec_fn=exec_fn,
+            timeout=timeout,
+        )
 
     async def _probe(self, process: Process) -> None:
         post_start = (self.spec.get("lifecycle") or {}).get("postStart")
@@ -253,8 +277,9 @@ class ContainerRunner:
         if self.spec.get("readinessProbe"):
             tasks.append(asyncio.create_task(self._readiness(self.spec["readinessProbe"])))
         if self.spec.get("livenessProbe"):
-            tasks.append(asyncio.create_task(self._probe_until(self.spec["livenessProbe"], "Liveness", process,
-                                                               forever=True)))
+            tasks.append(
+                asyncio.create_task(self._probe_until(self.spec["livenessProbe"], "Liveness", process, forever=True))
+            )
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -278,8 +303,9 @@ class ContainerRunner:
                 self.worker.event("Warning", "Unhealthy", f"{kind} probe failed: {msg}")
                 if failures >= cfg.failure_threshold:
                     self._kill_message = f"{kind} probe failed {failures} times: {msg}"
-                    self.worker.event("Normal", "Killing", f"Container {self.name} failed {kind.lower()} probe, "
-                                      "will be restarted")
+                    self.worker.event(
+                        "Normal", "Killing", f"Container {self.name} failed {kind.lower()} probe, will be restarted"
+                    )
                     grace = probe.get("terminationGracePeriodSeconds", self.worker.grace_seconds())
                     await self._kill(process, float(grace))
                     return False

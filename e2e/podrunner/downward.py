@@ -11,9 +11,22 @@ from typing import Any
 __all__ = ["DownwardError", "expand", "field_value", "now", "parse_quantity", "resource_value"]
 
 _SUFFIX = {
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1,
-    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
 }
 _QUANTITY = re.compile(r"^([+-]?[0-9.]+)(e[+-]?[0-9]+|[a-zA-Z]*)$")
 
@@ -61,16 +74,20 @@ def field_value(pod: dict, path: str, *, pod_ip: str = "", host_ip: str = "") ->
     }
     if path in simple:
         return simple[path]
-    for prefix, source in (("metadata.labels", meta.get("labels") or {}),
-                           ("metadata.annotations", meta.get("annotations") or {})):
+    for prefix, source in (
+        ("metadata.labels", meta.get("labels") or {}),
+        ("metadata.annotations", meta.get("annotations") or {}),
+    ):
         key = _selector(path, prefix)
         if key is not None:
             return source.get(key, "")
         if path == prefix:  # the whole map, as the volume plugin writes it
             return "\n".join(f'{k}="{v}"' for k, v in sorted(source.items()))
-    raise DownwardError(f"fieldRef.fieldPath {path!r} is not supported; use metadata.name, metadata.namespace, "
-                        "metadata.uid, metadata.labels['k'], metadata.annotations['k'], spec.nodeName, "
-                        "spec.serviceAccountName, status.podIP or status.hostIP")
+    raise DownwardError(
+        f"fieldRef.fieldPath {path!r} is not supported; use metadata.name, metadata.namespace, "
+        "metadata.uid, metadata.labels['k'], metadata.annotations['k'], spec.nodeName, "
+        "spec.serviceAccountName, status.podIP or status.hostIP"
+    )
 
 
 def resource_value(container: dict, ref: dict, node_allocatable: dict[str, str]) -> str:
@@ -109,7 +126,7 @@ def expand(text: str, env: dict[str, str]) -> str:
                 out.append("$(")
                 i += 2
             else:
-                name = text[i + 2:end]
+                name = text[i + 2 : end]
                 out.append(env[name] if name in env else f"$({name})")
                 i = end + 1
         else:

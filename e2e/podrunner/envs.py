@@ -45,18 +45,28 @@ async def _key_ref(cache: ObjectCache, kind: str, ref: dict, env_name: str) -> s
     if data is None:
         if optional:
             return None
-        raise ConfigError(f'{label.lower()} "{ref.get("name")}" not found (env {env_name}); create it or '
-                          f"mark the reference optional")
+        raise ConfigError(
+            f'{label.lower()} "{ref.get("name")}" not found (env {env_name}); create it or mark the reference optional'
+        )
     if ref.get("key") not in data:
         if optional:
             return None
-        raise ConfigError(f'couldn\'t find key {ref.get("key")} in {label} {cache.namespace}/{ref.get("name")} '
-                          f"(env {env_name})")
+        raise ConfigError(
+            f"couldn't find key {ref.get('key')} in {label} {cache.namespace}/{ref.get('name')} (env {env_name})"
+        )
     return data[ref["key"]]
 
 
-async def container_env(cache: ObjectCache, pod: dict, container: dict, *, base: dict[str, str], pod_ip: str,
-                        host_ip: str, node_allocatable: dict[str, str]) -> dict[str, str]:
+async def container_env(
+    cache: ObjectCache,
+    pod: dict,
+    container: dict,
+    *,
+    base: dict[str, str],
+    pod_ip: str,
+    host_ip: str,
+    node_allocatable: dict[str, str],
+) -> dict[str, str]:
     env = dict(base)
     for source in container.get("envFrom") or []:
         prefix = source.get("prefix", "")
@@ -68,8 +78,9 @@ async def container_env(cache: ObjectCache, pod: dict, container: dict, *, base:
             if data is None:
                 if ref.get("optional"):
                     continue
-                raise ConfigError(f'{"configmap" if kind == "configmaps" else "secret"} "{ref.get("name")}" '
-                                  "not found (envFrom)")
+                raise ConfigError(
+                    f'{"configmap" if kind == "configmaps" else "secret"} "{ref.get("name")}" not found (envFrom)'
+                )
             env.update({prefix + k: v for k, v in data.items() if "=" not in prefix + k})
     for item in container.get("env") or []:
         name = item["name"]
@@ -79,8 +90,9 @@ async def container_env(cache: ObjectCache, pod: dict, container: dict, *, base:
             continue
         try:
             if "fieldRef" in value_from:
-                value: str | None = field_value(pod, value_from["fieldRef"]["fieldPath"], pod_ip=pod_ip,
-                                                host_ip=host_ip)
+                value: str | None = field_value(
+                    pod, value_from["fieldRef"]["fieldPath"], pod_ip=pod_ip, host_ip=host_ip
+                )
             elif "resourceFieldRef" in value_from:
                 value = resource_value(container, value_from["resourceFieldRef"], node_allocatable)
             elif "configMapKeyRef" in value_from:

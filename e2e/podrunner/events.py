@@ -38,14 +38,25 @@ class EventRecorder:
         log.debug("%s/%s %s: %s", meta["namespace"], meta["name"], reason, message)
         stamp = now()
         body = {
-            "apiVersion": "v1", "kind": "Event",
+            "apiVersion": "v1",
+            "kind": "Event",
             "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": meta["namespace"]},
-            "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"],
-                               "namespace": meta["namespace"], "uid": meta["uid"]},
-            "reason": reason, "message": message[:1024], "type": kind,
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta["uid"],
+            },
+            "reason": reason,
+            "message": message[:1024],
+            "type": kind,
             "source": {"component": "kubelet", "host": node},
-            "reportingComponent": "kubelet", "reportingInstance": node,
-            "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
+            "reportingComponent": "kubelet",
+            "reportingInstance": node,
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
         }
         task = asyncio.create_task(self._post(meta["namespace"], body))
         self._tasks.add(task)

@@ -36,8 +36,16 @@ def on_runner(manifest: dict[str, Any]) -> dict[str, Any]:
 def podrunner(cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodRunner]:
     """A pod runner owning `runner-node-0` (2 advertised GPUs) and `runner-node-1`, for the session."""
     nodes = [
-        NodeConfig("runner-node-0", capacity={"cpu": "16", "memory": "64Gi", "pods": "110",
-                                              "ephemeral-storage": "100Gi", "nvidia.com/gpu": "2"}),
+        NodeConfig(
+            "runner-node-0",
+            capacity={
+                "cpu": "16",
+                "memory": "64Gi",
+                "pods": "110",
+                "ephemeral-storage": "100Gi",
+                "nvidia.com/gpu": "2",
+            },
+        ),
         NodeConfig("runner-node-1"),
     ]
     with PodRunner(cluster.kubeconfig, nodes, tmp_path_factory.mktemp("podrunner"), backoff=TEST_BACKOFF) as runner:

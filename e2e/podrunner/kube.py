@@ -52,8 +52,14 @@ class Kube:
             ctx.verify_mode = ssl.CERT_NONE
         if cfg.cert_file:
             ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
-        http = httpx.AsyncClient(base_url=cfg.host, verify=ctx, headers=headers, trust_env=False,
-                                 timeout=httpx.Timeout(30.0), limits=httpx.Limits(max_connections=50))
+        http = httpx.AsyncClient(
+            base_url=cfg.host,
+            verify=ctx,
+            headers=headers,
+            trust_env=False,
+            timeout=httpx.Timeout(30.0),
+            limits=httpx.Limits(max_connections=50),
+        )
         return cls(http, cfg.host)
 
     @property
@@ -64,8 +70,15 @@ class Kube:
     async def close(self) -> None:
         await self.http.aclose()
 
-    async def request(self, method: str, path: str, *, params: dict | None = None, body: Any = None,
-                      content_type: str = "application/json") -> dict:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> dict:
         content = None if body is None else json.dumps(body)
         headers = {"Content-Type": content_type} if body is not None else {}
         try:

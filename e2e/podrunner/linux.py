@@ -10,9 +10,23 @@ import os
 import platform
 
 __all__ = [
-    "CLONE_NEWNS", "CLONE_NEWPID", "MNT_DETACH", "MS_BIND", "MS_NODEV", "MS_NOSUID", "MS_PRIVATE",
-    "MS_RDONLY", "MS_REC", "MS_REMOUNT", "MS_SLAVE", "mount", "pivot_root", "sethostname", "setns",
-    "umount", "unshare",
+    "CLONE_NEWNS",
+    "CLONE_NEWPID",
+    "MNT_DETACH",
+    "MS_BIND",
+    "MS_NODEV",
+    "MS_NOSUID",
+    "MS_PRIVATE",
+    "MS_RDONLY",
+    "MS_REC",
+    "MS_REMOUNT",
+    "MS_SLAVE",
+    "mount",
+    "pivot_root",
+    "sethostname",
+    "setns",
+    "umount",
+    "unshare",
 ]
 
 CLONE_NEWNS = 0x00020000
@@ -45,10 +59,11 @@ def _b(s: str | None) -> bytes | None:
     return None if s is None else os.fsencode(s)
 
 
-def mount(source: str | None, target: str, fstype: str | None = None, flags: int = 0,
-          data: str | None = None) -> None:
-    _check(_libc.mount(_b(source), _b(target), _b(fstype), flags, _b(data)),
-           f"mount {source!r} on {target!r} (type {fstype}, flags {flags:#x}, data {data!r})")
+def mount(source: str | None, target: str, fstype: str | None = None, flags: int = 0, data: str | None = None) -> None:
+    _check(
+        _libc.mount(_b(source), _b(target), _b(fstype), flags, _b(data)),
+        f"mount {source!r} on {target!r} (type {fstype}, flags {flags:#x}, data {data!r})",
+    )
 
 
 def umount(target: str, flags: int = 0) -> None:

@@ -42,8 +42,9 @@ async def _aip(*args: str, netns_pid: int | None = None, input: str | None = Non
     argv = ["ip", *args]
     if netns_pid is not None:
         argv = ["nsenter", f"--net=/proc/{netns_pid}/ns/net", *argv]
-    proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
     out, err = await proc.communicate(input.encode() if input else None)
     if check and proc.returncode != 0:
         raise NetworkError(f"{' '.join(argv)}: {err.decode().strip()}")
@@ -83,11 +84,14 @@ class Network:
                 chosen = ipaddress.ip_network(subnet)
                 clash = [str(u) for u in used if u.overlaps(chosen) and u.prefixlen > 0]
                 if clash:
-                    raise NetworkError(f"subnet {chosen} overlaps the host's routes {clash}; pick another "
-                                       f"--subnet or leave it out to take a free /24 of {POOL}")
+                    raise NetworkError(
+                        f"subnet {chosen} overlaps the host's routes {clash}; pick another "
+                        f"--subnet or leave it out to take a free /24 of {POOL}"
+                    )
             else:
-                free = [n for n in POOL.subnets(new_prefix=24)
-                        if not any(u.overlaps(n) and u.prefixlen > 0 for u in used)]
+                free = [
+                    n for n in POOL.subnets(new_prefix=24) if not any(u.overlaps(n) and u.prefixlen > 0 for u in used)
+                ]
                 if not free:
                     raise NetworkError(f"no free /24 left in {POOL}: remove stale {BRIDGE_PREFIX}* bridges")
                 chosen = free[0]
@@ -124,14 +128,17 @@ class Network:
     def release(self, ip: ipaddress.IPv4Address) -> None:
         self._used.discard(ip)
 
-    async def attach(self, netns_pid: int, veth: str, ip: ipaddress.IPv4Address,
-                     extra_lo_addresses: list[str]) -> None:
+    async def attach(self, netns_pid: int, veth: str, ip: ipaddress.IPv4Address, extra_lo_addresses: list[str]) -> None:
         """Give the network namespace of `netns_pid` an `eth0` on the bridge with address `ip`."""
         await _aip("link", "del", veth, check=False)  # left by an earlier sandbox of the same pod
         await _aip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", str(netns_pid))
         await _aip("link", "set", veth, "master", self.bridge, "up")
-        batch = ["link set lo up", f"addr add {ip}/{self.subnet.prefixlen} dev eth0", "link set eth0 up",
-                 f"route add default via {self.gateway}"]
+        batch = [
+            "link set lo up",
+            f"addr add {ip}/{self.subnet.prefixlen} dev eth0",
+            "link set eth0 up",
+            f"route add default via {self.gateway}",
+        ]
         batch += [f"addr add {a}/32 dev lo" for a in extra_lo_addresses]
         await _aip("-batch", "-", netns_pid=netns_pid, input="\n".join(batch) + "\n")
 

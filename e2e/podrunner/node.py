@@ -54,43 +54,90 @@ class NodeKeeper:
 
     def _conditions(self, stamp: str) -> list[dict]:
         def cond(kind: str, status: str, reason: str, message: str) -> dict:
-            return {"type": kind, "status": status, "reason": reason, "message": message,
-                    "lastHeartbeatTime": stamp, "lastTransitionTime": self._since.get(kind, stamp)}
+            return {
+                "type": kind,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "lastHeartbeatTime": stamp,
+                "lastTransitionTime": self._since.get(kind, stamp),
+            }
 
-        return [cond("MemoryPressure", "False", "KubeletHasSufficientMemory", "pod runner: not enforced"),
-                cond("DiskPressure", "False", "KubeletHasNoDiskPressure", "pod runner: not enforced"),
-                cond("PIDPressure", "False", "KubeletHasSufficientPID", "pod runner: not enforced"),
-                cond("Ready", "True", "KubeletReady", "omnikube pod runner is posting ready status")]
+        return [
+            cond("MemoryPressure", "False", "KubeletHasSufficientMemory", "pod runner: not enforced"),
+            cond("DiskPressure", "False", "KubeletHasNoDiskPressure", "pod runner: not enforced"),
+            cond("PIDPressure", "False", "KubeletHasSufficientPID", "pod runner: not enforced"),
+            cond("Ready", "True", "KubeletReady", "omnikube pod runner is posting ready status"),
+        ]
 
     async def register(self) -> None:
         cfg = self.config
-        labels = {"kubernetes.io/hostname": cfg.name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
-                  RUNNER_LABEL: "true", "type": "podrunner", **cfg.labels}
+        labels = {
+            "kubernetes.io/hostname": cfg.name,
+            "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": "amd64",
+            RUNNER_LABEL: "true",
+            "type": "podrunner",
+            **cfg.labels,
+        }
         path = f"/api/v1/nodes/{cfg.name}"
         existing = await self.kube.get(path)
         if existing is None:
-            node = await self.kube.request("POST", "/api/v1/nodes", body={
-                "apiVersion": "v1", "kind": "Node", "metadata": {"name": cfg.name, "labels": labels},
-                "spec": {"taints": cfg.taints}})
+            node = await self.kube.request(
+                "POST",
+                "/api/v1/nodes",
+                body={
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "metadata": {"name": cfg.name, "labels": labels},
+                    "spec": {"taints": cfg.taints},
+                },
+            )
         else:
-            taints = [t for t in (existing.get("spec") or {}).get("taints") or []
-                      if t.get("key") not in {x["key"] for x in cfg.taints}] + cfg.taints
-            node = await self.kube.request("PATCH", path, content_type=MERGE_PATCH,
-                                           body={"metadata": {"labels": labels}, "spec": {"taints": taints}})
+            taints = [
+                t
+                for t in (existing.get("spec") or {}).get("taints") or []
+                if t.get("key") not in {x["key"] for x in cfg.taints}
+            ] + cfg.taints
+            node = await self.kube.request(
+                "PATCH",
+                path,
+                content_type=MERGE_PATCH,
+                body={"metadata": {"labels": labels}, "spec": {"taints": taints}},
+            )
         self.uid = node["metadata"]["uid"]
         self._since: dict[str, str] = {}
         stamp = now()
         self._since = {c: stamp for c in ("MemoryPressure", "DiskPressure", "PIDPressure", "Ready")}
-        await self.kube.request("PATCH", f"{path}/status", content_type=MERGE_PATCH, body={"status": {
-            "capacity": cfg.capacity, "allocatable": cfg.capacity,
-            "conditions": self._conditions(stamp),
-            "addresses": [{"type": "InternalIP", "address": self.address}, {"type": "Hostname", "address": cfg.name}],
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
-            "nodeInfo": {"architecture": "amd64", "operatingSystem": "linux", "kubeletVersion": self.version,
-                         "kubeProxyVersion": "", "containerRuntimeVersion": "podrunner://0.1",
-                         "kernelVersion": "", "osImage": "host environment", "machineID": "", "systemUUID": "",
-                         "bootID": ""},
-        }})
+        await self.kube.request(
+            "PATCH",
+            f"{path}/status",
+            content_type=MERGE_PATCH,
+            body={
+                "status": {
+                    "capacity": cfg.capacity,
+                    "allocatable": cfg.capacity,
+                    "conditions": self._conditions(stamp),
+                    "addresses": [
+                        {"type": "InternalIP", "address": self.address},
+                        {"type": "Hostname", "address": cfg.name},
+                    ],
+                    "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
+                    "nodeInfo": {
+                        "architecture": "amd64",
+                        "operatingSystem": "linux",
+                        "kubeletVersion": self.version,
+                        "kubeProxyVersion": "",
+                        "containerRuntimeVersion": "podrunner://0.1",
+                        "kernelVersion": "",
+                        "osImage": "host environment",
+                        "machineID": "",
+                        "systemUUID": "",
+                        "bootID": "",
+                    },
+                }
+            },
+        )
         await self._renew_lease()
 
     async def _renew_lease(self) -> None:
@@ -101,11 +148,20 @@ class NodeKeeper:
         except KubeError as e:
             if e.status != 404:
                 raise
-            await self.kube.request("POST", "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases", body={
-                "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": self.name, "namespace": "kube-node-lease", "ownerReferences": [
-                    {"apiVersion": "v1", "kind": "Node", "name": self.name, "uid": self.uid}]},
-                "spec": spec})
+            await self.kube.request(
+                "POST",
+                "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
+                body={
+                    "apiVersion": "coordination.k8s.io/v1",
+                    "kind": "Lease",
+                    "metadata": {
+                        "name": self.name,
+                        "namespace": "kube-node-lease",
+                        "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": self.name, "uid": self.uid}],
+                    },
+                    "spec": spec,
+                },
+            )
 
     async def heartbeat(self) -> None:
         """Renew the Lease and refresh the Ready heartbeat until cancelled."""
@@ -115,8 +171,12 @@ class NodeKeeper:
             try:
                 await self._renew_lease()
                 if asyncio.get_running_loop().time() - last_status >= STATUS_EVERY:
-                    await self.kube.request("PATCH", f"/api/v1/nodes/{self.name}/status", content_type=MERGE_PATCH,
-                                            body={"status": {"conditions": self._conditions(now())}})
+                    await self.kube.request(
+                        "PATCH",
+                        f"/api/v1/nodes/{self.name}/status",
+                        content_type=MERGE_PATCH,
+                        body={"status": {"conditions": self._conditions(now())}},
+                    )
                     last_status = asyncio.get_running_loop().time()
             except KubeError as e:
                 if e.status == 404:  # someone deleted the node: register it again
@@ -125,8 +185,10 @@ class NodeKeeper:
                     log.warning("node %s: heartbeat failed: %s", self.name, e)
 
     async def unregister(self) -> None:
-        for path in (f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{self.name}",
-                     f"/api/v1/nodes/{self.name}"):
+        for path in (
+            f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{self.name}",
+            f"/api/v1/nodes/{self.name}",
+        ):
             try:
                 await self.kube.request("DELETE", path)
             except KubeError as e:

@@ -60,9 +60,11 @@ def pod_dir(state_dir: Path, namespace: str, name: str) -> Path:
 
 
 def _hosts_file(ip: str, hostname: str) -> str:
-    return ("# Kubernetes-managed hosts file (omnikube pod runner).\n127.0.0.1\tlocalhost\n"
-            "::1\tlocalhost ip6-localhost ip6-loopback\nfe00::0\tip6-localnet\nfe00::0\tip6-mcastprefix\n"
-            f"{ip}\t{hostname}\n")
+    return (
+        "# Kubernetes-managed hosts file (omnikube pod runner).\n127.0.0.1\tlocalhost\n"
+        "::1\tlocalhost ip6-localhost ip6-loopback\nfe00::0\tip6-localnet\nfe00::0\tip6-mcastprefix\n"
+        f"{ip}\t{hostname}\n"
+    )
 
 
 class PodWorker:
@@ -94,8 +96,9 @@ class PodWorker:
         self._attached = False
         inits = pod["spec"].get("initContainers") or []
         self.has_init = bool(inits)
-        self.init_runners = [ContainerRunner(self, c, init=True, sidecar=c.get("restartPolicy") == "Always")
-                             for c in inits]
+        self.init_runners = [
+            ContainerRunner(self, c, init=True, sidecar=c.get("restartPolicy") == "Always") for c in inits
+        ]
         self.runners = [ContainerRunner(self, c) for c in pod["spec"]["containers"]]
 
     # -- what ContainerRunner uses --
@@ -136,12 +139,21 @@ class PodWorker:
 
     async def resolve(self, spec: dict) -> tuple[list[str], dict[str, str], str, list[dict]]:
         cache = ObjectCache(self.svc.kube, self.namespace)
-        env = await container_env(cache, self.pod, spec, base=self._base_env(), pod_ip=self.pod_ip,
-                                  host_ip=self.host_ip, node_allocatable=self.svc.allocatable.get(self.node, {}))
+        env = await container_env(
+            cache,
+            self.pod,
+            spec,
+            base=self._base_env(),
+            pod_ip=self.pod_ip,
+            host_ip=self.host_ip,
+            node_allocatable=self.svc.allocatable.get(self.node, {}),
+        )
         self._envs[spec["name"]] = env
-        mounts = [{"source": str(self.sandbox_dir / "hosts"), "target": "/etc/hosts", "readonly": False},
-                  {"source": str(self.sandbox_dir / "hostname"), "target": "/etc/hostname", "readonly": False},
-                  *container_mounts(spec, self.volumes, env)]
+        mounts = [
+            {"source": str(self.sandbox_dir / "hosts"), "target": "/etc/hosts", "readonly": False},
+            {"source": str(self.sandbox_dir / "hostname"), "target": "/etc/hostname", "readonly": False},
+            *container_mounts(spec, self.volumes, env),
+        ]
         return expand_command(spec, env), env, spec.get("workingDir") or "/", mounts
 
     def _hostname(self) -> str:
@@ -155,12 +167,18 @@ class PodWorker:
             host, port = self.svc.api_proxy.cluster_ip, self.svc.api_proxy.port
         else:
             host, port = self.svc.api_address
-        env.update({
-            "KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": str(port),
-            "KUBERNETES_SERVICE_PORT_HTTPS": str(port), "KUBERNETES_PORT": f"tcp://{host}:{port}",
-            f"KUBERNETES_PORT_{port}_TCP": f"tcp://{host}:{port}", f"KUBERNETES_PORT_{port}_TCP_PROTO": "tcp",
-            f"KUBERNETES_PORT_{port}_TCP_PORT": str(port), f"KUBERNETES_PORT_{port}_TCP_ADDR": host,
-        })
+        env.update(
+            {
+                "KUBERNETES_SERVICE_HOST": host,
+                "KUBERNETES_SERVICE_PORT": str(port),
+                "KUBERNETES_SERVICE_PORT_HTTPS": str(port),
+                "KUBERNETES_PORT": f"tcp://{host}:{port}",
+                f"KUBERNETES_PORT_{port}_TCP": f"tcp://{host}:{port}",
+                f"KUBERNETES_PORT_{port}_TCP_PROTO": "tcp",
+                f"KUBERNETES_PORT_{port}_TCP_PORT": str(port),
+                f"KUBERNETES_PORT_{port}_TCP_ADDR": host,
+            }
+        )
         return env
 
     # -- watch input --
@@ -222,9 +240,15 @@ class PodWorker:
             await self._flush(final=True)
         with contextlib.suppress(KubeError):
             await self.svc.kube.request(
-                "DELETE", f"/api/v1/namespaces/{self.namespace}/pods/{self.name}",
-                body={"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
-                      "preconditions": {"uid": self.uid}})
+                "DELETE",
+                f"/api/v1/namespaces/{self.namespace}/pods/{self.name}",
+                body={
+                    "apiVersion": "v1",
+                    "kind": "DeleteOptions",
+                    "gracePeriodSeconds": 0,
+                    "preconditions": {"uid": self.uid},
+                },
+            )
         log.info("pod %s/%s deleted", self.namespace, self.name)
 
     async def _live(self) -> None:
@@ -262,8 +286,14 @@ class PodWorker:
         while True:
             try:
                 self.volumes = await prepare_volumes(
-                    self.svc.kube, ObjectCache(self.svc.kube, self.namespace), self.pod, self.sandbox_dir,
-                    pod_ip=self.pod_ip, host_ip=self.host_ip, allocatable=self.svc.allocatable.get(self.node, {}))
+                    self.svc.kube,
+                    ObjectCache(self.svc.kube, self.namespace),
+                    self.pod,
+                    self.sandbox_dir,
+                    pod_ip=self.pod_ip,
+                    host_ip=self.host_ip,
+                    allocatable=self.svc.allocatable.get(self.node, {}),
+                )
                 break
             except VolumeError as e:
                 self.event("Warning", "FailedMount", f"MountVolume.SetUp failed: {e}")
@@ -297,16 +327,20 @@ class PodWorker:
         proxy = self.svc.api_proxy if not self.host_network else None
         if not self.host_network:
             self._attached = True
-            await self.svc.network.attach(self.sandbox.netns_pid, self.veth, self.ip,
-                                          [proxy.cluster_ip] if proxy else [])
-        await self.sandbox.setup({
-            "hostname": None if self.host_network else hostname,
-            "root": str(self.sandbox_dir / "rootfs"),
-            "mountpoints": self._mountpoints(),
-            "memory_volumes": [{"path": v.path, "size": v.size} for v in self.volumes.values() if v.memory],
-            "proxies": [{"listen_host": proxy.cluster_ip, "listen_port": proxy.port, "unix": proxy.unix}]
-            if proxy else [],
-        })
+            await self.svc.network.attach(
+                self.sandbox.netns_pid, self.veth, self.ip, [proxy.cluster_ip] if proxy else []
+            )
+        await self.sandbox.setup(
+            {
+                "hostname": None if self.host_network else hostname,
+                "root": str(self.sandbox_dir / "rootfs"),
+                "mountpoints": self._mountpoints(),
+                "memory_volumes": [{"path": v.path, "size": v.size} for v in self.volumes.values() if v.memory],
+                "proxies": [{"listen_host": proxy.cluster_ip, "listen_port": proxy.port, "unix": proxy.unix}]
+                if proxy
+                else [],
+            }
+        )
 
     def _mountpoints(self) -> list[dict[str, Any]]:
         points: dict[str, bool] = {}
@@ -336,12 +370,18 @@ class PodWorker:
     def facts(self, *, final: bool = False) -> PodFacts:
         containers = [r.status() for r in self.runners]
         done = [r.done or final for r in self.runners]
-        phase = pod_phase(init_failed=self.init_failed, initialized=self.initialized, containers=containers,
-                          done=done)
-        return PodFacts(host_ip=self.host_ip, pod_ip=self.pod_ip if self.ip else "", start_time=self.start_time,
-                        sandbox_ready=self.sandbox_ready, initialized=self.initialized, phase=phase,
-                        init_statuses=[r.status() for r in self.init_runners], container_statuses=containers,
-                        message=self.message)
+        phase = pod_phase(init_failed=self.init_failed, initialized=self.initialized, containers=containers, done=done)
+        return PodFacts(
+            host_ip=self.host_ip,
+            pod_ip=self.pod_ip if self.ip else "",
+            start_time=self.start_time,
+            sandbox_ready=self.sandbox_ready,
+            initialized=self.initialized,
+            phase=phase,
+            init_statuses=[r.status() for r in self.init_runners],
+            container_statuses=containers,
+            message=self.message,
+        )
 
     async def _status_writer(self) -> None:
         while True:
@@ -358,8 +398,11 @@ class PodWorker:
             return
         try:
             result = await self.svc.kube.request(
-                "PATCH", f"/api/v1/namespaces/{self.namespace}/pods/{self.name}/status",
-                body={"status": status}, content_type=MERGE_PATCH)
+                "PATCH",
+                f"/api/v1/namespaces/{self.namespace}/pods/{self.name}/status",
+                body={"status": status},
+                content_type=MERGE_PATCH,
+            )
         except KubeError as e:
             if e.status == 404:
                 self.deleted()

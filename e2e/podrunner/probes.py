@@ -27,11 +27,13 @@ class ProbeSettings:
 
     @classmethod
     def of(cls, probe: dict) -> ProbeSettings:
-        return cls(initial_delay=float(probe.get("initialDelaySeconds", 0)),
-                   period=float(probe.get("periodSeconds", 10)),
-                   timeout=float(probe.get("timeoutSeconds", 1)),
-                   success_threshold=int(probe.get("successThreshold", 1)),
-                   failure_threshold=int(probe.get("failureThreshold", 3)))
+        return cls(
+            initial_delay=float(probe.get("initialDelaySeconds", 0)),
+            period=float(probe.get("periodSeconds", 10)),
+            timeout=float(probe.get("timeoutSeconds", 1)),
+            success_threshold=int(probe.get("successThreshold", 1)),
+            failure_threshold=int(probe.get("failureThreshold", 3)),
+        )
 
 
 def resolve_port(port: int | str, container: dict) -> int:
@@ -44,8 +46,9 @@ def resolve_port(port: int | str, container: dict) -> int:
     raise ValueError(f"port {port!r} is neither a number nor the name of one of the container's ports")
 
 
-async def run_handler(handler: dict, *, pod_ip: str, container: dict, http: httpx.AsyncClient, exec_fn: ExecFn,
-                      timeout: float) -> tuple[bool, str]:
+async def run_handler(
+    handler: dict, *, pod_ip: str, container: dict, http: httpx.AsyncClient, exec_fn: ExecFn, timeout: float
+) -> tuple[bool, str]:
     """Run one probe (or lifecycle hook) handler: (success, message)."""
     try:
         if "httpGet" in handler:
@@ -64,8 +67,9 @@ async def run_handler(handler: dict, *, pod_ip: str, container: dict, http: http
     return False, f"handler {sorted(handler)} is not supported by the pod runner"
 
 
-async def _http_get(spec: dict, pod_ip: str, container: dict, http: httpx.AsyncClient,
-                    timeout: float) -> tuple[bool, str]:
+async def _http_get(
+    spec: dict, pod_ip: str, container: dict, http: httpx.AsyncClient, timeout: float
+) -> tuple[bool, str]:
     host = spec.get("host") or pod_ip
     port = resolve_port(spec.get("port", 80), container)
     scheme = (spec.get("scheme") or "HTTP").lower()

@@ -55,9 +55,18 @@ def default_venv_bin() -> Path | None:
 
 
 class PodRunner:
-    def __init__(self, kubeconfig: str | Path, nodes: list[NodeConfig | str], state_dir: str | Path, *,
-                 subnet: str | None = None, backoff: Backoff | None = None, venv_bin: Path | None = None,
-                 api_proxy: bool = True, delete_nodes: bool = True) -> None:
+    def __init__(
+        self,
+        kubeconfig: str | Path,
+        nodes: list[NodeConfig | str],
+        state_dir: str | Path,
+        *,
+        subnet: str | None = None,
+        backoff: Backoff | None = None,
+        venv_bin: Path | None = None,
+        api_proxy: bool = True,
+        delete_nodes: bool = True,
+    ) -> None:
         self.kubeconfig = str(kubeconfig)
         self.nodes = [n if isinstance(n, NodeConfig) else NodeConfig(n) for n in nodes]
         self.state_dir = Path(state_dir).resolve()
@@ -100,12 +109,17 @@ class PodRunner:
             netns = os.readlink(f"/proc/{netns_pid}/ns/net")
         except OSError:
             netns = ""
-        return {"uid": w.uid, "ip": w.pod_ip, "veth": w.veth, "netns": netns, "unshare_pid": netns_pid,
-                "agent_pid": w.sandbox.agent_pid(),
-                "container_pids": {n: w.sandbox.host_pid(n) for n in list(w.sandbox.processes)}}
+        return {
+            "uid": w.uid,
+            "ip": w.pod_ip,
+            "veth": w.veth,
+            "netns": netns,
+            "unshare_pid": netns_pid,
+            "agent_pid": w.sandbox.agent_pid(),
+            "container_pids": {n: w.sandbox.host_pid(n) for n in list(w.sandbox.processes)},
+        }
 
-    def exec(self, namespace: str, pod: str, container: str, argv: list[str],
-             timeout: float = 30) -> tuple[int, str]:
+    def exec(self, namespace: str, pod: str, container: str, argv: list[str], timeout: float = 30) -> tuple[int, str]:
         """Run a command inside a running container, like `kubectl exec`: (exit code, output)."""
         w = self.worker(namespace, pod)
         if w is None or self._loop is None:
@@ -174,10 +188,17 @@ class PodRunner:
             version = (await kube.request("GET", "/version")).get("gitVersion", "v0.0.0")
             proxy, proxy_server = await self._api_proxy(kube)
             self.svc = Services(
-                kube=kube, network=network, http=http, events=EventRecorder(kube), state_dir=self.state_dir,
-                backoff=self.backoff, base_env=self._base_env(),
-                allocatable={n.name: dict(n.capacity) for n in self.nodes}, api_proxy=proxy,
-                api_address=kube.server_address)
+                kube=kube,
+                network=network,
+                http=http,
+                events=EventRecorder(kube),
+                state_dir=self.state_dir,
+                backoff=self.backoff,
+                base_env=self._base_env(),
+                allocatable={n.name: dict(n.capacity) for n in self.nodes},
+                api_proxy=proxy,
+                api_address=kube.server_address,
+            )
             for cfg in self.nodes:
                 keeper = NodeKeeper(kube, cfg, str(network.gateway), f"{version}-podrunner")
                 await keeper.register()
@@ -185,8 +206,12 @@ class PodRunner:
                 background.append(asyncio.create_task(keeper.heartbeat()))
                 background.append(asyncio.create_task(self._watch_node(cfg.name)))
             await self._wait_nodes_schedulable(kube)
-            log.info("pod runner up: nodes %s on bridge %s (%s)", [n.name for n in self.nodes], network.bridge,
-                     network.subnet)
+            log.info(
+                "pod runner up: nodes %s on bridge %s (%s)",
+                [n.name for n in self.nodes],
+                network.bridge,
+                network.subnet,
+            )
             if on_ready:
                 on_ready()
             await self._stop.wait()
@@ -293,9 +318,16 @@ class PodRunner:
         state.unlink()
 
     def _write_state(self, network: Network) -> None:
-        (self.state_dir / "runner.json").write_text(json.dumps(
-            {"pid": os.getpid(), "bridge": network.bridge, "subnet": str(network.subnet),
-             "nodes": [n.name for n in self.nodes]}))
+        (self.state_dir / "runner.json").write_text(
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "bridge": network.bridge,
+                    "subnet": str(network.subnet),
+                    "nodes": [n.name for n in self.nodes],
+                }
+            )
+        )
 
     # -- pods --
 
@@ -314,8 +346,12 @@ class PodRunner:
                     if w.node == node and w.uid not in present:
                         w.deleted()
                 while True:
-                    params = {"fieldSelector": selector, "resourceVersion": rv, "allowWatchBookmarks": "true",
-                              "timeoutSeconds": "300"}
+                    params = {
+                        "fieldSelector": selector,
+                        "resourceVersion": rv,
+                        "allowWatchBookmarks": "true",
+                        "timeoutSeconds": "300",
+                    }
                     async for kind, obj in kube.watch("/api/v1/pods", params):
                         if kind == "ERROR":
                             raise _Relist(obj.get("message", ""))
@@ -384,28 +420,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node", action="append", required=True, help="a node to own (repeat for more)")
     parser.add_argument("--state-dir", type=Path, required=True, help="logs and pod folders live here")
     parser.add_argument("--subnet", help="bridge subnet (default: the first free /24 of 10.213.0.0/16)")
-    parser.add_argument("--capacity", action="append", default=[], metavar="RES=QTY",
-                        help="advertised capacity, e.g. cpu=16, memory=64Gi, nvidia.com/gpu=8")
+    parser.add_argument(
+        "--capacity",
+        action="append",
+        default=[],
+        metavar="RES=QTY",
+        help="advertised capacity, e.g. cpu=16, memory=64Gi, nvidia.com/gpu=8",
+    )
     parser.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="extra node labels")
-    parser.add_argument("--no-taint", action="store_true",
-                        help=f"do not taint the nodes {RUNNER_TAINT['key']}=true:NoSchedule")
+    parser.add_argument(
+        "--no-taint", action="store_true", help=f"do not taint the nodes {RUNNER_TAINT['key']}=true:NoSchedule"
+    )
     parser.add_argument("--backoff-base", type=float, default=10.0, help="crash-loop back-off start (s)")
     parser.add_argument("--backoff-cap", type=float, default=300.0, help="crash-loop back-off ceiling (s)")
     parser.add_argument("--keep-nodes", action="store_true", help="leave the Node objects when stopping")
     parser.add_argument("--no-api-proxy", action="store_true", help="pods do not reach the API server")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(message)s"
+    )
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     capacity = _key_values(args.capacity, "--capacity")
-    nodes = [NodeConfig(name, labels=_key_values(args.label, "--label"),
-                        taints=[] if args.no_taint else [dict(RUNNER_TAINT)],
-                        capacity={**NodeConfig(name).capacity, **capacity}) for name in args.node]
-    runner = PodRunner(args.kubeconfig, nodes, args.state_dir, subnet=args.subnet,
-                       backoff=Backoff(args.backoff_base, args.backoff_cap), api_proxy=not args.no_api_proxy,
-                       delete_nodes=not args.keep_nodes)
+    nodes = [
+        NodeConfig(
+            name,
+            labels=_key_values(args.label, "--label"),
+            taints=[] if args.no_taint else [dict(RUNNER_TAINT)],
+            capacity={**NodeConfig(name).capacity, **capacity},
+        )
+        for name in args.node
+    ]
+    runner = PodRunner(
+        args.kubeconfig,
+        nodes,
+        args.state_dir,
+        subnet=args.subnet,
+        backoff=Backoff(args.backoff_base, args.backoff_cap),
+        api_proxy=not args.no_api_proxy,
+        delete_nodes=not args.keep_nodes,
+    )
 
     async def run() -> None:
         loop = asyncio.get_running_loop()

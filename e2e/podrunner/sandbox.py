@@ -66,13 +66,32 @@ class Sandbox:
         return _children(self.netns_pid)[0] if self.proc and _children(self.netns_pid) else None
 
     async def create(self, timeout: float = 30) -> None:
-        argv = ["setpriv", "--pdeathsig", "KILL", "unshare", *NAMESPACES,
-                *([] if self.host_network else ["--net"]), "--fork", "--kill-child=KILL", "--propagation",
-                "slave", sys.executable, "-E", "-s", "-S", str(AGENT)]
+        argv = [
+            "setpriv",
+            "--pdeathsig",
+            "KILL",
+            "unshare",
+            *NAMESPACES,
+            *([] if self.host_network else ["--net"]),
+            "--fork",
+            "--kill-child=KILL",
+            "--propagation",
+            "slave",
+            sys.executable,
+            "-E",
+            "-s",
+            "-S",
+            str(AGENT),
+        ]
         with open(self.agent_log, "ab") as errlog:
             self.proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=errlog,
-                start_new_session=True, limit=64 << 20)
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=errlog,
+                start_new_session=True,
+                limit=64 << 20,
+            )
         self._reader = asyncio.create_task(self._read_events())
         await self._wait("hello", timeout)
 
@@ -82,10 +101,20 @@ class Sandbox:
         if reply["event"] != "ready":
             raise SandboxError(f"pod sandbox setup failed: {reply.get('message')}")
 
-    async def start(self, name: str, *, argv: list[str], env: dict[str, str], cwd: str, log_path: str,
-                    mounts: list[dict], timeout: float = 60) -> Process:
-        await self._send({"op": "start", "name": name, "argv": argv, "env": env, "cwd": cwd, "log": log_path,
-                          "mounts": mounts})
+    async def start(
+        self,
+        name: str,
+        *,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        log_path: str,
+        mounts: list[dict],
+        timeout: float = 60,
+    ) -> Process:
+        await self._send(
+            {"op": "start", "name": name, "argv": argv, "env": env, "cwd": cwd, "log": log_path, "mounts": mounts}
+        )
         reply = await self._wait(f"start:{name}", timeout)
         if reply["event"] != "started":
             raise StartError(reply.get("message", "start failed"))
@@ -115,9 +144,24 @@ class Sandbox:
         if pid is None:
             return 126, f"container {name} is not running"
         proc = await asyncio.create_subprocess_exec(
-            "nsenter", "-t", str(pid), "-m", "-u", "-i", "-p", *([] if self.host_network else ["-n"]), "-r", "-w",
-            "--", *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+            "nsenter",
+            "-t",
+            str(pid),
+            "-m",
+            "-u",
+            "-i",
+            "-p",
+            *([] if self.host_network else ["-n"]),
+            "-r",
+            "-w",
+            "--",
+            *argv,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), timeout)
         except asyncio.TimeoutError:

@@ -42,8 +42,11 @@ def pod_phase(*, init_failed: bool, initialized: bool, containers: list[dict], d
 def _condition(old: dict[str, dict], kind: str, ok: bool, now: str, reason: str = "") -> dict[str, Any]:
     status = "True" if ok else "False"
     previous = old.get(kind)
-    since = previous["lastTransitionTime"] if previous and previous.get("status") == status and \
-        previous.get("lastTransitionTime") else now
+    since = (
+        previous["lastTransitionTime"]
+        if previous and previous.get("status") == status and previous.get("lastTransitionTime")
+        else now
+    )
     cond: dict[str, Any] = {"type": kind, "status": status, "lastTransitionTime": since}
     if reason and not ok:
         cond["reason"] = reason
@@ -63,8 +66,13 @@ def build_status(pod: dict, facts: PodFacts, now: str) -> dict[str, Any]:
         _condition(old, "PodReadyToStartContainers", facts.sandbox_ready and not terminal, now),
         _condition(old, "Initialized", facts.initialized, now, "ContainersNotInitialized"),
         _condition(old, "ContainersReady", containers_ready, now, not_ready_reason),
-        _condition(old, "Ready", containers_ready and gates_ok,
-                   now, not_ready_reason if not containers_ready else "ReadinessGatesNotReady"),
+        _condition(
+            old,
+            "Ready",
+            containers_ready and gates_ok,
+            now,
+            not_ready_reason if not containers_ready else "ReadinessGatesNotReady",
+        ),
         old.get("PodScheduled") or _condition(old, "PodScheduled", True, now),
     ]
     conditions += [c for kind, c in old.items() if kind not in OWN_CONDITIONS]

@@ -45,8 +45,9 @@ def _write_file(root: Path, rel: str, data: bytes, mode: int | None) -> None:
     target.chmod(mode if mode is not None else 0o644)
 
 
-async def _key_files(cache: ObjectCache, kind: str, name: str, items: list | None, optional: bool,
-                     root: Path, default_mode: int | None) -> None:
+async def _key_files(
+    cache: ObjectCache, kind: str, name: str, items: list | None, optional: bool, root: Path, default_mode: int | None
+) -> None:
     obj = await cache.get(kind, name)
     label = "configmap" if kind == "configmaps" else "secret"
     if obj is None:
@@ -71,8 +72,16 @@ async def _key_files(cache: ObjectCache, kind: str, name: str, items: list | Non
             _write_file(root, key, value, default_mode)
 
 
-def _downward_files(pod: dict, container_by_name: dict[str, dict], items: list, root: Path, default_mode: int | None,
-                    pod_ip: str, host_ip: str, allocatable: dict[str, str]) -> None:
+def _downward_files(
+    pod: dict,
+    container_by_name: dict[str, dict],
+    items: list,
+    root: Path,
+    default_mode: int | None,
+    pod_ip: str,
+    host_ip: str,
+    allocatable: dict[str, str],
+) -> None:
     for item in items:
         try:
             if "fieldRef" in item:
@@ -88,20 +97,27 @@ def _downward_files(pod: dict, container_by_name: dict[str, dict], items: list, 
 async def _token(kube: Kube, pod: dict, source: dict) -> bytes:
     meta = pod["metadata"]
     sa = pod["spec"].get("serviceAccountName") or "default"
-    body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {
-        "audiences": [source["audience"]] if source.get("audience") else [],
-        "expirationSeconds": int(source.get("expirationSeconds", 3600)),
-        "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"]}}}
+    body = {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenRequest",
+        "spec": {
+            "audiences": [source["audience"]] if source.get("audience") else [],
+            "expirationSeconds": int(source.get("expirationSeconds", 3600)),
+            "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"]},
+        },
+    }
     try:
-        out = await kube.request("POST", f"/api/v1/namespaces/{meta['namespace']}/serviceaccounts/{sa}/token",
-                                 body=body)
+        out = await kube.request(
+            "POST", f"/api/v1/namespaces/{meta['namespace']}/serviceaccounts/{sa}/token", body=body
+        )
     except Exception as e:  # noqa: BLE001 - any failure means: not yet
         raise VolumeError(f"service account token for {sa}: {e}") from e
     return out["status"]["token"].encode()
 
 
-async def prepare_volumes(kube: Kube, cache: ObjectCache, pod: dict, pod_dir: Path, *, pod_ip: str, host_ip: str,
-                          allocatable: dict[str, str]) -> dict[str, Volume]:
+async def prepare_volumes(
+    kube: Kube, cache: ObjectCache, pod: dict, pod_dir: Path, *, pod_ip: str, host_ip: str, allocatable: dict[str, str]
+) -> dict[str, Volume]:
     volumes: dict[str, Volume] = {}
     containers = {c["name"]: c for c in [*(pod["spec"].get("initContainers") or []), *pod["spec"]["containers"]]}
     for vol in pod["spec"].get("volumes") or []:
@@ -127,12 +143,20 @@ async def prepare_volumes(kube: Kube, cache: ObjectCache, pod: dict, pod_dir: Pa
         if "configMap" in vol or "secret" in vol:
             kind = "configmaps" if "configMap" in vol else "secrets"
             spec = vol.get("configMap") or vol.get("secret")
-            await _key_files(cache, kind, spec.get("name") or spec.get("secretName", ""), spec.get("items"),
-                             bool(spec.get("optional")), root, spec.get("defaultMode"))
+            await _key_files(
+                cache,
+                kind,
+                spec.get("name") or spec.get("secretName", ""),
+                spec.get("items"),
+                bool(spec.get("optional")),
+                root,
+                spec.get("defaultMode"),
+            )
         elif "downwardAPI" in vol:
             spec = vol["downwardAPI"]
-            _downward_files(pod, containers, spec.get("items") or [], root, spec.get("defaultMode"), pod_ip,
-                            host_ip, allocatable)
+            _downward_files(
+                pod, containers, spec.get("items") or [], root, spec.get("defaultMode"), pod_ip, host_ip, allocatable
+            )
         elif "projected" in vol:
             spec = vol["projected"]
             mode = spec.get("defaultMode")
@@ -145,15 +169,26 @@ async def prepare_volumes(kube: Kube, cache: ObjectCache, pod: dict, pod_dir: Pa
                     s = source.get("configMap") or source.get("secret")
                     await _key_files(cache, kind, s["name"], s.get("items"), bool(s.get("optional")), root, mode)
                 elif "downwardAPI" in source:
-                    _downward_files(pod, containers, source["downwardAPI"].get("items") or [], root, mode, pod_ip,
-                                    host_ip, allocatable)
+                    _downward_files(
+                        pod,
+                        containers,
+                        source["downwardAPI"].get("items") or [],
+                        root,
+                        mode,
+                        pod_ip,
+                        host_ip,
+                        allocatable,
+                    )
                 else:
-                    raise VolumeError(f"volume {name}: projected source {sorted(source)} is not supported by the "
-                                      "pod runner")
+                    raise VolumeError(
+                        f"volume {name}: projected source {sorted(source)} is not supported by the pod runner"
+                    )
         else:
             kinds = sorted(k for k in vol if k != "name")
-            raise VolumeError(f"volume {name}: type {kinds} is not supported by the pod runner; use configMap, "
-                              "secret, emptyDir, hostPath, persistentVolumeClaim, downwardAPI or projected")
+            raise VolumeError(
+                f"volume {name}: type {kinds} is not supported by the pod runner; use configMap, "
+                "secret, emptyDir, hostPath, persistentVolumeClaim, downwardAPI or projected"
+            )
         volumes[name] = Volume(name, str(root), read_only=True)
     return volumes
 
@@ -165,8 +200,13 @@ def _host_path(spec: dict) -> str:
     elif kind == "FileOrCreate":
         os.makedirs(os.path.dirname(path), exist_ok=True)
         open(path, "a").close()
-    checks = {"Directory": os.path.isdir, "File": os.path.isfile, "Socket": os.path.exists,
-              "CharDevice": os.path.exists, "BlockDevice": os.path.exists}
+    checks = {
+        "Directory": os.path.isdir,
+        "File": os.path.isfile,
+        "Socket": os.path.exists,
+        "CharDevice": os.path.exists,
+        "BlockDevice": os.path.exists,
+    }
     if kind in checks and not checks[kind](path):
         raise VolumeError(f"hostPath type check failed: {path} is not a {kind}")
     return path
@@ -203,6 +243,7 @@ def container_mounts(container: dict, volumes: dict[str, Volume], env: dict[str,
             source = os.path.join(vol.path, sub)
             if not vol.memory and not os.path.lexists(source) and not vol.read_only:
                 os.makedirs(source, exist_ok=True)
-        mounts.append({"source": source, "target": vm["mountPath"],
-                       "readonly": bool(vm.get("readOnly")) or vol.read_only})
+        mounts.append(
+            {"source": source, "target": vm["mountPath"], "readonly": bool(vm.get("readOnly")) or vol.read_only}
+        )
     return mounts

@@ -98,9 +98,7 @@ def _convert(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[str,
     if "enum" in out:
         out.setdefault("type", "string")
     untyped = "type" not in out
-    if untyped and not (
-        out.get("x-kubernetes-int-or-string") or out.get("x-kubernetes-preserve-unknown-fields")
-    ):
+    if untyped and not (out.get("x-kubernetes-int-or-string") or out.get("x-kubernetes-preserve-unknown-fields")):
         raise SchemaError(f"{path}: the schema has no type; give the field a concrete type")
     if "description" in out:
         out["description"] = _with_bounds(out["description"], out)
@@ -244,9 +242,7 @@ def check(out: Path) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m omni_operator.crdgen", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m omni_operator.crdgen", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("crds"), help="folder of the CRD files (crds/)")
     parser.add_argument("--check", action="store_true", help="exit 1 when the files differ from the models")
     args = parser.parse_args(argv)

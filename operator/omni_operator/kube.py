@@ -75,8 +75,13 @@ class KubeClient:
     # -- paths --
 
     @staticmethod
-    def path(api_version: str, kind: str, namespace: str | None = None, name: str | None = None,
-             subresource: str | None = None) -> str:
+    def path(
+        api_version: str,
+        kind: str,
+        namespace: str | None = None,
+        name: str | None = None,
+        subresource: str | None = None,
+    ) -> str:
         try:
             plural, namespaced = RESOURCES[(api_version, kind)]
         except KeyError:
@@ -91,13 +96,24 @@ class KubeClient:
             base += f"/{subresource}"
         return base
 
-    async def _call(self, method: str, path: str, *, query: list[tuple[str, str]] | None = None,
-                    body: Any = None, content_type: str = "application/json") -> dict[str, Any]:
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: list[tuple[str, str]] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
         try:
             response = await self.api.call_api(
-                path, method, query_params=query or [],
+                path,
+                method,
+                query_params=query or [],
                 header_params={"Accept": "application/json", "Content-Type": content_type},
-                body=body, auth_settings=["BearerToken"], _preload_content=False,
+                body=body,
+                auth_settings=["BearerToken"],
+                _preload_content=False,
             )
             data = await response.read()
         except ApiException as exc:
@@ -110,8 +126,7 @@ class KubeClient:
 
     # -- verbs --
 
-    async def get(self, api_version: str, kind: str, name: str, namespace: str | None = None
-                  ) -> dict[str, Any] | None:
+    async def get(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
         """The object, or None when it does not exist."""
         try:
             return await self._call("GET", self.path(api_version, kind, namespace, name))
@@ -120,8 +135,14 @@ class KubeClient:
                 return None
             raise
 
-    async def list(self, api_version: str, kind: str, namespace: str | None = None,
-                   label_selector: str | None = None, field_selector: str | None = None) -> list[dict[str, Any]]:
+    async def list(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+    ) -> list[dict[str, Any]]:
         query = []
         if label_selector:
             query.append(("labelSelector", label_selector))
@@ -139,14 +160,26 @@ class KubeClient:
         meta = obj["metadata"]
         path = self.path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"], subresource)
         query = [("fieldManager", self.field_manager), ("force", "true")]
-        return await self._call("PATCH", path, query=query, body=obj,
-                                content_type="application/apply-patch+yaml")
+        return await self._call("PATCH", path, query=query, body=obj, content_type="application/apply-patch+yaml")
 
-    async def merge_patch(self, api_version: str, kind: str, name: str, namespace: str | None,
-                          patch: dict[str, Any], *, subresource: str | None = None) -> dict[str, Any]:
+    async def merge_patch(
+        self,
+        api_version: str,
+        kind: str,
+        name: str,
+        namespace: str | None,
+        patch: dict[str, Any],
+        *,
+        subresource: str | None = None,
+    ) -> dict[str, Any]:
         path = self.path(api_version, kind, namespace, name, subresource)
-        return await self._call("PATCH", path, body=patch, content_type="application/merge-patch+json",
-                                query=[("fieldManager", self.field_manager)])
+        return await self._call(
+            "PATCH",
+            path,
+            body=patch,
+            content_type="application/merge-patch+json",
+            query=[("fieldManager", self.field_manager)],
+        )
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         meta = obj["metadata"]
@@ -156,8 +189,9 @@ class KubeClient:
     async def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
         """Delete in the background (dependents are garbage-collected); False when already gone."""
         try:
-            await self._call("DELETE", self.path(api_version, kind, namespace, name),
-                             body={"propagationPolicy": "Background"})
+            await self._call(
+                "DELETE", self.path(api_version, kind, namespace, name), body={"propagationPolicy": "Background"}
+            )
         except KubeError as exc:
             if exc.status == 404:
                 return False

@@ -36,9 +36,18 @@ def _parse(s: str) -> dt.datetime:
 class LeaderElector:
     """Runs `on_started` when this replica becomes leader and `on_stopped` when it stops being one."""
 
-    def __init__(self, kube: KubeClient, *, namespace: str, name: str, identity: str,
-                 on_started: Callable[[], Awaitable[None]], on_stopped: Callable[[], Awaitable[None]],
-                 duration: float = 15.0, renew_every: float = 5.0) -> None:
+    def __init__(
+        self,
+        kube: KubeClient,
+        *,
+        namespace: str,
+        name: str,
+        identity: str,
+        on_started: Callable[[], Awaitable[None]],
+        on_stopped: Callable[[], Awaitable[None]],
+        duration: float = 15.0,
+        renew_every: float = 5.0,
+    ) -> None:
         self.kube, self.namespace, self.name, self.identity = kube, namespace, name, identity
         self.on_started, self.on_stopped = on_started, on_stopped
         self.duration, self.renew_every = duration, renew_every
@@ -74,18 +83,23 @@ class LeaderElector:
     async def _try_acquire_or_renew(self) -> bool:
         now = _now()
         lease = await self.kube.get(LEASE_API, "Lease", self.name, self.namespace)
-        spec = {"holderIdentity": self.identity, "leaseDurationSeconds": int(self.duration),
-                "renewTime": _fmt(now)}
+        spec = {"holderIdentity": self.identity, "leaseDurationSeconds": int(self.duration), "renewTime": _fmt(now)}
         if lease is None:
-            await self.kube.create({"apiVersion": LEASE_API, "kind": "Lease",
-                                    "metadata": {"name": self.name, "namespace": self.namespace},
-                                    "spec": {**spec, "acquireTime": _fmt(now), "leaseTransitions": 0}})
+            await self.kube.create(
+                {
+                    "apiVersion": LEASE_API,
+                    "kind": "Lease",
+                    "metadata": {"name": self.name, "namespace": self.namespace},
+                    "spec": {**spec, "acquireTime": _fmt(now), "leaseTransitions": 0},
+                }
+            )
             return True
         current = lease.get("spec", {})
         holder = current.get("holderIdentity")
         renewed = current.get("renewTime")
         expired = not renewed or (now - _parse(renewed)).total_seconds() > current.get(
-            "leaseDurationSeconds", self.duration)
+            "leaseDurationSeconds", self.duration
+        )
         if holder not in (self.identity, None, "") and not expired:
             return False
         if holder != self.identity:
@@ -104,7 +118,8 @@ class LeaderElector:
         try:
             lease = await self.kube.get(LEASE_API, "Lease", self.name, self.namespace)
             if lease and lease.get("spec", {}).get("holderIdentity") == self.identity:
-                await self.kube.merge_patch(LEASE_API, "Lease", self.name, self.namespace,
-                                            {"spec": {"holderIdentity": "", "renewTime": None}})
+                await self.kube.merge_patch(
+                    LEASE_API, "Lease", self.name, self.namespace, {"spec": {"holderIdentity": "", "renewTime": None}}
+                )
         except (KubeError, OSError) as exc:
             log.warning("could not release lease: %s", exc)

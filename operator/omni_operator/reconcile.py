@@ -35,6 +35,7 @@ __all__ = ["Context", "TemporaryError", "reconcile_pipeline", "reconcile_stage"]
 
 log = logging.getLogger(__name__)
 
+
 class TemporaryError(RuntimeError):
     """The world is not ready yet (a Secret is missing, an owner not found): retry with backoff."""
 
@@ -49,16 +50,23 @@ class Context:
     writes: int = 0
 
 
-async def _ensure(ctx: Context, desired: dict[str, Any], *, live: dict[str, Any] | None = None,
-                  fetched: bool = False, generation_seen: int | None = None) -> dict[str, Any]:
+async def _ensure(
+    ctx: Context,
+    desired: dict[str, Any],
+    *,
+    live: dict[str, Any] | None = None,
+    fetched: bool = False,
+    generation_seen: int | None = None,
+) -> dict[str, Any]:
     """Apply `desired` unless the live object already carries its hash (and, when `generation_seen` is
     given, still has the generation we last wrote: someone else's edit changes it and is undone)."""
     meta = desired["metadata"]
     if not fetched:
         live = await ctx.kube.get(desired["apiVersion"], desired["kind"], meta["name"], meta.get("namespace"))
     if live is not None:
-        same_hash = (live["metadata"].get("annotations") or {}).get(HASH_ANNOTATION) == \
-            meta["annotations"][HASH_ANNOTATION]
+        same_hash = (live["metadata"].get("annotations") or {}).get(HASH_ANNOTATION) == meta["annotations"][
+            HASH_ANNOTATION
+        ]
         untouched = generation_seen is None or live["metadata"].get("generation") == generation_seen
         if same_hash and untouched:
             return live
@@ -73,8 +81,9 @@ async def _write_status(ctx: Context, obj: dict[str, Any], status: dict[str, Any
         return False
     ctx.writes += 1
     meta = obj["metadata"]
-    await ctx.kube.merge_patch(obj["apiVersion"], obj["kind"], meta["name"], meta["namespace"],
-                               {"status": status}, subresource="status")
+    await ctx.kube.merge_patch(
+        obj["apiVersion"], obj["kind"], meta["name"], meta["namespace"], {"status": status}, subresource="status"
+    )
     return True
 
 
@@ -105,15 +114,28 @@ async def _event(ctx: Context, obj: dict[str, Any], type_: str, reason: str, mes
     ctx.writes += 1
     now = now_rfc3339()
     try:
-        await ctx.kube.create({
-            "apiVersion": "v1", "kind": "Event",
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-            "involvedObject": {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "name": meta["name"],
-                               "namespace": meta["namespace"], "uid": meta["uid"]},
-            "type": type_, "reason": reason, "message": message[:1024],
-            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-            "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER,
-        })
+        await ctx.kube.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+                "involvedObject": {
+                    "apiVersion": obj["apiVersion"],
+                    "kind": obj["kind"],
+                    "name": meta["name"],
+                    "namespace": meta["namespace"],
+                    "uid": meta["uid"],
+                },
+                "type": type_,
+                "reason": reason,
+                "message": message[:1024],
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "count": 1,
+                "source": {"component": FIELD_MANAGER},
+                "reportingComponent": FIELD_MANAGER,
+            }
+        )
     except Exception as exc:  # an Event is best effort; never fail a reconcile on it
         log.warning("could not post event %s on %s: %s", reason, meta["name"], exc)
 
@@ -134,18 +156,24 @@ def _spec_problem(exc: Exception) -> Condition:
 
 
 async def _secret_problem(ctx: Context, pipeline: OmniPipeline, namespace: str) -> Condition | None:
-    refs = [("runtime.hfTokenSecret", pipeline.spec.runtime.hf_token_secret),
-            ("router.apiKeySecret", pipeline.spec.router.api_key_secret)]
+    refs = [
+        ("runtime.hfTokenSecret", pipeline.spec.runtime.hf_token_secret),
+        ("router.apiKeySecret", pipeline.spec.router.api_key_secret),
+    ]
     for field_name, ref in refs:
         if ref is None:
             continue
         secret = await ctx.kube.get("v1", "Secret", ref.name, namespace)
         if secret is None or ref.key not in (secret.get("data") or {}) | (secret.get("stringData") or {}):
             what = "not found" if secret is None else f"has no key {ref.key!r}"
-            return Condition("Degraded", "True", "SecretMissing",
-                             f"{field_name}: Secret {ref.name!r} {what} in namespace {namespace}; create it "
-                             f"(kubectl create secret generic {ref.name} --from-literal={ref.key}=...) "
-                             f"or remove {field_name}")
+            return Condition(
+                "Degraded",
+                "True",
+                "SecretMissing",
+                f"{field_name}: Secret {ref.name!r} {what} in namespace {namespace}; create it "
+                f"(kubectl create secret generic {ref.name} --from-literal={ref.key}=...) "
+                f"or remove {field_name}",
+            )
     return None
 
 
@@ -172,12 +200,14 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> None:
         for desired in build_omnistages(live, pipeline, resolved):
             stages.append(await _ensure_omnistage(ctx, desired))
         wanted = {s["metadata"]["name"] for s in stages}
-        for existing in await ctx.kube.list(API_VERSION, "OmniStage", namespace,
-                                            label_selector=f"{LABEL_PIPELINE}={name},{LABEL_COMPONENT}=stage"):
+        for existing in await ctx.kube.list(
+            API_VERSION, "OmniStage", namespace, label_selector=f"{LABEL_PIPELINE}={name},{LABEL_COMPONENT}=stage"
+        ):
             if existing["metadata"]["name"] not in wanted and _owned_by(existing, live):
                 ctx.writes += 1
-                log.info("deleting OmniStage %s/%s: its stage left the topology", namespace,
-                         existing["metadata"]["name"])
+                log.info(
+                    "deleting OmniStage %s/%s: its stage left the topology", namespace, existing["metadata"]["name"]
+                )
                 await ctx.kube.delete(API_VERSION, "OmniStage", existing["metadata"]["name"], namespace)
         router = None
         seen = (live.get("status") or {}).get("routerGeneration")
@@ -199,8 +229,9 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> None:
         status["endpoint"] = router_endpoint(pipeline, namespace)
     else:
         # Report what exists without touching it.
-        observation.stages = await ctx.kube.list(API_VERSION, "OmniStage", namespace,
-                                                 label_selector=f"{LABEL_PIPELINE}={name}")
+        observation.stages = await ctx.kube.list(
+            API_VERSION, "OmniStage", namespace, label_selector=f"{LABEL_PIPELINE}={name}"
+        )
         observation.router = await ctx.kube.get("apps/v1", "Deployment", router_name(name), namespace)
         old = (live.get("status") or {}).get("topology") or {}
         observation.stage_names = old.get("stages", [])
@@ -226,8 +257,14 @@ async def _ensure_omnistage(ctx: Context, desired: dict[str, Any]) -> dict[str, 
     result = await _ensure(ctx, desired, live=live, fetched=True)
     if live is None or (not autoscaled and result["spec"].get("replicas") != replicas):
         ctx.writes += 1
-        await ctx.kube.merge_patch(API_VERSION, "OmniStage", meta["name"], meta["namespace"],
-                                   {"spec": {"replicas": replicas}}, subresource="scale")
+        await ctx.kube.merge_patch(
+            API_VERSION,
+            "OmniStage",
+            meta["name"],
+            meta["namespace"],
+            {"spec": {"replicas": replicas}},
+            subresource="scale",
+        )
         # Read it back: its generation moved on, so its status is stale until the stage reconciles,
         # and the pipeline must not call it ready meanwhile.
         result = await ctx.kube.get(API_VERSION, "OmniStage", meta["name"], meta["namespace"]) or result
@@ -255,4 +292,3 @@ async def reconcile_stage(ctx: Context, namespace: str, name: str) -> None:
     }
     if await _write_status(ctx, live, status):
         await _post_events(ctx, live, flipped)
-

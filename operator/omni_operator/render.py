@@ -57,8 +57,13 @@ class RenderError(ValueError):
     """The manifest cannot be rendered; the message lists every problem with its field."""
 
 
-def render_pipeline(manifest: dict[str, Any], registry: PipelineRegistry, *, owner_references: bool = True,
-                    model_root: Path | None = None) -> list[dict[str, Any]]:
+def render_pipeline(
+    manifest: dict[str, Any],
+    registry: PipelineRegistry,
+    *,
+    owner_references: bool = True,
+    model_root: Path | None = None,
+) -> list[dict[str, Any]]:
     """The ConfigMap, OmniStages, their Deployments and Services, and the router objects."""
     owner = {**manifest, "metadata": {"namespace": "default", **manifest.get("metadata", {})}}
     owner["metadata"].setdefault("uid", PLACEHOLDER_UID)

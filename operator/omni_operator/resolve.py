@@ -25,8 +25,14 @@ from omni_runtime.spec import (
     StageDiscovery,
 )
 
-__all__ = ["DEFAULT_MOUNT", "group_members", "resolve_cluster_pipeline", "stage_ports", "model_path_in_pod",
-           "uses_mooncake"]
+__all__ = [
+    "DEFAULT_MOUNT",
+    "group_members",
+    "resolve_cluster_pipeline",
+    "stage_ports",
+    "model_path_in_pod",
+    "uses_mooncake",
+]
 
 DEFAULT_MOUNT = "/models"
 PORT_STRIDE = 10

@@ -116,8 +116,14 @@ async def run_operator(config: OperatorConfig) -> None:
     memo = kopf.Memo(queue=queue, ctx=ctx, elector=None, election_task=None)
     tasks = []
     if config.leader_election:
-        memo.elector = LeaderElector(kube, namespace=config.lease_namespace, name=config.lease_name,
-                                     identity=config.identity, on_started=started, on_stopped=stopped)
+        memo.elector = LeaderElector(
+            kube,
+            namespace=config.lease_namespace,
+            name=config.lease_name,
+            identity=config.identity,
+            on_started=started,
+            on_stopped=stopped,
+        )
         memo.election_task = asyncio.create_task(memo.elector.run(), name="leader-election")
         tasks.append(memo.election_task)
     else:

@@ -18,8 +18,14 @@ log = logging.getLogger(__name__)
 class WorkQueue:
     """Deduplicating, per-key serial, rate-limited queue feeding `workers` coroutines."""
 
-    def __init__(self, handler: Callable[[Hashable], Awaitable[None]], *, workers: int = 8,
-                 base_delay: float = 0.5, max_delay: float = 60.0) -> None:
+    def __init__(
+        self,
+        handler: Callable[[Hashable], Awaitable[None]],
+        *,
+        workers: int = 8,
+        base_delay: float = 0.5,
+        max_delay: float = 60.0,
+    ) -> None:
         self._handler = handler
         self._workers = workers
         self._base_delay = base_delay
@@ -52,8 +58,7 @@ class WorkQueue:
         self._delayed[key] = loop.call_later(delay, fire)
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._work(), name=f"reconcile-worker-{i}")
-                       for i in range(self._workers)]
+        self._tasks = [asyncio.create_task(self._work(), name=f"reconcile-worker-{i}") for i in range(self._workers)]
 
     async def stop(self) -> None:
         for handle in self._delayed.values():

@@ -110,6 +110,11 @@ class Stage:
         "omnikube_connector_transfer_seconds", "Time of connector put/get calls, by kind.",
         ["pipeline", "stage", "kind", "op"], buckets=_LATENCY, registry=REGISTRY,
     )  # fmt: skip
+    connector_unreleased = Gauge(
+        "omnikube_connector_payloads_unreleased", "Payloads this stage process put that are not released "
+        "yet (shm segments, mooncake p2p blocks), read when scraped.", ["pipeline", "stage", "kind"],
+        registry=REGISTRY,
+    )  # fmt: skip
 
 
 def render() -> tuple[bytes, str]:

@@ -86,9 +86,7 @@ def identity(upstream: StageSpec, outputs: dict[str, Payload], context: Processo
     return dict(_primary(upstream, outputs))
 
 
-def ar_text_to_prompt(
-    upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext
-) -> Payload:
+def ar_text_to_prompt(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> Payload:
     """Prompt enhancer -> text-to-image: `{"text"}` outputs -> `{"prompt", "negative_prompt"}`.
 
     The primary's text becomes `prompt`. The first companion of the upstream stage whose output
@@ -111,9 +109,7 @@ def ar_text_to_prompt(
     return {"prompt": prompt, "negative_prompt": negative}
 
 
-def thinker_to_talker(
-    upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext
-) -> Payload:
+def thinker_to_talker(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> Payload:
     """Thinker -> talker (Qwen-Omni).
 
     Expects `hidden_states` (T, H): the thinker's last-layer hidden states over prompt and generated
@@ -147,9 +143,7 @@ def thinker_to_talker(
     }
 
 
-def talker_to_code2wav(
-    upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext
-) -> Payload:
+def talker_to_code2wav(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> Payload:
     """Talker -> code-to-waveform: codec codes -> `{"input": LongTensor (Q, T)}`.
 
     Reads `codes` (T, Q) or (T,) when the talker gives a tensor, else `token_ids` (flat list: one
@@ -202,15 +196,10 @@ PROCESSORS: dict[str, Processor] = {
 """Implementations by name; the keys equal `INPUT_PROCESSORS`' (a test checks it)."""
 
 
-
-def apply_processor(
-    name: str, upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext
-) -> Payload:
+def apply_processor(name: str, upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> Payload:
     """Run the processor called `name`; unknown names raise ProcessorError listing the known ones."""
     try:
         processor = PROCESSORS[name]
     except KeyError:
-        raise ProcessorError(
-            f"input processor {name!r} is unknown; use one of {sorted(PROCESSORS)}"
-        ) from None
+        raise ProcessorError(f"input processor {name!r} is unknown; use one of {sorted(PROCESSORS)}") from None
     return processor(upstream, outputs, context)

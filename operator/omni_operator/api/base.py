@@ -88,9 +88,7 @@ def _check_quantity(value: Any) -> int | str:
         if not re.match(QUANTITY_PATTERN, value):
             raise ValueError(f"{value!r} is not a Kubernetes quantity; write it like 8Gi, 512Mi, 500m or 4")
         return value
-    raise ValueError(
-        f"{value!r} is not a Kubernetes quantity; use an integer or a string like 8Gi, 512Mi or 500m"
-    )
+    raise ValueError(f"{value!r} is not a Kubernetes quantity; use an integer or a string like 8Gi, 512Mi or 500m")
 
 
 Quantity = Annotated[

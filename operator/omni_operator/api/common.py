@@ -96,9 +96,7 @@ class ConditionStatus(str, Enum):
 class SecretKeyRef(KubeModel):
     """One key of a Secret in the object's namespace."""
 
-    name: str = Field(
-        min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Name of the Secret."
-    )
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Name of the Secret.")
     key: str = Field(
         min_length=1,
         max_length=253,
@@ -154,9 +152,7 @@ class ModelCache(KubeModel):
         description="Absolute path where the cache is mounted in every container; a model given as a "
         "relative path is looked up below it.",
     )
-    read_only: Bool = Field(
-        False, description="Mount the cache read-only (the runtime then never downloads into it)."
-    )
+    read_only: Bool = Field(False, description="Mount the cache read-only (the runtime then never downloads into it).")
 
     validation_rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
@@ -183,9 +179,7 @@ class ResourceRequirements(KubeModel):
 class Accelerator(KubeModel):
     """The accelerators each replica of a stage requests."""
 
-    type: AcceleratorType = Field(
-        description="Device resource each replica requests from its node; none runs on CPU."
-    )
+    type: AcceleratorType = Field(description="Device resource each replica requests from its node; none runs on CPU.")
     count: Int = Field(
         1,
         ge=0,
@@ -221,8 +215,7 @@ class Toleration(KubeModel):
     toleration_seconds: Int | None = Field(
         None,
         ge=0,
-        description="With effect NoExecute: seconds the pod stays bound after the taint appears; "
-        "unset means forever.",
+        description="With effect NoExecute: seconds the pod stays bound after the taint appears; unset means forever.",
     )
 
     validation_rules: ClassVar[tuple[Rule, ...]] = (
@@ -262,8 +255,7 @@ class Autoscaling(KubeModel):
     validation_rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
             cel="!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
-            message="autoscaling.minReplicas: must not exceed maxReplicas; lower minReplicas or raise "
-            "maxReplicas",
+            message="autoscaling.minReplicas: must not exceed maxReplicas; lower minReplicas or raise maxReplicas",
             check=lambda m: m.min_replicas <= m.max_replicas,
         ),
     )
@@ -272,16 +264,12 @@ class Autoscaling(KubeModel):
 class Condition(KubeModel):
     """One aspect of the object's state, as in metav1.Condition."""
 
-    type: str = Field(
-        min_length=1, max_length=316, description="Condition type: Ready, Progressing or Degraded."
-    )
+    type: str = Field(min_length=1, max_length=316, description="Condition type: Ready, Progressing or Degraded.")
     status: ConditionStatus = Field(description="Whether the condition holds.")
     reason: str = Field(
         "", max_length=1024, description="One CamelCase word a program can match (e.g. NoAcceleratorNode)."
     )
-    message: str = Field(
-        "", max_length=32768, description="What was observed and what to change, for a person."
-    )
+    message: str = Field("", max_length=32768, description="What was observed and what to change, for a person.")
     last_transition_time: str | None = Field(
         None,
         json_schema_extra={"format": "date-time"},
@@ -295,9 +283,7 @@ class Condition(KubeModel):
 class Placement(KubeModel):
     """Scheduling fields shared by a pipeline's stage entries and OmniStages (not a CRD field itself)."""
 
-    accelerator: Accelerator | None = Field(
-        None, description="Accelerators each replica requests; unset runs on CPU."
-    )
+    accelerator: Accelerator | None = Field(None, description="Accelerators each replica requests; unset runs on CPU.")
     node_selector: dict[str, str] = Field(
         default_factory=dict, description="Node labels a node must have to run the stage's pods."
     )

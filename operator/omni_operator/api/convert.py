@@ -68,15 +68,10 @@ def stage_overrides(stages: list[PipelineStage]) -> list[StageOverride]:
 
 def edge_overrides(connectors: ConnectorsConfig) -> list[EdgeOverride]:
     """One EdgeOverride per `connectors.edges` entry."""
-    return [
-        EdgeOverride(source=e.source, target=e.target, connector=e.kind, window=e.window)
-        for e in connectors.edges
-    ]
+    return [EdgeOverride(source=e.source, target=e.target, connector=e.kind, window=e.window) for e in connectors.edges]
 
 
-def connectors_spec(
-    connectors: ConnectorsConfig, base: ConnectorsSpec | None = None
-) -> ConnectorsSpec | None:
+def connectors_spec(connectors: ConnectorsConfig, base: ConnectorsSpec | None = None) -> ConnectorsSpec | None:
     """The pipeline-wide connector settings with the spec's fields laid over `base` (the topology's).
 
     None when the spec sets none of them, so the topology's own settings stand untouched.
@@ -92,6 +87,7 @@ def connectors_spec(
         merged["inline_max_bytes"] = quantity_bytes(connectors.inline_max_bytes)
     if mooncake is not None:
         given = {
+            "mode": mooncake.mode,
             "protocol": mooncake.protocol,
             "device_name": mooncake.device_name,
             "global_segment_size": _bytes_or_none(mooncake.global_segment_size),
@@ -124,9 +120,7 @@ def resolve_args(spec: OmniPipelineSpec, topology_connectors: ConnectorsSpec | N
     )
 
 
-def resolve(
-    pipeline: OmniPipeline, topology: PipelineSpec, *, model_path: str | None = None
-) -> ResolvedPipeline:
+def resolve(pipeline: OmniPipeline, topology: PipelineSpec, *, model_path: str | None = None) -> ResolvedPipeline:
     """Resolve `pipeline` against its registry `topology`.
 
     `model_path` is where the pods find the model (default: spec.model as written). Raises

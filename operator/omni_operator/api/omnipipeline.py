@@ -43,7 +43,7 @@ from omni_operator.api.common import (
     env_field,
     unique_env_rule,
 )
-from omni_runtime.spec import ROUTER_PORT, ConnectorKind, MooncakeProtocol, RouterLimits
+from omni_runtime.spec import ROUTER_PORT, ConnectorKind, MooncakeMode, MooncakeProtocol, RouterLimits
 
 __all__ = [
     "ConnectorEdge",
@@ -83,8 +83,7 @@ class RuntimeSpec(KubeModel):
         DEFAULT_IMAGE,
         min_length=1,
         max_length=512,
-        description="Runtime image of the router and stage pods (use the NPU or ROCm variant for those "
-        "accelerators).",
+        description="Runtime image of the router and stage pods (use the NPU or ROCm variant for those accelerators).",
     )
     image_pull_policy: ImagePullPolicy = Field(
         ImagePullPolicy.IF_NOT_PRESENT, description="When the kubelet pulls the image."
@@ -164,8 +163,7 @@ class RouterSpec(KubeModel):
     service: RouterService = Field(default_factory=RouterService, description="The Service clients call.")
     api_key_secret: SecretKeyRef | None = Field(
         None,
-        description="Secret key holding the API key clients must send as a Bearer token; unset "
-        "accepts every request.",
+        description="Secret key holding the API key clients must send as a Bearer token; unset accepts every request.",
     )
     limits: RouterLimitsConfig = Field(
         default_factory=RouterLimitsConfig, description="Concurrency, queue, timeout and body limits."
@@ -183,9 +181,14 @@ class RouterSpec(KubeModel):
 
 
 class MooncakeConfig(KubeModel):
-    """Mooncake Store settings, used by edges whose connector is mooncake; unset fields keep the
+    """Mooncake settings, used by edges whose connector is mooncake; unset fields keep the
     pipeline topology's values."""
 
+    mode: MooncakeMode | None = Field(
+        None,
+        description="p2p (default): the consumer stage reads the producer's memory with the transfer "
+        "engine, one transfer per payload; store: payloads are Mooncake Store objects placed by the master.",
+    )
     protocol: MooncakeProtocol | None = Field(
         None, description="Transport between pods (rdma needs RDMA devices on the nodes)."
     )
@@ -195,10 +198,12 @@ class MooncakeConfig(KubeModel):
         description="RDMA device names, comma-separated (e.g. mlx5_0); leave empty for tcp.",
     )
     global_segment_size: Quantity | None = Field(
-        None, description="Memory each stage contributes to the store (at least 16Mi), e.g. 4Gi."
+        None,
+        description="Memory each stage offers for payloads (at least 16Mi), e.g. 4Gi: its store segment "
+        "(store), or the most bytes of unreleased payloads it holds (p2p).",
     )
     local_buffer_size: Quantity | None = Field(
-        None, description="Memory of each stage's local transfer buffer (at least 16Mi), e.g. 512Mi."
+        None, description="Memory of each stage's local transfer buffer in mode store (at least 16Mi), e.g. 512Mi."
     )
 
     @field_validator("global_segment_size", "local_buffer_size")
@@ -268,12 +273,9 @@ class PipelineStage(Placement):
     """How one stage of the topology is deployed; stages not listed run with the defaults."""
 
     name: StageName = Field(
-        description="Stage name from the pipeline topology (RFC 1123 label: lowercase letters, digits "
-        "and '-')."
+        description="Stage name from the pipeline topology (RFC 1123 label: lowercase letters, digits and '-')."
     )
-    replicas: Int = Field(
-        1, ge=0, description="Pods of this stage; ignored with colocateWith or autoscaling."
-    )
+    replicas: Int = Field(1, ge=0, description="Pods of this stage; ignored with colocateWith or autoscaling.")
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Engine arguments merged over the topology's (vLLM engine args for ar stages, "
@@ -357,9 +359,7 @@ class OmniPipelineSpec(KubeModel):
         names = [s.name for s in stages]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
-            raise ValueError(
-                f"stages: stage names must be unique; merge the entries that share a name ({repeated})"
-            )
+            raise ValueError(f"stages: stage names must be unique; merge the entries that share a name ({repeated})")
         return stages
 
 
@@ -387,9 +387,7 @@ class OmniPipelineStatus(KubeModel):
 
     model_config = ConfigDict(extra="ignore")  # tolerate fields a newer operator writes
 
-    observed_generation: Int | None = Field(
-        None, ge=0, description="metadata.generation this status describes."
-    )
+    observed_generation: Int | None = Field(None, ge=0, description="metadata.generation this status describes.")
     conditions: list[Condition] = Field(
         default_factory=list,
         json_schema_extra=list_map("type"),

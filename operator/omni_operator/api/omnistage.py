@@ -83,9 +83,7 @@ class OmniStageSpec(Placement):
     )
     model_cache: ModelCache | None = Field(None, description="Volume holding model weights.")
     env: list[EnvVar] = env_field()
-    hf_token_secret: SecretKeyRef | None = Field(
-        None, description="Secret key exposed to the stage as HF_TOKEN."
-    )
+    hf_token_secret: SecretKeyRef | None = Field(None, description="Secret key exposed to the stage as HF_TOKEN.")
 
     validation_rules: ClassVar[tuple[Rule, ...]] = (
         unique_env_rule(),
@@ -102,9 +100,7 @@ class OmniStageStatus(KubeModel):
 
     model_config = ConfigDict(extra="ignore")  # tolerate fields a newer operator writes
 
-    observed_generation: Int | None = Field(
-        None, ge=0, description="metadata.generation this status describes."
-    )
+    observed_generation: Int | None = Field(None, ge=0, description="metadata.generation this status describes.")
     replicas: Int = Field(0, ge=0, description="Pods that exist (the /scale subresource reports it).")
     ready_replicas: Int = Field(0, ge=0, description="Pods ready to serve.")
     selector: str = Field("", description="Label selector of the stage's pods, for /scale and HPA.")

@@ -15,8 +15,15 @@ from omni_operator.builders.meta import (
 from omni_operator.resolve import group_members, uses_mooncake
 from omni_runtime.spec import ResolvedPipeline
 
-__all__ = ["CONFIG_KEY", "CONFIG_HASH_ANNOTATION", "build_pipeline_configmap", "build_omnistages",
-           "configmap_name", "omnistage_name", "router_name"]
+__all__ = [
+    "CONFIG_KEY",
+    "CONFIG_HASH_ANNOTATION",
+    "build_pipeline_configmap",
+    "build_omnistages",
+    "configmap_name",
+    "omnistage_name",
+    "router_name",
+]
 
 CONFIG_KEY = "resolved.json"
 CONFIG_HASH_ANNOTATION = "omnikube.io/config-hash"
@@ -38,17 +45,19 @@ def router_name(pipeline: str) -> str:
 def build_pipeline_configmap(owner: dict[str, Any], resolved: ResolvedPipeline) -> dict[str, Any]:
     """The resolved pipeline as JSON, read by the router and every stage server."""
     name = owner["metadata"]["name"]
-    return with_hash({
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {
-            "name": configmap_name(name),
-            "namespace": owner["metadata"]["namespace"],
-            "labels": labels(name, "config"),
-            "ownerReferences": [owner_reference(owner)],
-        },
-        "data": {CONFIG_KEY: resolved.model_dump_json(by_alias=True, indent=2)},
-    })
+    return with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": configmap_name(name),
+                "namespace": owner["metadata"]["namespace"],
+                "labels": labels(name, "config"),
+                "ownerReferences": [owner_reference(owner)],
+            },
+            "data": {CONFIG_KEY: resolved.model_dump_json(by_alias=True, indent=2)},
+        }
+    )
 
 
 def _stage_overrides(pipeline: OmniPipeline) -> dict[str, PipelineStage]:
@@ -58,18 +67,22 @@ def _stage_overrides(pipeline: OmniPipeline) -> dict[str, PipelineStage]:
 def group_config_hash(resolved: ResolvedPipeline, members: list[str]) -> str:
     """What the pods of a group read from the config: their stages, the edges touching them, connectors."""
     topo = resolved.topology
-    return content_hash({
-        "stages": [topo.stage(m).model_dump(mode="json") for m in members],
-        "edges": [e.model_dump(mode="json", by_alias=True) for e in topo.edges
-                  if e.source in members or e.target in members],
-        "connectors": topo.connectors.model_dump(mode="json"),
-        "colocation": {m: resolved.stage_group(m) for m in members},
-        "model": resolved.model,
-    })
+    return content_hash(
+        {
+            "stages": [topo.stage(m).model_dump(mode="json") for m in members],
+            "edges": [
+                e.model_dump(mode="json", by_alias=True)
+                for e in topo.edges
+                if e.source in members or e.target in members
+            ],
+            "connectors": topo.connectors.model_dump(mode="json"),
+            "colocation": {m: resolved.stage_group(m) for m in members},
+            "model": resolved.model,
+        }
+    )
 
 
-def build_omnistages(owner: dict[str, Any], pipeline: OmniPipeline, resolved: ResolvedPipeline
-                     ) -> list[dict[str, Any]]:
+def build_omnistages(owner: dict[str, Any], pipeline: OmniPipeline, resolved: ResolvedPipeline) -> list[dict[str, Any]]:
     """One OmniStage per pod group (a stage and those colocated with it), fully resolved."""
     name = owner["metadata"]["name"]
     namespace = owner["metadata"]["namespace"]
@@ -103,8 +116,10 @@ def build_omnistages(owner: dict[str, Any], pipeline: OmniPipeline, resolved: Re
             # The Mooncake master runs beside the router; stages reach it through the router Service.
             mc = resolved.topology.connectors.mooncake
             host = f"{router_name(name)}.{namespace}.svc"
-            env += [{"name": "OMNIKUBE_MOONCAKE_MASTER", "value": f"{host}:{mc.master_port}"},
-                    {"name": "OMNIKUBE_MOONCAKE_METADATA", "value": f"http://{host}:{mc.metadata_port}/metadata"}]
+            env += [
+                {"name": "OMNIKUBE_MOONCAKE_MASTER", "value": f"{host}:{mc.master_port}"},
+                {"name": "OMNIKUBE_MOONCAKE_METADATA", "value": f"http://{host}:{mc.metadata_port}/metadata"},
+            ]
         if env:
             spec["env"] = env
         if runtime.hf_token_secret:
@@ -116,16 +131,20 @@ def build_omnistages(owner: dict[str, Any], pipeline: OmniPipeline, resolved: Re
             value = placement.get(key)
             if value and (key != "resources" or any(value.values())):
                 spec[key] = value
-        out.append(with_hash({
-            "apiVersion": API_VERSION,
-            "kind": "OmniStage",
-            "metadata": {
-                "name": omnistage_name(name, root),
-                "namespace": namespace,
-                "labels": labels(name, "stage", root),
-                "annotations": {CONFIG_HASH_ANNOTATION: group_config_hash(resolved, members)},
-                "ownerReferences": [owner_reference(owner)],
-            },
-            "spec": spec,
-        }))
+        out.append(
+            with_hash(
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": "OmniStage",
+                    "metadata": {
+                        "name": omnistage_name(name, root),
+                        "namespace": namespace,
+                        "labels": labels(name, "stage", root),
+                        "annotations": {CONFIG_HASH_ANNOTATION: group_config_hash(resolved, members)},
+                        "ownerReferences": [owner_reference(owner)],
+                    },
+                    "spec": spec,
+                }
+            )
+        )
     return out

@@ -37,11 +37,18 @@ def _mooncake_master(resolved: ResolvedPipeline, image: str, pull_policy: str) -
         "image": image,
         "imagePullPolicy": pull_policy,
         # The embedded HTTP metadata server binds every interface, which is what a pod needs.
-        "command": ["mooncake_master", "--rpc_address=0.0.0.0", f"--rpc_port={mc.master_port}",
-                    "--enable_http_metadata_server=true", f"--http_metadata_server_port={mc.metadata_port}",
-                    "--logtostderr"],
-        "ports": [{"name": "mooncake-rpc", "containerPort": mc.master_port, "protocol": "TCP"},
-                  {"name": "mooncake-meta", "containerPort": mc.metadata_port, "protocol": "TCP"}],
+        "command": [
+            "mooncake_master",
+            "--rpc_address=0.0.0.0",
+            f"--rpc_port={mc.master_port}",
+            "--enable_http_metadata_server=true",
+            f"--http_metadata_server_port={mc.metadata_port}",
+            "--logtostderr",
+        ],
+        "ports": [
+            {"name": "mooncake-rpc", "containerPort": mc.master_port, "protocol": "TCP"},
+            {"name": "mooncake-meta", "containerPort": mc.metadata_port, "protocol": "TCP"},
+        ],
         "readinessProbe": {"tcpSocket": {"port": mc.master_port}, "periodSeconds": 5},
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
@@ -58,8 +65,9 @@ def _placement(router: Any) -> dict[str, Any]:
     return out
 
 
-def build_router_objects(owner: dict[str, Any], pipeline: OmniPipeline, resolved: ResolvedPipeline
-                         ) -> list[dict[str, Any]]:
+def build_router_objects(
+    owner: dict[str, Any], pipeline: OmniPipeline, resolved: ResolvedPipeline
+) -> list[dict[str, Any]]:
     """Every object of the router, each carrying its content hash."""
     name = owner["metadata"]["name"]
     namespace = owner["metadata"]["namespace"]
@@ -72,37 +80,55 @@ def build_router_objects(owner: dict[str, Any], pipeline: OmniPipeline, resolved
     def meta(obj_name: str = rname) -> dict[str, Any]:
         return {"name": obj_name, "namespace": namespace, "labels": lbl, "ownerReferences": own}
 
-    service_account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(),
-                       "automountServiceAccountToken": True}
+    service_account = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": meta(),
+        "automountServiceAccountToken": True,
+    }
     # Least privilege: the router only watches its stages' EndpointSlices and reads its pods.
     role = {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta(),
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": meta(),
         "rules": [
-            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-             "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
         ],
     }
     binding = {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta(),
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": meta(),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": rname},
         "subjects": [{"kind": "ServiceAccount", "name": rname, "namespace": namespace}],
     }
     env = pod_container_env([e.to_dict() for e in runtime.env], None)
     if router.api_key_secret:
-        env.append({"name": "OMNIKUBE_API_KEY",
-                    "valueFrom": {"secretKeyRef": {**router.api_key_secret.to_dict(), "optional": False}}})
+        env.append(
+            {
+                "name": "OMNIKUBE_API_KEY",
+                "valueFrom": {"secretKeyRef": {**router.api_key_secret.to_dict(), "optional": False}},
+            }
+        )
     container: dict[str, Any] = {
         "name": "router",
         "image": runtime.image,
         "imagePullPolicy": runtime.image_pull_policy.value,
-        "command": ["omnikube", "router", "--config", f"{CONFIG_MOUNT}/{CONFIG_KEY}",
-                    "--host", "0.0.0.0", "--port", str(ROUTER_PORT)],
+        "command": [
+            "omnikube",
+            "router",
+            "--config",
+            f"{CONFIG_MOUNT}/{CONFIG_KEY}",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(ROUTER_PORT),
+        ],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "env": env,
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
-                          "failureThreshold": 6},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}],
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
@@ -114,23 +140,27 @@ def build_router_objects(owner: dict[str, Any], pipeline: OmniPipeline, resolved
         containers.append(_mooncake_master(resolved, runtime.image, runtime.image_pull_policy.value))
     selector = selector_labels(name, "router")
     deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(),
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta(),
         "spec": {
             "replicas": router.replicas,
             "selector": {"matchLabels": selector},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "revisionHistoryLimit": 3,
             "template": {
-                "metadata": {"labels": lbl,
-                             "annotations": {TEMPLATE_HASH_ANNOTATION: _router_config_hash(resolved)}},
+                "metadata": {"labels": lbl, "annotations": {TEMPLATE_HASH_ANNOTATION: _router_config_hash(resolved)}},
                 "spec": {
                     **_placement(router),
                     "serviceAccountName": rname,
                     "containers": containers,
                     "volumes": [{"name": "config", "configMap": {"name": configmap_name(name)}}],
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": RUNTIME_UID,
-                                        "runAsGroup": RUNTIME_UID,
-                                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": RUNTIME_UID,
+                        "runAsGroup": RUNTIME_UID,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
                     "enableServiceLinks": False,
                 },
             },
@@ -141,15 +171,18 @@ def build_router_objects(owner: dict[str, Any], pipeline: OmniPipeline, resolved
         mc = resolved.topology.connectors.mooncake
         service_ports += [
             {"name": "mooncake-rpc", "port": mc.master_port, "targetPort": mc.master_port, "protocol": "TCP"},
-            {"name": "mooncake-meta", "port": mc.metadata_port, "targetPort": mc.metadata_port,
-             "protocol": "TCP"},
+            {"name": "mooncake-meta", "port": mc.metadata_port, "targetPort": mc.metadata_port, "protocol": "TCP"},
         ]
     service = {
-        "apiVersion": "v1", "kind": "Service", "metadata": meta(),
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta(),
         "spec": {"type": router.service.type.value, "selector": selector, "ports": service_ports},
     }
     pdb = {
-        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta(),
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": meta(),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector}},
     }
     return [with_hash(o) for o in (service_account, role, binding, deployment, service, pdb)]

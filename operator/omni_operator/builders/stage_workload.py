@@ -16,8 +16,14 @@ from omni_operator.builders.meta import (
 from omni_operator.builders.pipeline_objects import CONFIG_HASH_ANNOTATION, CONFIG_KEY
 from omni_operator.resolve import stage_ports
 
-__all__ = ["CONFIG_MOUNT", "build_stage_deployment", "build_stage_service", "pod_container_env",
-           "stage_selector", "model_volume"]
+__all__ = [
+    "CONFIG_MOUNT",
+    "build_stage_deployment",
+    "build_stage_service",
+    "pod_container_env",
+    "stage_selector",
+    "model_volume",
+]
 
 CONFIG_MOUNT = "/etc/omnikube"
 RUNTIME_UID = 1000
@@ -45,17 +51,25 @@ def model_volume(model_cache: dict[str, Any] | None) -> tuple[list[dict], list[d
     if not model_cache:
         return [], []
     if "pvc" in model_cache:
-        source = {"persistentVolumeClaim": {"claimName": model_cache["pvc"]["claimName"],
-                                            "readOnly": model_cache.get("readOnly", False)}}
+        source = {
+            "persistentVolumeClaim": {
+                "claimName": model_cache["pvc"]["claimName"],
+                "readOnly": model_cache.get("readOnly", False),
+            }
+        }
     else:
         source = {"hostPath": {"path": model_cache["hostPath"]["path"], "type": "Directory"}}
-    mount = {"name": "model-cache", "mountPath": model_cache.get("mountPath", "/models"),
-             "readOnly": model_cache.get("readOnly", False)}
+    mount = {
+        "name": "model-cache",
+        "mountPath": model_cache.get("mountPath", "/models"),
+        "readOnly": model_cache.get("readOnly", False),
+    }
     return [{"name": "model-cache", **source}], [mount]
 
 
-def _container(stage: OmniStage, name: str, index: int, *, with_accelerator: bool,
-               mounts: list[dict]) -> dict[str, Any]:
+def _container(
+    stage: OmniStage, name: str, index: int, *, with_accelerator: bool, mounts: list[dict]
+) -> dict[str, Any]:
     spec = stage.spec
     port, http_port = stage_ports(index)
     resources: dict[str, dict[str, Any]] = {"requests": {}, "limits": {}}
@@ -71,19 +85,35 @@ def _container(stage: OmniStage, name: str, index: int, *, with_accelerator: boo
         "name": name,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy.value,
-        "command": ["omnikube", "stage", "--config", f"{CONFIG_MOUNT}/{CONFIG_KEY}", "--stage", name,
-                    "--host", "0.0.0.0", "--port", str(port), "--http-port", str(http_port)],
+        "command": [
+            "omnikube",
+            "stage",
+            "--config",
+            f"{CONFIG_MOUNT}/{CONFIG_KEY}",
+            "--stage",
+            name,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(port),
+            "--http-port",
+            str(http_port),
+        ],
         "ports": [
             {"name": "stage" if index == 0 else f"stage-{index}", "containerPort": port, "protocol": "TCP"},
             {"name": "http" if index == 0 else f"http-{index}", "containerPort": http_port, "protocol": "TCP"},
         ],
-        "env": pod_container_env([e.to_dict() for e in spec.env],
-                                 spec.hf_token_secret.to_dict() if spec.hf_token_secret else None),
+        "env": pod_container_env(
+            [e.to_dict() for e in spec.env], spec.hf_token_secret.to_dict() if spec.hf_token_secret else None
+        ),
         "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
         # Loading a model can take many minutes: the startup probe holds liveness off until ready once.
         "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 180},
-        "livenessProbe": {"httpGet": {"path": "/healthz", "port": probe["httpGet"]["port"]},
-                          "periodSeconds": 10, "failureThreshold": 6},
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": probe["httpGet"]["port"]},
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+        },
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
@@ -112,8 +142,13 @@ def build_stage_deployment(owner: dict[str, Any]) -> dict[str, Any]:
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.shm_size)}},
             *volumes,
         ],
-        "securityContext": {"runAsNonRoot": True, "runAsUser": RUNTIME_UID, "runAsGroup": RUNTIME_UID,
-                            "fsGroup": RUNTIME_UID, "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUNTIME_UID,
+            "runAsGroup": RUNTIME_UID,
+            "fsGroup": RUNTIME_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 30,
     }
@@ -129,30 +164,33 @@ def build_stage_deployment(owner: dict[str, Any]) -> dict[str, Any]:
     template_inputs = stage.spec.to_dict()
     for key in ("replicas", "autoscaling"):
         template_inputs.pop(key, None)
-    template_hash = content_hash({"spec": template_inputs,
-                                  "config": stage.metadata.annotations.get(CONFIG_HASH_ANNOTATION, "")})
+    template_hash = content_hash(
+        {"spec": template_inputs, "config": stage.metadata.annotations.get(CONFIG_HASH_ANNOTATION, "")}
+    )
     pod_labels = labels(spec.pipeline, "stage", spec.stage)
-    return with_hash({
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {
-            "name": stage.metadata.name,
-            "namespace": stage.metadata.namespace,
-            "labels": pod_labels,
-            "ownerReferences": [owner_reference(owner)],
-        },
-        "spec": {
-            "replicas": spec.replicas,
-            "selector": {"matchLabels": stage_selector(stage)},
-            # Bring a new replica up before taking an old one down: a stage never drops to zero.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "revisionHistoryLimit": 3,
-            "template": {
-                "metadata": {"labels": pod_labels, "annotations": {TEMPLATE_HASH_ANNOTATION: template_hash}},
-                "spec": pod_spec,
+    return with_hash(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {
+                "name": stage.metadata.name,
+                "namespace": stage.metadata.namespace,
+                "labels": pod_labels,
+                "ownerReferences": [owner_reference(owner)],
             },
-        },
-    })
+            "spec": {
+                "replicas": spec.replicas,
+                "selector": {"matchLabels": stage_selector(stage)},
+                # Bring a new replica up before taking an old one down: a stage never drops to zero.
+                "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                "revisionHistoryLimit": 3,
+                "template": {
+                    "metadata": {"labels": pod_labels, "annotations": {TEMPLATE_HASH_ANNOTATION: template_hash}},
+                    "spec": pod_spec,
+                },
+            },
+        }
+    )
 
 
 def build_stage_service(owner: dict[str, Any]) -> dict[str, Any]:
@@ -163,22 +201,26 @@ def build_stage_service(owner: dict[str, Any]) -> dict[str, Any]:
     for i, _ in enumerate(members):
         port, http_port = stage_ports(i)
         suffix = "" if i == 0 else f"-{i}"
-        ports += [{"name": f"stage{suffix}", "port": port, "targetPort": port, "protocol": "TCP"},
-                  {"name": f"http{suffix}", "port": http_port, "targetPort": http_port, "protocol": "TCP"}]
-    return with_hash({
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {
-            "name": stage.metadata.name,
-            "namespace": stage.metadata.namespace,
-            "labels": labels(stage.spec.pipeline, "stage", stage.spec.stage),
-            "ownerReferences": [owner_reference(owner)],
-        },
-        "spec": {
-            "clusterIP": "None",
-            "selector": stage_selector(stage),
-            "ports": ports,
-            # Only ready replicas may receive work.
-            "publishNotReadyAddresses": False,
-        },
-    })
+        ports += [
+            {"name": f"stage{suffix}", "port": port, "targetPort": port, "protocol": "TCP"},
+            {"name": f"http{suffix}", "port": http_port, "targetPort": http_port, "protocol": "TCP"},
+        ]
+    return with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {
+                "name": stage.metadata.name,
+                "namespace": stage.metadata.namespace,
+                "labels": labels(stage.spec.pipeline, "stage", stage.spec.stage),
+                "ownerReferences": [owner_reference(owner)],
+            },
+            "spec": {
+                "clusterIP": "None",
+                "selector": stage_selector(stage),
+                "ports": ports,
+                # Only ready replicas may receive work.
+                "publishNotReadyAddresses": False,
+            },
+        }
+    )

@@ -33,8 +33,9 @@ def get_condition(conditions: list[dict[str, Any]], type_: str) -> dict[str, Any
     return next((c for c in conditions if c.get("type") == type_), None)
 
 
-def set_condition(conditions: list[dict[str, Any]], wanted: Condition, generation: int,
-                  now: str | None = None) -> tuple[list[dict[str, Any]], bool]:
+def set_condition(
+    conditions: list[dict[str, Any]], wanted: Condition, generation: int, now: str | None = None
+) -> tuple[list[dict[str, Any]], bool]:
     """Return (new conditions, changed). The input list is not modified."""
     current = get_condition(conditions, wanted.type)
     entry = {

@@ -12,9 +12,16 @@ __all__ = ["PipelineObservation", "pipeline_conditions"]
 class PipelineObservation:
     """What the pipeline reconcile saw: a spec problem, a secret problem, its stages and router."""
 
-    def __init__(self, *, spec_problem: Condition | None = None, secret_problem: Condition | None = None,
-                 stages: list[dict[str, Any]] | None = None, stage_names: list[str] | None = None,
-                 groups: dict[str, str] | None = None, router: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        spec_problem: Condition | None = None,
+        secret_problem: Condition | None = None,
+        stages: list[dict[str, Any]] | None = None,
+        stage_names: list[str] | None = None,
+        groups: dict[str, str] | None = None,
+        router: dict[str, Any] | None = None,
+    ) -> None:
         self.spec_problem = spec_problem
         self.secret_problem = secret_problem
         self.stages = stages or []
@@ -43,8 +50,11 @@ def _router_ready(router: dict[str, Any] | None) -> tuple[bool, str]:
     ds = router.get("status", {})
     want = router["spec"].get("replicas", 1)
     current = ds.get("observedGeneration", 0) >= router["metadata"].get("generation", 0)
-    ok = current and ds.get("updatedReplicas", 0) == want == ds.get("replicas", 0) \
+    ok = (
+        current
+        and ds.get("updatedReplicas", 0) == want == ds.get("replicas", 0)
         and ds.get("availableReplicas", 0) >= want
+    )
     return ok, f"router: {ds.get('availableReplicas', 0)}/{want} replicas available"
 
 
@@ -66,8 +76,9 @@ def pipeline_conditions(obs: PipelineObservation) -> tuple[list[dict[str, Any]],
     for stage in obs.stages:
         cond = get_condition((stage.get("status") or {}).get("conditions", []), "Degraded")
         if cond and cond.get("status") == "True":
-            stage_problems.append(Condition("Degraded", "True", cond.get("reason", "StageDegraded"),
-                                            cond.get("message", "")))
+            stage_problems.append(
+                Condition("Degraded", "True", cond.get("reason", "StageDegraded"), cond.get("message", ""))
+            )
     problem = obs.spec_problem or obs.secret_problem or (stage_problems[0] if stage_problems else None)
     degraded = problem or Condition("Degraded", "False", "AsExpected", "")
     all_ready = router_ok and obs.stage_names and ready_count == len(obs.stage_names)
@@ -80,9 +91,13 @@ def pipeline_conditions(obs: PipelineObservation) -> tuple[list[dict[str, Any]],
         if not router_ok:
             parts.append(router_msg)
         message = "; ".join(parts) or (obs.spec_problem.message if obs.spec_problem else "")
-        reason = obs.spec_problem.reason if obs.spec_problem and not parts else (
-            problem.reason if problem else "Progressing")
+        reason = (
+            obs.spec_problem.reason
+            if obs.spec_problem and not parts
+            else (problem.reason if problem else "Progressing")
+        )
         ready = Condition("Ready", "False", reason, message)
-        progressing = Condition("Progressing", "False" if problem else "True",
-                                "Stalled" if problem else "RollingOut", message)
+        progressing = Condition(
+            "Progressing", "False" if problem else "True", "Stalled" if problem else "RollingOut", message
+        )
     return per_stage, stages_ready, [ready, progressing, degraded]

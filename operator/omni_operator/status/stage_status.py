@@ -22,48 +22,73 @@ def pod_problem(pods: list[dict[str, Any]], stage: str) -> Condition | None:
     for pod in pods:
         status = pod.get("status", {})
         for cond in status.get("conditions", []):
-            if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
-                    and cond.get("reason") == "Unschedulable":
+            if (
+                cond.get("type") == "PodScheduled"
+                and cond.get("status") == "False"
+                and cond.get("reason") == "Unschedulable"
+            ):
                 message = cond.get("message", "")
                 # Missing: 'persistentvolumeclaim "x" not found'; unbound: 'unbound immediate PersistentVolumeClaims'.
                 if "persistentvolumeclaim" in message.lower():
-                    return Condition("Degraded", "True", "ModelCacheMissing",
-                                     f"stage {stage}: its model cache volume is not available (scheduler: "
-                                     f"{message}); create the PersistentVolumeClaim or fix "
-                                     f"spec.runtime.modelCache")
+                    return Condition(
+                        "Degraded",
+                        "True",
+                        "ModelCacheMissing",
+                        f"stage {stage}: its model cache volume is not available (scheduler: "
+                        f"{message}); create the PersistentVolumeClaim or fix "
+                        f"spec.runtime.modelCache",
+                    )
                 missing = [r for r in _INSUFFICIENT.findall(message) if r in _ACCELERATORS]
                 if missing:
-                    return Condition("Degraded", "True", "InsufficientAccelerator",
-                                     f"stage {stage}: no node has enough free {missing[0]} for a replica "
-                                     f"(scheduler: {message}); add nodes with {missing[0]}, free some, "
-                                     f"or lower the stage's accelerator.count")
-                return Condition("Degraded", "True", "Unschedulable",
-                                 f"stage {stage}: its pods cannot be placed (scheduler: {message}); check the "
-                                 f"stage's nodeSelector, tolerations, affinity and resources")
+                    return Condition(
+                        "Degraded",
+                        "True",
+                        "InsufficientAccelerator",
+                        f"stage {stage}: no node has enough free {missing[0]} for a replica "
+                        f"(scheduler: {message}); add nodes with {missing[0]}, free some, "
+                        f"or lower the stage's accelerator.count",
+                    )
+                return Condition(
+                    "Degraded",
+                    "True",
+                    "Unschedulable",
+                    f"stage {stage}: its pods cannot be placed (scheduler: {message}); check the "
+                    f"stage's nodeSelector, tolerations, affinity and resources",
+                )
         for cs in status.get("containerStatuses", []) + status.get("initContainerStatuses", []):
             waiting = (cs.get("state") or {}).get("waiting") or {}
             reason = waiting.get("reason", "")
             if reason == "CrashLoopBackOff":
-                last = ((cs.get("lastState") or {}).get("terminated") or {})
+                last = (cs.get("lastState") or {}).get("terminated") or {}
                 detail = f"exit code {last.get('exitCode')}" if last else "no exit code"
                 if last.get("message"):
                     detail += f": {last['message'][-300:]}"
-                return Condition("Degraded", "True", "CrashLoop",
-                                 f"stage {stage}: container {cs.get('name')} keeps crashing "
-                                 f"({cs.get('restartCount', 0)} restarts, {detail}); read its logs with "
-                                 f"kubectl logs {pod['metadata']['name']} -c {cs.get('name')} --previous")
+                return Condition(
+                    "Degraded",
+                    "True",
+                    "CrashLoop",
+                    f"stage {stage}: container {cs.get('name')} keeps crashing "
+                    f"({cs.get('restartCount', 0)} restarts, {detail}); read its logs with "
+                    f"kubectl logs {pod['metadata']['name']} -c {cs.get('name')} --previous",
+                )
             if reason in ("ImagePullBackOff", "ErrImagePull", "InvalidImageName"):
-                return Condition("Degraded", "True", "ImagePull",
-                                 f"stage {stage}: image {cs.get('image')} cannot be pulled ({reason}: "
-                                 f"{waiting.get('message', '')}); fix runtime.image or imagePullSecrets")
+                return Condition(
+                    "Degraded",
+                    "True",
+                    "ImagePull",
+                    f"stage {stage}: image {cs.get('image')} cannot be pulled ({reason}: "
+                    f"{waiting.get('message', '')}); fix runtime.image or imagePullSecrets",
+                )
             if reason in ("CreateContainerConfigError", "CreateContainerError"):
-                return Condition("Degraded", "True", "ContainerConfig",
-                                 f"stage {stage}: {waiting.get('message', reason)}")
+                return Condition(
+                    "Degraded", "True", "ContainerConfig", f"stage {stage}: {waiting.get('message', reason)}"
+                )
     return None
 
 
-def stage_conditions(stage: dict[str, Any], deployment: dict[str, Any] | None,
-                     pods: list[dict[str, Any]]) -> tuple[dict[str, int], list[Condition]]:
+def stage_conditions(
+    stage: dict[str, Any], deployment: dict[str, Any] | None, pods: list[dict[str, Any]]
+) -> tuple[dict[str, int], list[Condition]]:
     """(replica counts, [Ready, Progressing, Degraded]) for an OmniStage."""
     name = stage["spec"]["stage"]
     desired = stage["spec"].get("replicas", 1)
@@ -87,15 +112,22 @@ def stage_conditions(stage: dict[str, Any], deployment: dict[str, Any] | None,
     problem = pod_problem(pods, name)
     degraded = problem or Condition("Degraded", "False", "AsExpected")
     if is_ready:
-        ready_cond = Condition("Ready", "True", "ScaledToZero" if desired == 0 else "Available",
-                               f"stage {name}: {ready}/{desired} replicas ready")
+        ready_cond = Condition(
+            "Ready",
+            "True",
+            "ScaledToZero" if desired == 0 else "Available",
+            f"stage {name}: {ready}/{desired} replicas ready",
+        )
         progressing = Condition("Progressing", "False", "Complete", f"stage {name}: rollout complete")
     else:
-        why = ("RollingOut" if not rolled else "WaitingForReplicas")
-        ready_cond = Condition("Ready", "False", why,
-                               f"stage {name}: {ready}/{desired} replicas ready, {updated} updated")
-        progressing = Condition("Progressing", "True" if problem is None else "False",
-                                why if problem is None else "Stalled",
-                                f"stage {name}: {updated}/{desired} replicas on the current spec, "
-                                f"{ready} ready")
+        why = "RollingOut" if not rolled else "WaitingForReplicas"
+        ready_cond = Condition(
+            "Ready", "False", why, f"stage {name}: {ready}/{desired} replicas ready, {updated} updated"
+        )
+        progressing = Condition(
+            "Progressing",
+            "True" if problem is None else "False",
+            why if problem is None else "Stalled",
+            f"stage {name}: {updated}/{desired} replicas on the current spec, {ready} ready",
+        )
     return counts, [ready_cond, progressing, degraded]

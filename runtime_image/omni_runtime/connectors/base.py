@@ -28,6 +28,7 @@ __all__ = [
     "Handle",
     "InlineHandle",
     "MooncakeHandle",
+    "MooncakePeerHandle",
     "Payload",
     "PayloadGone",
     "PayloadTooLarge",
@@ -92,13 +93,29 @@ class ShmHandle(Handle, frozen=True, kw_only=True, tag="shm"):
 
 
 class MooncakeHandle(Handle, frozen=True, kw_only=True, tag="mooncake"):
-    """One object in the Mooncake Store."""
+    """One object in the Mooncake Store (mooncake mode `store`)."""
 
     store_key: str
     layout: list[int]
 
 
-AnyHandle = InlineHandle | ShmHandle | MooncakeHandle
+class MooncakePeerHandle(Handle, frozen=True, kw_only=True, tag="mooncake-p2p"):
+    """A block in the producer's memory, read with the transfer engine (mooncake mode `p2p`)."""
+
+    segment: str
+    """The producer's transfer-engine segment name (`host:port`), looked up in the metadata server."""
+    address: int
+    """Address of the block in the producer's process; the block starts with a 64-byte header."""
+    generation: int
+    """Which use of the (pooled) block this handle refers to; stale handles are detected."""
+    layout: list[int]
+
+    @property
+    def kind(self) -> ConnectorKind:
+        return ConnectorKind.MOONCAKE
+
+
+AnyHandle = InlineHandle | ShmHandle | MooncakeHandle | MooncakePeerHandle
 """Decode target for any handle (the `kind` tag picks the class)."""
 
 _handle_encoder = msgspec.msgpack.Encoder()

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-__all__ = ["ALIGN", "decode_payload", "encode_payload", "frame_offsets", "payload_nbytes"]
+__all__ = ["ALIGN", "decode_payload", "encode_payload", "frame_offsets", "payload_nbytes", "size_class"]
 
 ALIGN = 64
 """Frames placed in one buffer (shm block, Mooncake object) start at multiples of this."""
@@ -31,6 +31,7 @@ _EXT_NUMPY = 2
 _EXT_NUMPY_SCALAR = 3
 _EXT_BYTES = 4
 _OOB_BYTES_MIN = 64 * 1024
+_MIN_CLASS = 64 * 1024
 
 _meta_encoder = msgspec.msgpack.Encoder()
 _meta_decoder = msgspec.msgpack.Decoder()
@@ -65,9 +66,7 @@ def encode_payload(payload: Mapping[str, Any]) -> tuple[bytes, list[memoryview]]
             "use tensors, numpy arrays, bytes, str, int, float, bool, None, or lists/dicts of those"
         )
 
-    top = {
-        k: _OutOfBand(v) if type(v) is bytes and len(v) >= _OOB_BYTES_MIN else v for k, v in payload.items()
-    }
+    top = {k: _OutOfBand(v) if type(v) is bytes and len(v) >= _OOB_BYTES_MIN else v for k, v in payload.items()}
     header = msgspec.msgpack.Encoder(enc_hook=enc_hook).encode(top)
     return header, frames
 
@@ -101,6 +100,15 @@ def frame_offsets(layout: Sequence[int]) -> tuple[list[int], int]:
         offsets.append(start)
         end = start + size
     return offsets, end
+
+
+def size_class(n: int) -> int:
+    """Pooled buffer size for `n` bytes: 64 KiB at least, then 8 steps per power of two (at most
+    12.5% slack), so buffers of nearby sizes are reused for each other."""
+    if n <= _MIN_CLASS:
+        return _MIN_CLASS
+    step = max(1 << ((n - 1).bit_length() - 3), _MIN_CLASS)
+    return -(-n // step) * step
 
 
 def payload_nbytes(header: bytes, frames: Sequence[memoryview]) -> int:

@@ -47,7 +47,7 @@ from omni_runtime.connectors.base import (
     run_blocking,
     wait_settled,
 )
-from omni_runtime.connectors.codec import decode_payload, encode_payload, frame_offsets
+from omni_runtime.connectors.codec import decode_payload, encode_payload, frame_offsets, size_class
 from omni_runtime.spec.connectors import ConnectorsSpec
 from omni_runtime.spec.enums import ConnectorKind
 
@@ -59,7 +59,6 @@ _MAGIC = b"OMNISHM1"
 _HDR = 64  # segment header; payload starts here
 _STATE_AT = 8
 _WORD = struct.Struct("<Q")
-_MIN_CLASS = 64 * 1024
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _OWNER_RE = re.compile(r"-p(\d+)-[0-9a-f]{16}$")
 
@@ -146,7 +145,7 @@ class ShmConnector(Connector):
         return seg, gen
 
     def _claim(self, total: int) -> tuple[_Segment, int]:
-        size = _size_class(total)
+        size = size_class(total)
         with self._lock:
             self._check_open()
             seg = next((s for s in self._segments.values() if s.capacity == size and not s.state() & 1), None)
@@ -342,9 +341,7 @@ def segment_prefix(pipeline: str, owner: str | None = None) -> str:
     return prefix if owner is None else f"{prefix}{_safe(owner)}-"
 
 
-def sweep_orphans(
-    prefix: str = SEGMENT_PREFIX, *, shm_dir: str = SHM_DIR, live_owners_too: bool = False
-) -> list[str]:
+def sweep_orphans(prefix: str = SEGMENT_PREFIX, *, shm_dir: str = SHM_DIR, live_owners_too: bool = False) -> list[str]:
     """Unlink leftover segments whose names start with `prefix`; returns the names removed.
 
     By default a segment whose owner pid (part of its name) is still alive is kept. Pids are only
@@ -361,14 +358,6 @@ def sweep_orphans(
         if _unlink(os.path.join(shm_dir, name)):
             removed.append(name)
     return removed
-
-
-def _size_class(n: int) -> int:
-    """Round up to 64 KiB, then to 8 steps per power of two (at most 12.5% slack)."""
-    if n <= _MIN_CLASS:
-        return _MIN_CLASS
-    step = max(1 << ((n - 1).bit_length() - 3), _MIN_CLASS)
-    return -(-n // step) * step
 
 
 def _safe(part: str) -> str:

@@ -115,9 +115,7 @@ def companion_requests(stage: StageSpec, request: EngineInput) -> list[EngineInp
             data: dict[str, Any] = {"messages": messages}
         else:
             data = {"prompt": text}
-        out.append(
-            EngineInput(companion_id(request.request_id, companion.role), data, dict(params), companion.role)
-        )
+        out.append(EngineInput(companion_id(request.request_id, companion.role), data, dict(params), companion.role))
     return out
 
 
@@ -167,9 +165,7 @@ def _is_resource_tracker(proc: Any) -> bool:
 def _sampling_fields() -> frozenset[str]:
     from vllm import SamplingParams
 
-    names = getattr(SamplingParams, "__struct_fields__", None) or [
-        f.name for f in dataclasses.fields(SamplingParams)
-    ]
+    names = getattr(SamplingParams, "__struct_fields__", None) or [f.name for f in dataclasses.fields(SamplingParams)]
     return frozenset(n for n in names if not n.startswith("_")) - _UNSUPPORTED_SAMPLING
 
 
@@ -201,9 +197,7 @@ class AREngine(Engine):
         unknown = sorted(set(args) - known)
         if unknown:
             hints = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
-            named = ", ".join(
-                f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items()
-            )
+            named = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
             raise EngineError(
                 f"stage {self.stage.name!r}: engine_args {named} are not vLLM engine arguments; "
                 "remove them or use the names of vLLM's AsyncEngineArgs"
@@ -228,9 +222,7 @@ class AREngine(Engine):
         except Exception as exc:  # vLLM raises many types while loading; the message is what matters
             self._procs = [p for p in _children() if p.pid not in before and not _is_resource_tracker(p)]
             await asyncio.to_thread(self._reap)
-            raise EngineError(
-                f"stage {self.stage.name!r}: vLLM failed to load {self.model_path}: {exc}"
-            ) from exc
+            raise EngineError(f"stage {self.stage.name!r}: vLLM failed to load {self.model_path}: {exc}") from exc
         self._procs = [p for p in _children() if p.pid not in before and not _is_resource_tracker(p)]
         self.max_model_len = self.llm.model_config.max_model_len
         # Tokenize without vLLM's own length cut-off, so the length check can name the real count.
@@ -339,8 +331,8 @@ class AREngine(Engine):
                     prompt_tokens = len(out.prompt_token_ids)
                 pieces = []
                 for completion in out.outputs:
-                    completion_tokens[completion.index] = (
-                        completion_tokens.get(completion.index, 0) + len(completion.token_ids)
+                    completion_tokens[completion.index] = completion_tokens.get(completion.index, 0) + len(
+                        completion.token_ids
                     )
                     finish_reason = completion.finish_reason or finish_reason
                     data: dict[str, Any] = {"text": completion.text, "token_ids": list(completion.token_ids)}

@@ -120,9 +120,7 @@ class DiffusionEngine(Engine):
         self._device_arg = args["device"]
         self._dtype_arg = args["torch_dtype"]
         self._load_kwargs = {
-            k: v
-            for k, v in stage.engine_args.items()
-            if k not in DIFFUSION_ENGINE_ARGS and k not in _REGISTRY_ONLY
+            k: v for k, v in stage.engine_args.items() if k not in DIFFUSION_ENGINE_ARGS and k not in _REGISTRY_ONLY
         }
         self.latent_output = stage.output_modality is Modality.HIDDEN
         self.pipe: Any = None
@@ -164,9 +162,7 @@ class DiffusionEngine(Engine):
         try:
             self.pipe = await asyncio.to_thread(self._load, dtype)
         except Exception as exc:  # diffusers raises many types while loading; the message matters
-            raise EngineError(
-                f"stage {self.stage.name!r}: diffusers failed to load {self.model_path}: {exc}"
-            ) from exc
+            raise EngineError(f"stage {self.stage.name!r}: diffusers failed to load {self.model_path}: {exc}") from exc
         self.load_seconds = time.monotonic() - started
         params = inspect.signature(self.pipe.__call__).parameters
         self._embed_params = frozenset(
@@ -186,7 +182,12 @@ class DiffusionEngine(Engine):
         self._worker = asyncio.create_task(self._loop(), name=f"diffusion-batcher-{self.stage.name}")
         log.info(
             "stage %s: diffusers loaded %s (%s, %s, %s) in %.1fs",
-            self.stage.name, self.model_path, type(self.pipe).__name__, self.device, dtype, self.load_seconds,
+            self.stage.name,
+            self.model_path,
+            type(self.pipe).__name__,
+            self.device,
+            dtype,
+            self.load_seconds,
         )
 
     def _load(self, dtype: Any) -> Any:

@@ -125,9 +125,7 @@ class GenerationEngine(Engine):
         runner_name = args.pop("runner", None)
         if runner_name not in RUNNERS:
             what = "has no engine_args.runner" if runner_name is None else f"names runner {runner_name!r}"
-            raise EngineError(
-                f"stage {stage.name!r} {what}; set engine_args.runner to one of {sorted(RUNNERS)}"
-            )
+            raise EngineError(f"stage {stage.name!r} {what}; set engine_args.runner to one of {sorted(RUNNERS)}")
         self.runner_cls = RUNNERS[runner_name]
         self.chunk_size = int(args.pop("chunk_size", self.runner_cls.default_chunk_size))
         self.chunk_dim = int(args.pop("chunk_dim", self.runner_cls.default_chunk_dim))

@@ -73,9 +73,9 @@ class PipelineRegistry:
         hits: list[str] = []
         for name in self.names():
             spec = self._entries[name].spec
-            if signature.diffusers_class in spec.match.diffusers_classes or set(
-                signature.architectures
-            ) & set(spec.match.architectures):
+            if signature.diffusers_class in spec.match.diffusers_classes or set(signature.architectures) & set(
+                spec.match.architectures
+            ):
                 hits.append(name)
         if len(hits) == 1:
             return self._entries[hits[0]].spec
@@ -112,9 +112,7 @@ class PipelineRegistry:
         aliases: dict[str, str] = {}
         for entry in self._entries.values():
             for alias in entry.aliases:
-                other = self._entries.get(alias) or (
-                    self._entries[aliases[alias]] if alias in aliases else None
-                )
+                other = self._entries.get(alias) or (self._entries[aliases[alias]] if alias in aliases else None)
                 if other is not None and other.name != entry.name:
                     raise RegistryError(
                         f"{entry.source}: aliases: {alias!r} is already the name or an alias of pipeline "

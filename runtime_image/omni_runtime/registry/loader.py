@@ -74,8 +74,7 @@ def load_pipeline_file(path: str | Path) -> RegisteredPipeline:
         raise RegistryError(f"{path}: not valid YAML: {_one_line(err)}") from err
     if not isinstance(data, dict):
         raise RegistryError(
-            f"{path}: expected a mapping of PipelineSpec fields (name, stages, edges, ...), "
-            f"found {type(data).__name__}"
+            f"{path}: expected a mapping of PipelineSpec fields (name, stages, edges, ...), found {type(data).__name__}"
         )
     aliases = _aliases(path, data.pop("aliases", []))
     try:

@@ -65,24 +65,18 @@ def read_model_signature(model_dir: str | Path) -> ModelSignature:
     if config is not None:
         raw = config.get("architectures") or []
         if not isinstance(raw, list) or not all(isinstance(a, str) for a in raw):
-            raise RegistryError(
-                f"{path / CONFIG_FILE}: architectures: expected a list of class names, found {raw!r}"
-            )
+            raise RegistryError(f"{path / CONFIG_FILE}: architectures: expected a list of class names, found {raw!r}")
         architectures = tuple(raw)
     diffusers_class = None
     if index is not None:
         raw = index.get("_class_name")
         if raw is not None and not isinstance(raw, str):
-            raise RegistryError(
-                f"{path / DIFFUSERS_INDEX_FILE}: _class_name: expected a class name, found {raw!r}"
-            )
+            raise RegistryError(f"{path / DIFFUSERS_INDEX_FILE}: _class_name: expected a class name, found {raw!r}")
         diffusers_class = raw
     return ModelSignature(path=path, architectures=architectures, diffusers_class=diffusers_class)
 
 
-def local_model_dir(
-    model: str | Path, cache_dir: str | Path | None = None, revision: str | None = None
-) -> Path:
+def local_model_dir(model: str | Path, cache_dir: str | Path | None = None, revision: str | None = None) -> Path:
     """The local folder of a model reference, looked up in the model cache mounted at `cache_dir`.
 
     - An absolute path, or one starting with `.` or `~`, is that path.

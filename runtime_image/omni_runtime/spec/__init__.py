@@ -4,7 +4,14 @@ Pure pydantic; importing it never loads torch or an engine.
 """
 
 from omni_runtime.spec.connectors import ConnectorsSpec, MooncakeSpec
-from omni_runtime.spec.enums import INPUT_PROCESSORS, ConnectorKind, Modality, MooncakeProtocol, StageKind
+from omni_runtime.spec.enums import (
+    INPUT_PROCESSORS,
+    ConnectorKind,
+    Modality,
+    MooncakeMode,
+    MooncakeProtocol,
+    StageKind,
+)
 from omni_runtime.spec.pipeline import CompanionSpec, EdgeSpec, ModelMatch, PipelineSpec, SpecError, StageSpec
 from omni_runtime.spec.resolved import (
     ROUTER_PORT,
@@ -30,6 +37,7 @@ __all__ = [
     "EdgeSpec",
     "Modality",
     "ModelMatch",
+    "MooncakeMode",
     "MooncakeProtocol",
     "MooncakeSpec",
     "PipelineSpec",

@@ -36,6 +36,17 @@ class MooncakeProtocol(str, Enum):
     RDMA = "rdma"
 
 
+class MooncakeMode(str, Enum):
+    """How the `mooncake` connector moves a payload between pods."""
+
+    P2P = "p2p"
+    """Transfer Engine peer to peer: the consumer reads straight from the producer's registered memory
+    (one transfer, no master round trip); only the metadata server is needed."""
+    STORE = "store"
+    """Mooncake Store: each payload is an object placed by the master (two master round trips per put,
+    one per get and per release); objects may live in any stage's segment."""
+
+
 class Modality(str, Enum):
     """Kinds of data a stage consumes or produces."""
 

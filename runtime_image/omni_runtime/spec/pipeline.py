@@ -29,9 +29,7 @@ class CompanionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: str = Field("cfg_text", description="Tag carried by the companion request (seed: `cfg_text`).")
-    negative_prompt: str = Field(
-        "", description="Prompt used when the request gives no `negative_prompt` of its own."
-    )
+    negative_prompt: str = Field("", description="Prompt used when the request gives no `negative_prompt` of its own.")
 
 
 class StageSpec(BaseModel):
@@ -166,9 +164,7 @@ def topology_problems(spec: PipelineSpec) -> list[str]:
     seen: set[str] = set()
     for i, name in enumerate(names):
         if name in seen:
-            problems.append(
-                f"stages[{i}].name: {name!r} is used by another stage; stage names must be unique"
-            )
+            problems.append(f"stages[{i}].name: {name!r} is used by another stage; stage names must be unique")
         seen.add(name)
     for i, edge in enumerate(spec.edges):
         for field, value in (("from", edge.source), ("to", edge.target)):
@@ -233,5 +229,5 @@ def _describe_cycle(names: list[str], pairs: list[tuple[str, str]]) -> str:
     while node not in path:
         path.append(node)
         node = upstream[node]
-    cycle = path[path.index(node):] + [node]
+    cycle = path[path.index(node) :] + [node]
     return " -> ".join(reversed(cycle))

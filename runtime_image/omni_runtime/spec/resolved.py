@@ -58,9 +58,7 @@ class StageDiscovery(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    static: list[str] = Field(
-        default_factory=list, description="Fixed replica addresses `host:port` (local mode)."
-    )
+    static: list[str] = Field(default_factory=list, description="Fixed replica addresses `host:port` (local mode).")
     service: str | None = Field(
         None, description="Kubernetes Service whose EndpointSlices list the replicas (cluster mode)."
     )
@@ -89,9 +87,7 @@ class ResolvedPipeline(BaseModel):
     model: str = Field(description="Model path inside the pod (or locally) the stages load from.")
     served_model_name: str = Field(description="Model id clients put in `model`.")
     topology: PipelineSpec
-    colocation: dict[str, str] = Field(
-        default_factory=dict, description="Stage name -> the stage whose pod it shares."
-    )
+    colocation: dict[str, str] = Field(default_factory=dict, description="Stage name -> the stage whose pod it shares.")
     discovery: dict[str, StageDiscovery] = Field(default_factory=dict)
     limits: RouterLimits = Field(default_factory=RouterLimits)
 
@@ -125,8 +121,7 @@ def resolve_pipeline(
     for i, override in enumerate(stages):
         if override.name not in names:
             raise SpecError(
-                f"stages[{i}].name: pipeline {topology.name!r} has no stage {override.name!r}; "
-                f"its stages are {names}"
+                f"stages[{i}].name: pipeline {topology.name!r} has no stage {override.name!r}; its stages are {names}"
             )
         stage = spec.stage(override.name)
         stage.engine_args = {**stage.engine_args, **override.engine_args}

@@ -45,6 +45,10 @@ class ConnectorSet:
             found = self._connectors[kind] = make_connector(
                 kind, self.pipeline.topology.connectors, **self._runtime_info(kind)
             )
+            stats = getattr(found, "stats", None)  # pooled connectors know what is still lent out
+            if stats is not None:
+                gauge = M.connector_unreleased.labels(self.pipeline.name, self.stage, kind.value)
+                gauge.set_function(lambda: stats()["busy"])
         return found
 
     def _runtime_info(self, kind: ConnectorKind) -> dict[str, Any]:

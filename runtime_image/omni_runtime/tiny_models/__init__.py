@@ -110,9 +110,7 @@ def ensure(name: str, cache_dir: Path | str | None = None, *, force: bool = Fals
     except KeyError:
         raise ValueError(f"no tiny model is named {name!r}; known models are {sorted(MODELS)}") from None
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return build_atomically(
-        model.name, model.version, cache, lambda out: model.build(out, cache), force=force
-    )
+    return build_atomically(model.name, model.version, cache, lambda out: model.build(out, cache), force=force)
 
 
 def build_all(cache_dir: Path | str | None = None, names: Iterable[str] | None = None) -> dict[str, Path]:

@@ -15,9 +15,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m omni_runtime.tiny_models",
         description="Build tiny random-weight models locally (reusing finished builds); print their paths.",
     )
-    parser.add_argument(
-        "names", nargs="*", metavar="NAME", help=f"models to build (default: all): {', '.join(MODELS)}"
-    )
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"models to build (default: all): {', '.join(MODELS)}")
     parser.add_argument("--out", default=None, help=f"cache folder (default: {default_cache_dir()})")
     parser.add_argument("--force", action="store_true", help="rebuild even when a current build exists")
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""The `mooncake` connector: payloads as objects in the Mooncake Store, between pods (TCP or RDMA).
+"""The `mooncake` connector in mode `store`: payloads as Mooncake Store objects, between pods (TCP or RDMA).
 
 Every stage process joins the store as a client (contributing `global_segment_size` bytes of memory
 that objects may be placed in) and talks to the master in the router pod. One `put` is one object,
@@ -39,7 +39,7 @@ from omni_runtime.connectors.codec import decode_payload, encode_payload, frame_
 from omni_runtime.spec.connectors import ConnectorsSpec
 from omni_runtime.spec.enums import ConnectorKind, MooncakeProtocol
 
-__all__ = ["KEY_PREFIX", "MooncakeConnector"]
+__all__ = ["KEY_PREFIX", "MooncakeStoreConnector"]
 
 KEY_PREFIX = "omnikube/"
 _NOT_FOUND = -704
@@ -56,7 +56,7 @@ _ERRORS = {
 _ZEROS = np.zeros(64, np.uint8)
 
 
-class MooncakeConnector(Connector):
+class MooncakeStoreConnector(Connector):
     """Mooncake Store connector; one per process (one store client), for every mooncake edge."""
 
     kind: ClassVar[ConnectorKind] = ConnectorKind.MOONCAKE
@@ -116,9 +116,7 @@ class MooncakeConnector(Connector):
         self._config.with_hard_pin = True
         if prefer_local_segment:
             self._config.preferred_segment = store.get_hostname()  # falls back to others when full
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_threads, thread_name_prefix="omnikube-mooncake"
-        )
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_threads, thread_name_prefix="omnikube-mooncake")
         self._inflight: dict[str, set[concurrent.futures.Future]] = {}
         self._closed = False
 
