@@ -29,11 +29,13 @@ Output: `{"images": [png bytes, ...]}`; a stage whose `output_modality` is `hidd
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import difflib
 import inspect
 import io
 import logging
+import os
 import secrets
 import time
 from collections import deque
@@ -137,6 +139,7 @@ class DiffusionEngine(Engine):
         self._running: list[_Job] = []
         self._current: asyncio.Future | None = None
         self._encoding: asyncio.Future | None = None
+        self._encoder: concurrent.futures.ThreadPoolExecutor | None = None
         self._stats = {
             "last_batch_size": 0.0,
             "last_batch_images": 0.0,
@@ -164,6 +167,9 @@ class DiffusionEngine(Engine):
         except Exception as exc:  # diffusers raises many types while loading; the message matters
             raise EngineError(f"stage {self.stage.name!r}: diffusers failed to load {self.model_path}: {exc}") from exc
         self.load_seconds = time.monotonic() - started
+        # PNG encoding (zlib) releases the GIL: a batch's images encode in parallel, one per core.
+        workers = max(1, min(self.max_batch_size, os.cpu_count() or 1, 16))
+        self._encoder = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="omnikube-png")
         params = inspect.signature(self.pipe.__call__).parameters
         self._embed_params = frozenset(
             p for p in params if ("embeds" in p or p.endswith("_mask")) and not p.startswith("ip_adapter")
@@ -218,6 +224,9 @@ class DiffusionEngine(Engine):
                 job.future.set_exception(EngineError(f"stage {self.stage.name!r} is stopping"))
         self._pending.clear()
         self._running = []
+        encoder, self._encoder = self._encoder, None
+        if encoder is not None:
+            encoder.shutdown(wait=True)
         pipe, self.pipe = self.pipe, None
         if pipe is not None:
             del pipe
@@ -422,7 +431,8 @@ class DiffusionEngine(Engine):
 
     async def _deliver(self, batch: list[_Job], results: list[dict[str, Any]]) -> None:
         try:
-            encoded = await asyncio.to_thread(_encode_results, results)
+            assert self._encoder is not None, "started engines have an encoder"
+            encoded = await asyncio.to_thread(_encode_results, results, self._encoder)
         except Exception as exc:
             error = EngineError(f"stage {self.stage.name!r}: encoding the images failed: {exc}")
             for job in batch:
@@ -468,9 +478,10 @@ class DiffusionEngine(Engine):
         return out
 
 
-def _encode_results(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """PIL images -> PNG bytes (latent results pass through)."""
-    return [{"images": [_png(img) for img in r["images"]]} if "images" in r else r for r in results]
+def _encode_results(results: list[dict[str, Any]], pool: concurrent.futures.Executor) -> list[dict[str, Any]]:
+    """PIL images -> PNG bytes, every image of the batch in parallel (latent results pass through)."""
+    pngs = {id(img): pool.submit(_png, img) for r in results for img in r.get("images", [])}
+    return [{"images": [pngs[id(img)].result() for img in r["images"]]} if "images" in r else r for r in results]
 
 
 def _png(image: Any) -> bytes:
