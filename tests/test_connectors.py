@@ -554,7 +554,8 @@ async def test_mooncake_p2p_stale_release_does_not_free_a_reused_block(mooncake_
 
 async def test_mooncake_p2p_full_is_an_error_not_an_eviction(mooncake_p2p_pair):
     producer, consumer = mooncake_p2p_pair
-    chunk = {"x": torch.zeros(20 * 1024**2, dtype=torch.uint8)}
+    # a pattern, not zeros: the put copies large payloads in two halves on two threads
+    chunk = {"x": (torch.arange(20 * 1024**2) % 251).to(torch.uint8)}
     handles = []
     try:
         with pytest.raises(PayloadTooLarge, match="globalSegmentSize"):
@@ -563,7 +564,7 @@ async def test_mooncake_p2p_full_is_an_error_not_an_eviction(mooncake_p2p_pair):
         assert len(handles) == 2  # 24 MiB blocks (20 MiB rounded to its size class) in 64 MiB
         for h in handles:  # nothing was evicted to make room
             got = await consumer.get(h)
-            assert got["x"].shape == (20 * 1024**2,)
+            assert torch.equal(got["x"], chunk["x"])
     finally:
         for h in handles:
             await consumer.release(h)

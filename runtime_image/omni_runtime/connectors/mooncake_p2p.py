@@ -64,6 +64,7 @@ _WORD = struct.Struct("<Q")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _READ_SLICES = 4
 _READ_SLICE_MIN = 256 * 1024
+_SLICED_READ_MAX = 8 * 1024**2
 _RELEASE_WORDS = 64  # source words of in-flight remote releases (more than the worker threads)
 
 
@@ -184,9 +185,9 @@ class MooncakePeerConnector(Connector):
         (default: a free one). Metadata at `metadata_server` (default
         `http://<master_host>:<metadataPort>/metadata`). Blocks of unreleased payloads may take up to
         `spec.mooncake.globalSegmentSize` bytes; idle blocks beyond `pool_max_bytes` (per side:
-        sending and receiving) are freed. Reads of `thread_min_bytes` or more run in worker threads;
-        smaller ones (about a millisecond over TCP) run on the event loop, where a thread hop would
-        cost a good part of the read."""
+        sending and receiving) are freed. Puts and reads of `thread_min_bytes` or more run in worker
+        threads (a put's copy in two); smaller ones (a read is about a millisecond over TCP) run on
+        the event loop, where a thread hop would cost a good part of the call."""
         mc = (spec or ConnectorsSpec()).mooncake
         self.pipeline = pipeline
         self.metadata_server = metadata_server or f"http://{master_host}:{mc.metadata_port}/metadata"
@@ -220,6 +221,7 @@ class MooncakePeerConnector(Connector):
         self._reading: dict[tuple[str, int, int], _Block] = {}
         self._inflight: dict[tuple[str, int, int], set[concurrent.futures.Future]] = {}
         self._executor = concurrent.futures.ThreadPoolExecutor(max_threads, thread_name_prefix="omnikube-mcp2p")
+        self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omnikube-mcp2p-copy")
         self._closed = False
 
     # -- producer side -------------------------------------------------------------------------
@@ -229,8 +231,9 @@ class MooncakePeerConnector(Connector):
         header, frames = encode_payload(payload)
         layout = [len(header), *(f.nbytes for f in frames)]
         claims: list[tuple[_Block, int]] = []
+        executor = self._executor if sum(layout) >= self.thread_min_bytes else None
         block, generation = await run_blocking(
-            None, self._put_sync, claims, layout, header, frames, undo=lambda: self._unclaim(claims)
+            executor, self._put_sync, claims, layout, header, frames, undo=lambda: self._unclaim(claims)
         )
         return MooncakePeerHandle(
             key=key,
@@ -248,10 +251,29 @@ class MooncakePeerConnector(Connector):
         block = self._out.claim(total, "a put", _next_generation)
         generation = block.generation
         claims.append((block, generation))
+        copies = []
         for offset, size, data in zip(offsets, layout, [header, *frames], strict=True):
             if size:
                 start = _HDR + offset
-                np.copyto(block.array[start : start + size], np.frombuffer(data, np.uint8))
+                copies.append((block.array[start : start + size], np.frombuffer(data, np.uint8)))
+        if total < self.thread_min_bytes:
+            for dst, src in copies:
+                np.copyto(dst, src)
+            return block, generation
+        # Large: two threads copy halves (numpy releases the GIL), so the put costs half a memcpy; this
+        # runs in a worker, and the helper pool is used by nothing that waits, so it cannot deadlock.
+        half = total // 2
+        first, second, done = [], [], 0
+        for dst, src in copies:
+            cut = min(max(half - done, 0), src.nbytes)
+            first.append((dst[:cut], src[:cut]))
+            second.append((dst[cut:], src[cut:]))
+            done += src.nbytes
+        helper = self._copier.submit(_copy_all, first)
+        try:
+            _copy_all(second)
+        finally:
+            helper.result()  # a put undone on failure must not race the helper's copy
         return block, generation
 
     def _unclaim(self, claims: list[tuple[_Block, int]]) -> None:
@@ -307,9 +329,10 @@ class MooncakePeerConnector(Connector):
         return payload
 
     def _read(self, segment: str, local: int, remote: int, nbytes: int) -> int:
-        """One read, in up to `_READ_SLICES` parallel slices: the engine moves one request over one
-        connection at a time, so a 1 MiB read in four slices takes about half as long over TCP."""
-        slices = max(1, min(_READ_SLICES, nbytes // _READ_SLICE_MIN))
+        """One read; below `_SLICED_READ_MAX` in up to `_READ_SLICES` parallel slices. The engine moves
+        one request over one connection at a time, so a 1 MiB read in four slices takes about half as
+        long over TCP; larger reads are bandwidth-bound, and slicing them gained nothing measurable."""
+        slices = max(1, min(_READ_SLICES, nbytes // _READ_SLICE_MIN)) if nbytes < _SLICED_READ_MAX else 1
         if slices == 1:
             return self.engine.transfer_sync_read(segment, local, remote, nbytes)
         step = -(-nbytes // slices)
@@ -380,11 +403,18 @@ class MooncakePeerConnector(Connector):
             return
         self._closed = True
         self._executor.shutdown(wait=True)
+        self._copier.shutdown(wait=True)
         self._out.close()
         self._in.close()
         self.engine.unregister_memory(self._release_src.ctypes.data)
         # the engine's destructor removes its segment from the metadata server: drop every reference
         self._out.engine = self._in.engine = self.engine = None
+
+
+def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in pairs:
+        if src.nbytes:
+            np.copyto(dst, src)
 
 
 def _next_generation(block: _Block) -> None:
