@@ -21,3 +21,8 @@ def tiny_t2i_model() -> Path:
 @pytest.fixture(scope="session")
 def tiny_sd3_model() -> Path:
     return tiny_model("tiny-sd3")
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_img2img_model() -> Path:
+    return tiny_model("tiny-sd3-img2img")

@@ -190,6 +190,7 @@ def test_aliases_listing() -> None:
         "qwen2.5-omni": "qwen2-5-omni",
         "wan2.2-t2v": "wan2-2-t2v",
         "sd3": "stable-diffusion-3",
+        "sd3-img2img": "stable-diffusion-3-img2img",
     }
 
 

@@ -1,6 +1,7 @@
 """`omnikube serve` of image pipelines on the tiny models, through the real OpenAI client.
 
 - `tiny-sd3` alone (one diffusion stage): text-to-image, sizes, seeds, `n`.
+- `tiny-sd3-img2img` (one diffusion stage that takes an image): `/v1/images/edits`.
 - `prompt-enhanced-t2i` (enhancer AR stage with a CFG negative companion -> SD3 stage), once per
   connector of its edge (`inline`, `shm`, `mooncake`): the enhancer's text reaches the diffusion stage
   with the companion's, cancellation releases everything, and (shm) a mixed load leaves no segment.
@@ -103,6 +104,62 @@ def test_image_errors_say_what_is_allowed(sd3) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         api.images.edit(model="sd3-e2e", image=("a.png", b"\x89PNG"), prompt="x")
     assert "takes no image input" in err.value.body["message"]
+    api.close()
+
+
+# -- image to image: /v1/images/edits --------------------------------------------------------------
+
+
+def png_file(color: str, size: tuple[int, int]) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def img2img(tiny_sd3_img2img_model, tmp_path_factory):
+    spec = {  # the registry pipeline comes from the folder's model_index.json: stable-diffusion-3-img2img
+        "model": str(tiny_sd3_img2img_model),
+        "name": "edit-e2e",
+        "stages": [
+            {"name": "dit", "engine_args": {"torch_dtype": "float32"}, "sampling_params": {"num_inference_steps": 3}}
+        ],
+    }
+    run = Serve(spec, tmp_path_factory.mktemp("serve-img2img"))
+    tree: set[int] = set()
+    try:
+        yield run
+        tree = all_pids(run)
+    finally:
+        stopped_cleanly(run, tree)
+
+
+def test_image_edit_takes_the_uploaded_image(img2img) -> None:
+    api = openai.OpenAI(base_url=img2img.endpoint, api_key="none", max_retries=0)
+    red, blue = png_file("red", (96, 48)), png_file("blue", (96, 48))
+    first = api.images.edit(model="edit-e2e", image=("red.png", red), prompt="a boat", extra_body={"seed": 5})
+    out = png(first.data[0].b64_json)
+    assert out.size == (96, 48)  # the input image's size unless the request names one
+    again = api.images.edit(model="edit-e2e", image=("red.png", red), prompt="a boat", extra_body={"seed": 5})
+    assert again.data[0].b64_json == first.data[0].b64_json
+    other = api.images.edit(model="edit-e2e", image=("blue.png", blue), prompt="a boat", extra_body={"seed": 5})
+    assert other.data[0].b64_json != first.data[0].b64_json  # the picture itself went into the pipeline
+    sized = api.images.edit(model="edit-e2e", image=("red.png", red), prompt="a boat", size="64x64", n=2)
+    assert [png(d.b64_json).size for d in sized.data] == [(64, 64), (64, 64)]
+    api.close()
+
+
+def test_image_edit_errors_say_what_to_change(img2img) -> None:
+    api = openai.OpenAI(base_url=img2img.endpoint, api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        api.images.edit(model="edit-e2e", image=("x.png", b"not an image"), prompt="a boat")
+    assert "could not be read" in err.value.body["message"] and "PNG, JPEG or WebP" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:  # an edit pipeline needs its image
+        api.images.generate(model="edit-e2e", prompt="a boat")
+    assert "got none" in err.value.body["message"] and "/v1/images/edits" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        api.images.edit(model="edit-e2e", image=("red.png", png_file("red", (64, 64))), prompt="x", size="100x64")
+    assert "needs a positive multiple of 16" in err.value.body["message"]
     api.close()
 
 

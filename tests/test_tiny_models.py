@@ -393,3 +393,17 @@ def test_prompt_enhanced_folder_holds_both_stages(built: dict[str, Path]) -> Non
     assert _tree_digest(root / "dit") == _tree_digest(built["tiny-sd3"])
     assert AutoTokenizer.from_pretrained(root / "enhancer").eos_token == "<|im_end|>"
     assert type(DiffusionPipeline.from_pretrained(root / "dit")).__name__ == "StableDiffusion3Pipeline"
+
+
+def test_sd3_img2img_is_the_sd3_build_as_image_to_image(built: dict[str, Path]) -> None:
+    from diffusers import DiffusionPipeline
+
+    from omni_runtime.registry import resolve_model_pipeline
+
+    root = built["tiny-sd3-img2img"]
+    assert json.loads((root / "model_index.json").read_text())["_class_name"] == "StableDiffusion3Img2ImgPipeline"
+    assert _tree_digest(root / "transformer") == _tree_digest(built["tiny-sd3"] / "transformer")
+    assert type(DiffusionPipeline.from_pretrained(root)).__name__ == "StableDiffusion3Img2ImgPipeline"
+    topology = resolve_model_pipeline(root)
+    assert topology.name == "stable-diffusion-3-img2img"
+    assert "image" in [m.value for m in topology.stages[0].input_modalities]

@@ -29,9 +29,10 @@ def _pipelines_command(sub: argparse._SubParsersAction) -> None:
 def _list_pipelines(args: argparse.Namespace) -> int:
     from omni_runtime.registry import load_registry
 
-    for name, spec in sorted(load_registry().items()):
-        stages = " -> ".join(spec.topological_order())
-        print(f"{name:24} {stages:40} {spec.description}")
+    rows = [(name, " -> ".join(spec.topological_order()), spec.description) for name, spec in load_registry().items()]
+    width = max((len(name) for name, _, _ in rows), default=0)
+    for name, stages, description in sorted(rows):
+        print(f"{name:{width}}  {stages:32} {description}")
     return 0
 
 

@@ -95,6 +95,8 @@ class _Job:
     prompt: str | None = None
     negative_prompt: str | None = None
     embeds: dict[str, Any] = field(default_factory=dict)
+    image: Any = None
+    """The input picture (PIL, RGB) of an image-to-image request."""
     arrival: float = 0.0
     future: asyncio.Future | None = None
     aborted: bool = False
@@ -133,6 +135,8 @@ class DiffusionEngine(Engine):
         self.batch_log: deque[list[str]] = deque(maxlen=100)
         self._call_params: frozenset[str] = frozenset()
         self._embed_params: frozenset[str] = frozenset()
+        self._takes_image = False
+        self._takes_size = True
         self._pending: list[_Job] = []
         self._arrived: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
@@ -182,6 +186,8 @@ class DiffusionEngine(Engine):
             and not p.startswith(("prompt", "negative_prompt", "ip_adapter"))
             and p not in ("self", "image", "mask_image")
         )
+        self._takes_image = "image" in params
+        self._takes_size = "height" in params and "width" in params
         self.size_multiple = _size_multiple(self.pipe)
         self.default_size = _default_size(self.pipe)
         self._arrived = asyncio.Event()
@@ -250,7 +256,13 @@ class DiffusionEngine(Engine):
         negative = param_negative if negative is None else negative
         seed = params.pop("seed", None)
         n = params.pop("n", 1)
-        unknown = sorted(set(params) - self._call_params)
+        picture = self._input_image(request.data.get("image"))
+        if picture is not None:  # the output's size defaults to the input's (rounded to the multiple)
+            m = self.size_multiple
+            params.setdefault("width", max(m, picture.width // m * m))
+            params.setdefault("height", max(m, picture.height // m * m))
+        size_params = set() if self._takes_size else {"height", "width"}  # an img2img pipeline sizes by image
+        unknown = sorted(set(params) - self._call_params - size_params)
         if unknown:
             close = difflib.get_close_matches(unknown[0], self._call_params, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -291,8 +303,13 @@ class DiffusionEngine(Engine):
         if not 0 <= seed < 2**63:
             raise InvalidRequest(f"seed {seed} is out of range; use 0 to {2**63 - 1}")
 
-        data = {k: v for k, v in request.data.items() if v is not None and k != "negative_prompt"}
+        if picture is not None and not self._takes_size:
+            picture = picture.resize((width, height))
+            del params["height"], params["width"]
+        data = {k: v for k, v in request.data.items() if v is not None and k not in ("negative_prompt", "image")}
         embeds = {k: v for k, v in data.items() if k in self._embed_params}
+        if embeds and picture is not None:
+            raise InvalidRequest(f"stage {name!r} takes an image with a text prompt, not with embeddings")
         if embeds:
             extra = sorted(set(data) - set(embeds))
             if extra or negative is not None:
@@ -310,8 +327,36 @@ class DiffusionEngine(Engine):
             raise InvalidRequest(f"stage {name!r} does not take {extra}; send prompt and negative_prompt")
         if negative is not None and not isinstance(negative, str):
             raise InvalidRequest(f"negative_prompt must be a string, not {type(negative).__name__}")
-        key = repr(("text", sorted(params.items()), n, negative is not None))
-        return _Job(request.request_id, "text", key, params, n, seed, data["prompt"], negative)
+        size = None if picture is None else picture.size
+        key = repr(("text", sorted(params.items()), n, negative is not None, size))
+        return _Job(request.request_id, "text", key, params, n, seed, data["prompt"], negative, image=picture)
+
+    def _input_image(self, raw: Any) -> Any:
+        """The request's input image as an RGB PIL image; None when it has none and needs none."""
+        name = self.stage.name
+        if raw is None:
+            if Modality.IMAGE in self.stage.input_modalities and self._takes_image:
+                raise InvalidRequest(
+                    f"stage {name!r} edits an image and got none; send it as the multipart 'image' file "
+                    "of /v1/images/edits"
+                )
+            return None
+        if not self._takes_image:
+            raise InvalidRequest(f"stage {name!r} takes no image input; send only a prompt")
+        if not isinstance(raw, bytes | bytearray | memoryview):
+            raise InvalidRequest(f"image must be the bytes of a PNG, JPEG or WebP file, not {type(raw).__name__}")
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(io.BytesIO(bytes(raw))) as opened:
+                if opened.width * opened.height > self.max_pixels * 4:
+                    raise InvalidRequest(
+                        f"the input image is {opened.width}x{opened.height}; stage {name!r} reads at most "
+                        f"{self.max_pixels * 4} pixels (4x max_pixels); send a smaller image"
+                    )
+                return opened.convert("RGB")
+        except (UnidentifiedImageError, Image.DecompressionBombError, OSError) as err:
+            raise InvalidRequest(f"the input image could not be read ({err}); send a PNG, JPEG or WebP file") from None
 
     def _embeds_job(self, rid: str, params: dict, embeds: dict, n: int, seed: int) -> _Job:
         import torch
@@ -460,6 +505,8 @@ class DiffusionEngine(Engine):
         kwargs["output_type"] = "latent" if self.latent_output else "pil"
         if first.kind == "text":
             kwargs["prompt"] = [j.prompt for j in batch]
+            if first.image is not None:
+                kwargs["image"] = [j.image for j in batch]
             if first.negative_prompt is not None:
                 kwargs["negative_prompt"] = [j.negative_prompt for j in batch]
         else:

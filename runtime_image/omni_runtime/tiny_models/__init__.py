@@ -4,6 +4,8 @@
   and transformers.
 - `tiny-sd3`: StableDiffusion3Pipeline drawing 64x64 images in ~0.2-0.5 s; loads with
   `DiffusionPipeline.from_pretrained`.
+- `tiny-sd3-img2img`: the same components as StableDiffusion3Img2ImgPipeline (image + prompt ->
+  image), for `/v1/images/edits`.
 - `tiny-prompt-enhanced-t2i`: `enhancer/` (the chat model) + `dit/` (the SD3 pipeline) +
   `omnikube_pipeline.json` naming the registry pipeline `prompt-enhanced-t2i`.
 
@@ -54,7 +56,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_runtime.tiny_models import prompt_enhanced_t2i, qwen2_chat, sd3
+from omni_runtime.tiny_models import prompt_enhanced_t2i, qwen2_chat, sd3, sd3_img2img
 from omni_runtime.tiny_models._build import build_atomically, default_cache_dir, read_stamp
 
 __all__ = ["MODELS", "TinyModel", "build_all", "default_cache_dir", "ensure", "read_stamp"]
@@ -70,6 +72,10 @@ class TinyModel:
     """`build(out_dir, cache_dir)`: fill the empty `out_dir` (dependencies come from `cache_dir`)."""
     description: str
     depends_on: tuple[str, ...] = ()
+
+
+def _build_sd3_img2img(out: Path, cache_dir: Path) -> None:
+    sd3_img2img.build(out, ensure(sd3.NAME, cache_dir))
 
 
 def _build_prompt_enhanced(out: Path, cache_dir: Path) -> None:
@@ -90,6 +96,13 @@ MODELS: dict[str, TinyModel] = {
             sd3.VERSION,
             lambda out, _cache: sd3.build(out),
             "StableDiffusion3Pipeline, 64x64 images (diffusers stage)",
+        ),
+        TinyModel(
+            sd3_img2img.NAME,
+            sd3_img2img.VERSION,
+            _build_sd3_img2img,
+            "StableDiffusion3Img2ImgPipeline: tiny-sd3's components as image-to-image (images/edits)",
+            depends_on=(sd3.NAME,),
         ),
         TinyModel(
             prompt_enhanced_t2i.NAME,
