@@ -14,6 +14,7 @@ import base64
 import io
 import random
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -43,6 +44,16 @@ def all_pids(run: Serve) -> set[int]:
     return tree
 
 
+def serving(run: Serve) -> Iterator[Serve]:
+    """A fixture's body: yield the running `serve`, then check it stops leaving nothing behind."""
+    tree: set[int] = set()
+    try:
+        yield run
+        tree = all_pids(run)
+    finally:
+        stopped_cleanly(run, tree)
+
+
 def png(b64: str) -> Image.Image:
     raw = base64.b64decode(b64)
     assert raw[:8] == b"\x89PNG\r\n\x1a\n"
@@ -60,13 +71,7 @@ def sd3(tiny_sd3_model, tmp_path_factory):
         "name": "sd3-e2e",
         "stages": [{"name": "dit", "engine_args": {"torch_dtype": "float32"}, "sampling_params": DIT_PARAMS}],
     }
-    run = Serve(spec, tmp_path_factory.mktemp("serve-sd3"))
-    tree: set[int] = set()
-    try:
-        yield run
-        tree = all_pids(run)
-    finally:
-        stopped_cleanly(run, tree)
+    yield from serving(Serve(spec, tmp_path_factory.mktemp("serve-sd3")))
 
 
 def test_text_to_image_honours_size_seed_and_n(sd3) -> None:
@@ -125,13 +130,7 @@ def img2img(tiny_sd3_img2img_model, tmp_path_factory):
             {"name": "dit", "engine_args": {"torch_dtype": "float32"}, "sampling_params": {"num_inference_steps": 3}}
         ],
     }
-    run = Serve(spec, tmp_path_factory.mktemp("serve-img2img"))
-    tree: set[int] = set()
-    try:
-        yield run
-        tree = all_pids(run)
-    finally:
-        stopped_cleanly(run, tree)
+    yield from serving(Serve(spec, tmp_path_factory.mktemp("serve-img2img")))
 
 
 def test_image_edit_takes_the_uploaded_image(img2img) -> None:
@@ -192,12 +191,7 @@ def t2i(request, tiny_t2i_model, tmp_path_factory):
     run = Serve(spec, tmp_path_factory.mktemp(f"serve-t2i-{request.param}"), args=args)
     run.connector = connector
     run.pooled = connector == "shm" or (connector == "mooncake" and mode != "store")
-    tree: set[int] = set()
-    try:
-        yield run
-        tree = all_pids(run)
-    finally:
-        stopped_cleanly(run, tree)
+    yield from serving(run)
 
 
 def mooncake_keys(run: Serve) -> float | None:
