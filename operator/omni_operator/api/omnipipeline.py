@@ -251,7 +251,9 @@ class ConnectorsConfig(KubeModel):
     inline_max_bytes: Quantity | None = Field(
         None, description="Largest payload the inline connector carries (e.g. 4Mi); larger ones fail."
     )
-    mooncake: MooncakeConfig | None = Field(None, description="Mooncake Store settings.")
+    mooncake: MooncakeConfig | None = Field(
+        None, description="Mooncake settings: mode (p2p or store), protocol, sizes."
+    )
     edges: list[ConnectorEdge] = Field(
         default_factory=list,
         max_length=64,
