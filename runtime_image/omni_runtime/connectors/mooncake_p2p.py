@@ -230,8 +230,9 @@ class MooncakePeerConnector(Connector):
         self._check_open()
         header, frames = encode_payload(payload)
         layout = [len(header), *(f.nbytes for f in frames)]
+        nbytes = sum(layout)
         claims: list[tuple[_Block, int]] = []
-        executor = self._executor if sum(layout) >= self.thread_min_bytes else None
+        executor = self._executor if nbytes >= self.thread_min_bytes else None
         block, generation = await run_blocking(
             executor, self._put_sync, claims, layout, header, frames, undo=lambda: self._unclaim(claims)
         )
@@ -239,7 +240,7 @@ class MooncakePeerConnector(Connector):
             key=key,
             source=source_stage,
             target=target_stage,
-            nbytes=sum(layout),
+            nbytes=nbytes,
             segment=self.segment,
             address=block.address,
             generation=generation,
@@ -257,8 +258,7 @@ class MooncakePeerConnector(Connector):
                 start = _HDR + offset
                 copies.append((block.array[start : start + size], np.frombuffer(data, np.uint8)))
         if total < self.thread_min_bytes:
-            for dst, src in copies:
-                np.copyto(dst, src)
+            _copy_all(copies)
             return block, generation
         # Large: two threads copy halves (numpy releases the GIL), so the put costs half a memcpy; this
         # runs in a worker, and the helper pool is used by nothing that waits, so it cannot deadlock.
@@ -298,7 +298,7 @@ class MooncakePeerConnector(Connector):
     def _get_own(self, h: MooncakePeerHandle) -> dict[str, Any]:
         block = self._out.blocks.get(h.address)
         if block is None or block.generation != h.generation or block.freed() == h.generation:
-            raise PayloadGone(f"mooncake payload {h.key!r} ({h.source}->{h.target}) was already released")
+            raise _released(h)
         return self._decode(h, block)
 
     def _get_sync(self, h: MooncakePeerHandle, ident: tuple[str, int, int]) -> dict[str, Any]:
@@ -313,10 +313,9 @@ class MooncakePeerConnector(Connector):
                     f"({rc}); its producer exited or released it"
                 )
             head = block.mm[0:24]
-            if head[0:8] != _MAGIC or _WORD.unpack_from(head, _GEN_AT)[0] != h.generation:
-                raise PayloadGone(f"mooncake payload {h.key!r} ({h.source}->{h.target}) was already released")
-            if _WORD.unpack_from(head, _FREED_AT)[0] == h.generation:
-                raise PayloadGone(f"mooncake payload {h.key!r} ({h.source}->{h.target}) was already released")
+            generation, freed = _WORD.unpack_from(head, _GEN_AT)[0], _WORD.unpack_from(head, _FREED_AT)[0]
+            if head[0:8] != _MAGIC or generation != h.generation or freed == h.generation:
+                raise _released(h)
             payload = self._decode(h, block)
         except BaseException:
             block.busy = False
@@ -409,6 +408,10 @@ class MooncakePeerConnector(Connector):
         self.engine.unregister_memory(self._release_src.ctypes.data)
         # the engine's destructor removes its segment from the metadata server: drop every reference
         self._out.engine = self._in.engine = self.engine = None
+
+
+def _released(h: MooncakePeerHandle) -> PayloadGone:
+    return PayloadGone(f"mooncake payload {h.key!r} ({h.source}->{h.target}) was already released")
 
 
 def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:

@@ -477,7 +477,7 @@ class DiffusionEngine(Engine):
     async def _deliver(self, batch: list[_Job], results: list[dict[str, Any]]) -> None:
         try:
             assert self._encoder is not None, "started engines have an encoder"
-            encoded = await asyncio.to_thread(_encode_results, results, self._encoder)
+            encoded = await _encode_results(results, self._encoder)
         except Exception as exc:
             error = EngineError(f"stage {self.stage.name!r}: encoding the images failed: {exc}")
             for job in batch:
@@ -525,10 +525,11 @@ class DiffusionEngine(Engine):
         return out
 
 
-def _encode_results(results: list[dict[str, Any]], pool: concurrent.futures.Executor) -> list[dict[str, Any]]:
-    """PIL images -> PNG bytes, every image of the batch in parallel (latent results pass through)."""
-    pngs = {id(img): pool.submit(_png, img) for r in results for img in r.get("images", [])}
-    return [{"images": [pngs[id(img)].result() for img in r["images"]]} if "images" in r else r for r in results]
+async def _encode_results(results: list[dict[str, Any]], pool: concurrent.futures.Executor) -> list[dict[str, Any]]:
+    """PIL images -> PNG bytes, every image of the batch in parallel in `pool` (latent results pass through)."""
+    loop = asyncio.get_running_loop()
+    pngs = [[loop.run_in_executor(pool, _png, img) for img in r["images"]] if "images" in r else None for r in results]
+    return [r if p is None else {"images": list(await asyncio.gather(*p))} for r, p in zip(results, pngs, strict=True)]
 
 
 def _png(image: Any) -> bytes:
