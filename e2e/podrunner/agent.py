@@ -28,6 +28,7 @@ import sys
 import traceback
 
 import linux
+from relay import relay
 
 OLD_ROOT = "/.oldroot"
 
@@ -201,12 +202,7 @@ class Agent:
 
     async def proxy(self, listen_host: str, listen_port: int, unix: str) -> None:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                up_reader, up_writer = await asyncio.open_unix_connection(unix)
-            except OSError:
-                writer.close()
-                return
-            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer), return_exceptions=True)
+            await relay(reader, writer, lambda: asyncio.open_unix_connection(unix))
 
         self.proxies.append(await asyncio.start_server(handle, listen_host, listen_port))
 
@@ -216,15 +212,6 @@ class Agent:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    finally:
-        writer.close()
 
 
 def _exec_container(req: dict, errw: int) -> None:

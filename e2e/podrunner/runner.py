@@ -36,6 +36,7 @@ from podrunner.logs import log_path, read_log  # noqa: E402
 from podrunner.network import Network  # noqa: E402
 from podrunner.node import RUNNER_LABEL, RUNNER_TAINT, NodeConfig, NodeKeeper  # noqa: E402
 from podrunner.podworker import ApiProxy, PodWorker, Services  # noqa: E402
+from podrunner.relay import relay  # noqa: E402
 
 __all__ = ["NodeConfig", "PodRunner", "RUNNER_LABEL", "RUNNER_TAINT", "main"]
 
@@ -290,15 +291,10 @@ class PodRunner:
         sock.unlink(missing_ok=True)
         host, api_port = kube.server_address
 
-        async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                up_reader, up_writer = await asyncio.open_connection(host, api_port)
-            except OSError:
-                writer.close()
-                return
-            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer), return_exceptions=True)
+        async def to_apiserver(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await relay(reader, writer, lambda: asyncio.open_connection(host, api_port))
 
-        server = await asyncio.start_unix_server(relay, path=str(sock))
+        server = await asyncio.start_unix_server(to_apiserver, path=str(sock))
         return ApiProxy(svc["spec"]["clusterIP"], port, str(sock)), server
 
     def _claim_state_dir(self) -> None:
@@ -393,15 +389,6 @@ class PodRunner:
 
 class _Relist(Exception):
     pass
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    finally:
-        writer.close()
 
 
 def _key_values(items: list[str], what: str) -> dict[str, str]:
