@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,3 +38,21 @@ def wait_for(
 def condition(obj: dict, type_: str) -> dict:
     """The status condition of that type, or {}."""
     return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
+
+
+def apply(cluster: Any, namespace: str, obj: dict) -> None:
+    """`kubectl apply` one object (or a v1 List) into `namespace`."""
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
+
+
+def stop_process_group(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout: float = 15) -> None:
+    """Send `sig` to a process started with `start_new_session=True` and its children; SIGKILL the
+    group if it has not exited within `timeout` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -21,10 +21,10 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
-from clusterlib import REPO, kubectl_json
+from chartlib import Release, ServiceAccountOperator, helm
+from clusterlib import REPO, apply, kubectl_json
 from PIL import Image
 from podrunner.node import RUNNER_LABEL
-from test_helm_chart import Release, ServiceAccountOperator, helm
 
 from omni_runtime.tiny_models import default_cache_dir, ensure
 
@@ -173,14 +173,7 @@ def env(cluster, podrunner, tmp_path_factory) -> Iterator[Env]:
     operator = ServiceAccountOperator(cluster, release, tmp_path_factory.mktemp("e2e-operator"), [release.apps]).start()
     e = Env(cluster, podrunner, release, operator)
     try:
-        cluster.kubectl(
-            "apply",
-            "-n",
-            release.apps,
-            "-f",
-            "-",
-            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": PIPELINES}),
-        )
+        apply(cluster, release.apps, {"apiVersion": "v1", "kind": "List", "items": PIPELINES})
         for p in PIPELINES:
             e.wait_ready(p["metadata"]["name"])
         yield e
@@ -273,7 +266,7 @@ def test_editing_engine_args_rolls_only_that_stage(env) -> None:
     before = pods()
     edited = json.loads(json.dumps(PIPELINES[2]))
     edited["spec"]["stages"][0]["engineArgs"] = {**AR_ARGS, "max_model_len": 384}
-    env.cluster.kubectl("apply", "-n", env.ns, "-f", "-", input=json.dumps(edited))
+    apply(env.cluster, env.ns, edited)
     client = env.client("enhanced")
     outcomes = []
     deadline = time.monotonic() + READY_TIMEOUT

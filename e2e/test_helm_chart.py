@@ -14,22 +14,14 @@ the cluster fixture applied with kubectl, are adopted by the release for the mod
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import yaml
-from clusterlib import REPO, condition, kubectl_json, wait_for
-
-from localcluster import free_port
+from chartlib import Release, ServiceAccountOperator, helm
+from clusterlib import REPO, apply, condition, kubectl_json, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -44,19 +36,9 @@ CHART_LABELS = [
 ]
 HELM_ANNOTATIONS = ["meta.helm.sh/release-name", "meta.helm.sh/release-namespace", "helm.sh/resource-policy"]
 FORBIDDEN_MARKS = ("403", "Forbidden", "forbidden")
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 # --- helpers ---------------------------------------------------------------------------------------
-
-
-def helm(cluster, *args: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess:
-    out = subprocess.run(
-        [cluster.binary("helm"), *args], env=cluster.env(), text=True, capture_output=True, timeout=timeout
-    )
-    if check and out.returncode != 0:
-        raise AssertionError(f"helm {' '.join(args)} exited {out.returncode}:\n{out.stderr}{out.stdout[-2000:]}")
-    return out
 
 
 def template(cluster, *sets: str, name: str = "omk", namespace: str = "omk-system") -> list[dict]:
@@ -77,28 +59,6 @@ def find(objs: list[dict], kind: str, name: str | None = None, namespace: str | 
 
 def exists(cluster, *args: str) -> bool:
     return cluster.kubectl("get", *args, "-o", "name", check=False).returncode == 0
-
-
-@dataclass
-class Release:
-    name: str
-    namespace: str
-    """The release namespace: the operator Deployment, its ServiceAccount and the Lease."""
-    apps: str
-    """Where the test's OmniPipeline lives."""
-    installed: bool = False
-
-    @property
-    def fullname(self) -> str:
-        return f"{self.name}-omnikube"
-
-    @property
-    def service_account(self) -> str:
-        return self.fullname
-
-    def require_installed(self) -> None:
-        if not self.installed:
-            pytest.fail("the release was not installed (see test_install)")
 
 
 def _set_crd_ownership(cluster, release: Release | None) -> None:
@@ -140,101 +100,6 @@ def release(cluster) -> Iterator[Release]:
         _set_crd_ownership(cluster, None)
         for ns in (rel.apps, rel.namespace):
             cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-
-
-class ServiceAccountOperator:
-    """`omnikube operator` as a local process whose only credential is a token of the chart's
-    ServiceAccount: both its own client (--kubeconfig) and kopf's ($KUBECONFIG) use it."""
-
-    def __init__(self, cluster, release: Release, workdir: Path, namespaces: list[str]) -> None:
-        self.cluster, self.release, self.workdir, self.namespaces = cluster, release, workdir, namespaces
-        self.identity = f"helm-rbac-{uuid.uuid4().hex[:4]}"
-        self.kubeconfig = workdir / "sa-kubeconfig.json"
-        self.log_path = workdir / f"{self.identity}.log"
-        self.liveness_port, self.metrics_port = free_port(), free_port()
-        self.proc: subprocess.Popen | None = None
-
-    def write_kubeconfig(self) -> None:
-        token = self.cluster.kubectl(
-            "create", "token", self.release.service_account, "-n", self.release.namespace, "--duration=1h"
-        ).stdout.strip()
-        admin = json.loads(self.cluster.kubeconfig.read_text())
-        server = admin["clusters"][0]["cluster"]
-        self.kubeconfig.write_text(
-            json.dumps(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [
-                        {
-                            "name": "local",
-                            "cluster": {
-                                "server": server["server"],
-                                "certificate-authority": server["certificate-authority"],
-                            },
-                        }
-                    ],
-                    "users": [{"name": "operator", "user": {"token": token}}],
-                    "contexts": [
-                        {
-                            "name": "operator",
-                            "context": {"cluster": "local", "user": "operator", "namespace": self.release.namespace},
-                        }
-                    ],
-                    "current-context": "operator",
-                }
-            )
-        )
-
-    def start(self) -> ServiceAccountOperator:
-        self.write_kubeconfig()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE_")}
-        env.update(
-            KUBECONFIG=str(self.kubeconfig),
-            POD_NAME=self.identity,
-            POD_NAMESPACE=self.release.namespace,
-            PYTHONUNBUFFERED="1",
-        )
-        args = [
-            sys.executable,
-            "-m",
-            "omni_runtime.cli",
-            "operator",
-            "--kubeconfig",
-            str(self.kubeconfig),
-            "--lease-namespace",
-            self.release.namespace,
-            "--resync-seconds",
-            "600",
-            "--liveness-port",
-            str(self.liveness_port),
-            "--metrics-port",
-            str(self.metrics_port),
-        ]
-        for ns in self.namespaces:
-            args += ["--namespace", ns]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        return self
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def get(self, path: str, port: int) -> tuple[int, str]:
-        try:
-            with _NO_PROXY.open(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
-                return response.status, response.read().decode()
-        except OSError as exc:
-            return 0, str(exc)
 
 
 @pytest.fixture
@@ -458,26 +323,18 @@ def test_chart_rbac_is_all_the_operator_needs(cluster, release, sa_operator):
     denied = cluster.kubectl("--kubeconfig", str(op.kubeconfig), "get", "nodes", check=False)
     assert denied.returncode != 0 and "forbidden" in denied.stderr.lower()
     cluster.kubectl("create", "secret", "generic", "hf-token", "-n", release.apps, "--from-literal=token=x")
-    cluster.kubectl(
-        "apply",
-        "-n",
-        release.apps,
-        "-f",
-        "-",
-        input=json.dumps(
-            {
-                "apiVersion": "omnikube.io/v1alpha1",
-                "kind": "OmniPipeline",
-                "metadata": {"name": "helm-rbac"},
-                "spec": {
-                    "model": "/models/x",
-                    "pipeline": "text-chat",
-                    "runtime": {"hfTokenSecret": {"name": "hf-token", "key": "token"}},  # exercises get secrets
-                    "stages": [{"name": "llm", "replicas": 1}],
-                },
-            }
-        ),
-    )
+    pipeline = {
+        "apiVersion": "omnikube.io/v1alpha1",
+        "kind": "OmniPipeline",
+        "metadata": {"name": "helm-rbac"},
+        "spec": {
+            "model": "/models/x",
+            "pipeline": "text-chat",
+            "runtime": {"hfTokenSecret": {"name": "hf-token", "key": "token"}},  # exercises get secrets
+            "stages": [{"name": "llm", "replicas": 1}],
+        },
+    }
+    apply(cluster, release.apps, pipeline)
     ready = wait_for(
         lambda: pipeline_ready(cluster, release.apps, "helm-rbac"), 90, "OmniPipeline Ready", lambda: op.log()[-4000:]
     )

@@ -9,7 +9,6 @@ the end-to-end tier runs them for real).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from clusterlib import REPO, condition, kubectl_json, wait_for
+from clusterlib import REPO, apply, condition, kubectl_json, stop_process_group, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -58,13 +57,7 @@ class OperatorProcess:
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process_group(self.proc, sig)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
@@ -80,10 +73,6 @@ def operator(cluster, tmp_path_factory) -> Iterator[OperatorProcess]:
 def get(cluster, namespace: str, kind: str, name: str) -> dict | None:
     out = cluster.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
     return json.loads(out.stdout) if out.returncode == 0 else None
-
-
-def apply(cluster, namespace: str, obj: dict) -> None:
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
 
 
 def wait_ready(cluster, operator, namespace: str, name: str, timeout: float = 90) -> dict:
