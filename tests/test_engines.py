@@ -595,3 +595,64 @@ async def test_generation_decodes_latents_chunk_by_chunk_in_order(model_dir: Pat
     finally:
         await latent_dit.stop()
         await vae.stop()
+
+
+# --- models: image to image -----------------------------------------------------------------------
+
+
+def _png_bytes(color: str, size: tuple[int, int]) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def img2img():
+    from omni_runtime.registry import resolve_model_pipeline
+    from omni_runtime.spec import ResolvedPipeline
+    from omni_runtime.tiny_models import ensure
+
+    folder = ensure("tiny-sd3-img2img")
+    topology = resolve_model_pipeline(folder)
+    stage = topology.stages[0].model_copy(
+        update={
+            "engine_args": {"torch_dtype": "float32", "max_pixels": 64 * 64, "batch_window_ms": 200},
+            "sampling_params": {"num_inference_steps": 3, "strength": 0.6},  # with 2, sigma is 1: pure noise
+        }
+    )
+    topology = topology.model_copy(update={"stages": [stage]})
+    engine = DiffusionEngine(
+        ResolvedPipeline(name="edit", model=str(folder), served_model_name="edit", topology=topology), stage
+    )
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+@models
+@in_module_loop
+async def test_image_edits_of_one_size_share_a_call_and_bad_images_are_refused(img2img: DiffusionEngine) -> None:
+    red, blue = _png_bytes("red", (64, 48)), _png_bytes("blue", (64, 48))
+    outs = await asyncio.gather(
+        _collect(img2img, EngineInput("i1", {"prompt": "a boat", "image": red}, {"seed": 1})),
+        _collect(img2img, EngineInput("i2", {"prompt": "a boat", "image": blue}, {"seed": 1})),
+    )
+    assert ["i1", "i2"] in [sorted(b) for b in img2img.batch_log]  # one pipeline call for both
+    assert outs[0][0].data["images"][0] != outs[1][0].data["images"][0]  # each got its own picture
+    with pytest.raises(InvalidRequest, match="129x129; stage 'dit' reads at most 16384 pixels"):
+        await _collect(img2img, EngineInput("i3", {"prompt": "x", "image": _png_bytes("red", (129, 129))}, {}))
+    with pytest.raises(InvalidRequest, match="bytes of a PNG, JPEG or WebP file, not str"):
+        await _collect(img2img, EngineInput("i4", {"prompt": "x", "image": "red.png"}, {}))
+    embeds = {"prompt_embeds": torch.zeros(1, 4, 32), "image": red}
+    with pytest.raises(InvalidRequest, match="takes an image with a text prompt, not with embeddings"):
+        await _collect(img2img, EngineInput("i5", embeds, {}))
+
+
+@models
+@in_module_loop
+async def test_text_to_image_stage_refuses_an_image(dit: DiffusionEngine) -> None:
+    request = EngineInput("t1", {"prompt": "x", "image": _png_bytes("red", (64, 64))}, {})
+    with pytest.raises(InvalidRequest, match="takes no image input; send only a prompt"):
+        await _collect(dit, request)
