@@ -8,16 +8,23 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import subprocess
+import sys
 import textwrap
 import time
 from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from clusterlib import kubectl_json
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from podrunner import NodeConfig, PodRunner
 from podrunner.fixtures import RUNNER_NODES, on_runner
 
@@ -566,3 +573,215 @@ def _read(path: str) -> str:
         return Path(path).read_text()
     except OSError:
         return ""
+
+
+def test_a_tmp_empty_dir_hides_neither_etc_hosts_nor_a_checkout_under_tmp(cluster, namespace, tmp_path):
+    """A pod with an emptyDir on /tmp (the chart's operator pod has one) while the runner's state folder and the
+    "image" (a checkout with its venv) live under /tmp, as in a clone under /tmp: the volume must not hide the pod's
+    /etc/hosts, its log, or the interpreter the container runs. A runner of its own, whose venv is under /tmp."""
+    checkout = tmp_path / "checkout"
+    venv_bin = checkout / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").symlink_to(sys.executable)
+    host_only = Path("/tmp") / f"okpr-host-only-{namespace}"
+    host_only.write_text("the host's /tmp")
+    node = "runner-tmpdir-0"
+    script = textwrap.dedent(
+        """
+        import os, sys
+        print("HOSTS", open("/etc/hosts").read().split("\\n")[-2])
+        print("TMP", sorted(os.listdir("/tmp")))
+        print("EXE", os.environ["PATH"].split(":")[0])
+        open("/tmp/written-in-pod", "w").write("x")
+        """
+    )
+    try:
+        with PodRunner(cluster.kubeconfig, [NodeConfig(node)], tmp_path / "state", venv_bin=venv_bin) as runner:
+            apply(
+                cluster,
+                namespace,
+                pod(
+                    "tmpdir",
+                    [
+                        {
+                            "name": "c",
+                            "image": "x",
+                            "command": ["python", "-c", script],  # found only in the venv under /tmp
+                            "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+                        }
+                    ],
+                    restartPolicy="Never",
+                    nodeSelector={"kubernetes.io/hostname": node},
+                    volumes=[{"name": "tmp", "emptyDir": {}}],
+                ),
+            )
+            done = wait_for(
+                "tmpdir finished",
+                lambda: (
+                    (p := get_pod(cluster, namespace, "tmpdir"))["status"].get("phase") in ("Succeeded", "Failed") and p
+                ),
+                timeout=60,
+            )
+            out = runner.logs(namespace, "tmpdir", "c")
+            assert done["status"]["phase"] == "Succeeded", (container_status(done), out)
+            ip = done["status"]["podIP"]
+            assert f"HOSTS {ip}\ttmpdir" in out  # the pod's own /etc/hosts, not the host's
+            # /tmp is the emptyDir: empty but for the path down to the checkout, which is the host's.
+            assert f"TMP ['{tmp_path.relative_to('/tmp').parts[0]}']" in out
+            assert f"EXE {venv_bin}" in out
+            assert not Path("/tmp/written-in-pod").exists() and host_only.exists()
+    finally:
+        host_only.unlink(missing_ok=True)
+
+
+# --- kubectl logs: the API server proxies pods/log to the runner's kubelet endpoint --------------------------
+
+
+def _logs(cluster, namespace: str, *args: str) -> subprocess.CompletedProcess:
+    return cluster.kubectl("-n", namespace, "logs", *args, check=False, timeout=60)
+
+
+def test_kubectl_logs_of_a_runner_pod_with_tail_limit_and_follow(cluster, namespace, podrunner: PodRunner):
+    counter = "i=0; while true; do echo tick $i; i=$((i+1)); sleep 0.2; done"
+    apply(
+        cluster,
+        namespace,
+        pod(
+            "chatty",
+            [
+                {"name": "counter", "image": "x", "command": ["sh", "-c", counter]},
+                {"name": "once", "image": "x", "command": ["sh", "-c", "echo hello from once; exec sleep 1000"]},
+            ],
+        ),
+        pod(
+            "ender",
+            [{"name": "c", "image": "x", "command": ["sh", "-c", "echo start; sleep 4; echo end"]}],
+            restartPolicy="Never",
+        ),
+    )
+    wait_for("chatty Running", lambda: get_pod(cluster, namespace, "chatty")["status"].get("phase") == "Running")
+    wait_for("a few ticks", lambda: "tick 3" in podrunner.logs(namespace, "chatty", "counter"))
+    once = _logs(cluster, namespace, "chatty", "-c", "once")
+    assert once.returncode == 0, once.stderr
+    assert once.stdout == "hello from once\n"
+    tail = _logs(cluster, namespace, "chatty", "-c", "counter", "--tail=2").stdout.splitlines()
+    assert len(tail) == 2 and all(line.startswith("tick ") for line in tail)
+    assert int(tail[1].split()[1]) == int(tail[0].split()[1]) + 1
+    assert _logs(cluster, namespace, "chatty", "-c", "counter", "--limit-bytes=6").stdout == "tick 0"
+    no_previous = _logs(cluster, namespace, "chatty", "-c", "counter", "--previous")
+    assert no_previous.returncode != 0 and 'previous terminated container "counter"' in no_previous.stderr
+    stamped = _logs(cluster, namespace, "chatty", "-c", "counter", "--timestamps")
+    assert stamped.returncode != 0 and "no per-line timestamps" in stamped.stderr  # refused, not ignored
+    unknown = _logs(cluster, namespace, "chatty", "-c", "nope")
+    assert unknown.returncode != 0 and "nope" in unknown.stderr
+
+    # -f streams what the container writes after the call: ticks beyond the last one written before it.
+    before = int(podrunner.logs(namespace, "chatty", "counter").split()[-1])
+    follow = subprocess.Popen(
+        [cluster.binary("kubectl"), "-n", namespace, "logs", "-f", "chatty", "-c", "counter"],
+        env=cluster.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert follow.stdout is not None
+        seen = -1
+        deadline = time.monotonic() + 60
+        while seen <= before + 5 and time.monotonic() < deadline:
+            line = follow.stdout.readline()
+            assert line, follow.stderr.read() if follow.stderr else "kubectl logs -f ended"
+            seen = int(line.split()[1])
+        assert seen > before + 5
+    finally:
+        follow.kill()
+        follow.wait()
+
+    # -f of a container that ends: the stream ends with it, holding everything it wrote.
+    wait_for("ender started", lambda: "start" in podrunner.logs(namespace, "ender", "c"))
+    ended = cluster.kubectl("-n", namespace, "logs", "-f", "ender", timeout=60)
+    assert ended.stdout == "start\nend\n"
+
+
+def test_kubectl_logs_previous_shows_the_run_before_a_restart(cluster, namespace, podrunner: PodRunner):
+    script = "n=$(($(cat /state/n 2>/dev/null || echo 0) + 1)); echo $n > /state/n; echo run $n; sleep 3; exit 3"
+    apply(
+        cluster,
+        namespace,
+        pod(
+            "crasher",
+            [
+                {
+                    "name": "c",
+                    "image": "x",
+                    "command": ["sh", "-c", script],
+                    "volumeMounts": [{"name": "state", "mountPath": "/state"}],
+                }
+            ],
+            volumes=[{"name": "state", "emptyDir": {}}],
+        ),
+    )
+
+    def current_and_previous() -> tuple[str, str] | None:
+        status = container_status(get_pod(cluster, namespace, "crasher"))
+        if status.get("restartCount", 0) < 1 or "running" not in status.get("state", {}):
+            return None
+        now, before = _logs(cluster, namespace, "crasher").stdout, _logs(cluster, namespace, "crasher", "-p").stdout
+        return (now, before) if now.startswith("run ") and before.startswith("run ") else None
+
+    now, before = wait_for("a restarted crasher", current_and_previous, timeout=90, interval=0.5)
+    assert now.count("run ") == 1 and before.count("run ") == 1  # one run each, not the whole file
+    assert int(before.split()[1]) == int(now.split()[1]) - 1
+
+
+def test_the_kubelet_endpoint_serves_only_clients_the_api_server_authorizes(cluster, namespace, podrunner, tmp_path):
+    """Straight to the runner's endpoint: no client certificate, or one for a user without nodes/proxy, gets
+    nothing; the cluster admin's certificate (system:masters), as on a real kubelet, gets the log."""
+
+    apply(
+        cluster,
+        namespace,
+        pod("secret-log", [{"name": "c", "image": "x", "command": ["sh", "-c", "echo s3cr3t; exec sleep 1000"]}]),
+    )
+    wait_for("secret-log wrote", lambda: "s3cr3t" in podrunner.logs(namespace, "secret-log", "c"))
+    node = kubectl_json(cluster, "get", "node", get_pod(cluster, namespace, "secret-log")["spec"]["nodeName"])
+    address = next(a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP")
+    port = node["status"]["daemonEndpoints"]["kubeletEndpoint"]["Port"]
+    assert port > 0
+    url = f"https://{address}:{port}/containerLogs/{namespace}/secret-log/c"
+    pki = Path(cluster.workdir) / "pki"
+
+    def client_tls(cert: Path | None = None, key: Path | None = None) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))  # the endpoint's cert is the cluster's
+        if cert and key:
+            ctx.load_cert_chain(cert, key)
+        return ctx
+
+    with pytest.raises(httpx.HTTPError):  # the TLS handshake wants a client certificate
+        httpx.get(url, verify=client_tls(), timeout=10, trust_env=False).raise_for_status()
+
+    ca_cert = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
+    ca_key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.now(timezone.utc)
+    nobody = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "nobody")]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=5))
+        .not_valid_after(now + timedelta(hours=1))
+        .add_extension(x509.ExtendedKeyUsage([x509.ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    (tmp_path / "nobody.crt").write_bytes(nobody.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "nobody.key").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    denied = httpx.get(
+        url, verify=client_tls(tmp_path / "nobody.crt", tmp_path / "nobody.key"), timeout=10, trust_env=False
+    )
+    assert denied.status_code == 403 and "s3cr3t" not in denied.text and "nodes/proxy" in denied.text
+    admin = httpx.get(url, verify=client_tls(pki / "admin.crt", pki / "admin.key"), timeout=10, trust_env=False)
+    assert admin.status_code == 200 and admin.text == "s3cr3t\n"

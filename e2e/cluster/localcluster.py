@@ -138,7 +138,7 @@ def _name(cn: str, org: str | None = None) -> x509.Name:
 
 
 def write_pki(pki: Path) -> None:
-    """CA, apiserver serving cert, an admin client cert (system:masters) and the service-account keys."""
+    """CA, apiserver serving cert, admin and apiserver-to-kubelet client certs and the service-account keys."""
     pki.mkdir(parents=True, exist_ok=True)
     ca_key = _key()
     ca_name = _name("omnikube-local-ca")
@@ -160,6 +160,12 @@ def write_pki(pki: Path) -> None:
     )
     admin_key = _key()
     admin = _cert(_name("omnikube-admin", "system:masters"), admin_key, ca_name, ca_key, client=True)
+    # The API server's identity towards kubelets (the pod runner's log endpoint), as kubeadm's
+    # apiserver-kubelet-client: the kubelet authorizes it with a SubjectAccessReview on nodes/proxy.
+    kubelet_client_key = _key()
+    kubelet_client = _cert(
+        _name("kube-apiserver-kubelet-client", "system:masters"), kubelet_client_key, ca_name, ca_key, client=True
+    )
     sa_key = _key()
     files = {
         "ca.crt": ca.public_bytes(serialization.Encoding.PEM),
@@ -168,6 +174,8 @@ def write_pki(pki: Path) -> None:
         "apiserver.key": _pem_key(server_key),
         "admin.crt": admin.public_bytes(serialization.Encoding.PEM),
         "admin.key": _pem_key(admin_key),
+        "apiserver-kubelet-client.crt": kubelet_client.public_bytes(serialization.Encoding.PEM),
+        "apiserver-kubelet-client.key": _pem_key(kubelet_client_key),
         "sa.key": _pem_key(sa_key),
         "sa.pub": sa_key.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
@@ -330,6 +338,12 @@ class LocalCluster:
                 f"--tls-cert-file={pki / 'apiserver.crt'}",
                 f"--tls-private-key-file={pki / 'apiserver.key'}",
                 f"--client-ca-file={pki / 'ca.crt'}",
+                # `kubectl logs` of pods on the pod runner's nodes: the API server calls the node's kubelet
+                # endpoint at its InternalIP, verifies it against the cluster CA and presents this client cert.
+                f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+                f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+                f"--kubelet-certificate-authority={pki / 'ca.crt'}",
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",

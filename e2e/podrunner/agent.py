@@ -225,8 +225,13 @@ def _exec_container(req: dict, errw: int) -> None:
         linux.unshare(linux.CLONE_NEWNS)
         linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
         linux.mount("proc", "/proc", "proc", linux.MS_NOSUID | linux.MS_NODEV)
-        for m in sorted(req.get("mounts", []), key=lambda m: m["target"].rstrip("/").count("/")):
-            src, dst = m["source"], m["target"]
+        # Every host path is opened before the first mount: a volume mounted early (an emptyDir on /tmp)
+        # may cover the host path of a later mount's source (the pod folder under /tmp holds /etc/hosts and
+        # the volumes) or of the log. The mounts then take their source through /proc/self/fd.
+        log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        mounts = [(m, os.open(m["source"], os.O_PATH | os.O_CLOEXEC)) for m in req.get("mounts", [])]
+        for m, fd in sorted(mounts, key=lambda mf: mf[0]["target"].rstrip("/").count("/")):
+            src, dst = f"/proc/self/fd/{fd}", m["target"]
             if not os.path.lexists(dst):  # inside another volume, as runc does
                 if os.path.isdir(src):
                     os.makedirs(dst, exist_ok=True)
@@ -239,7 +244,8 @@ def _exec_container(req: dict, errw: int) -> None:
         cwd = req.get("cwd") or "/"
         os.makedirs(cwd, exist_ok=True)
         os.chdir(cwd)
-        log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        for _, fd in mounts:
+            os.close(fd)
         null = os.open("/dev/null", os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(log, 1)

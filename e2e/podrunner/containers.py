@@ -72,6 +72,7 @@ class ContainerRunner:
         self._attempts = 0
         self._bo: float | None = None
         self._bo_updated = 0.0
+        self.log_starts: list[int] = []  # offset in the log file where each run's output begins (kubectl logs)
 
     # -- status --
 
@@ -160,9 +161,11 @@ class ContainerRunner:
         self.container_id = secrets.token_hex(32)
         self._kill_message = ""
         started_at = now()
+        log_file = self.worker.log_path(self.name)
+        self.log_starts.append(log_file.stat().st_size if log_file.exists() else 0)
         try:
             process = await self.worker.sandbox.start(
-                self.name, argv=argv, env=env, cwd=cwd, mounts=mounts, log_path=str(self.worker.log_path(self.name))
+                self.name, argv=argv, env=env, cwd=cwd, mounts=mounts, log_path=str(log_file)
             )
         except StartError as e:
             self._count_attempt()

@@ -34,9 +34,10 @@ class KubeError(RuntimeError):
 
 
 class Kube:
-    def __init__(self, http: httpx.AsyncClient, server: str) -> None:
+    def __init__(self, http: httpx.AsyncClient, server: str, ca: bytes = b"") -> None:
         self.http = http
         self.server = server
+        self.ca = ca  # the cluster CA (PEM) from the kubeconfig; empty when the kubeconfig names none
 
     @classmethod
     async def from_kubeconfig(cls, path: str) -> Kube:
@@ -60,7 +61,11 @@ class Kube:
             timeout=httpx.Timeout(30.0),
             limits=httpx.Limits(max_connections=50),
         )
-        return cls(http, cfg.host)
+        ca = b""
+        if cfg.ssl_ca_cert:
+            with open(cfg.ssl_ca_cert, "rb") as f:
+                ca = f.read()
+        return cls(http, cfg.host, ca)
 
     @property
     def server_address(self) -> tuple[str, int]:

@@ -44,8 +44,11 @@ def _micro_now() -> str:
 
 
 class NodeKeeper:
-    def __init__(self, kube: Kube, config: NodeConfig, address: str, kubelet_version: str) -> None:
+    def __init__(
+        self, kube: Kube, config: NodeConfig, address: str, kubelet_version: str, kubelet_port: int = 0
+    ) -> None:
         self.kube, self.config, self.address, self.version = kube, config, address, kubelet_version
+        self.kubelet_port = kubelet_port  # where the API server reaches the runner's kubelet endpoint (logs)
         self.uid = ""
 
     @property
@@ -122,7 +125,7 @@ class NodeKeeper:
                         {"type": "InternalIP", "address": self.address},
                         {"type": "Hostname", "address": cfg.name},
                     ],
-                    "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
+                    "daemonEndpoints": {"kubeletEndpoint": {"Port": self.kubelet_port}},
                     "nodeInfo": {
                         "architecture": "amd64",
                         "operatingSystem": "linux",

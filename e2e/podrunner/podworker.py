@@ -22,7 +22,7 @@ from podrunner.kube import MERGE_PATCH, Kube, KubeError
 from podrunner.network import VETH_PREFIX, Network, NetworkError
 from podrunner.sandbox import Sandbox, SandboxError
 from podrunner.status import PodFacts, build_status, pod_phase
-from podrunner.volumes import Volume, VolumeError, container_mounts, prepare_volumes
+from podrunner.volumes import Volume, VolumeError, container_mounts, keep_image_visible, prepare_volumes
 
 __all__ = ["ApiProxy", "PodWorker", "Services"]
 
@@ -51,6 +51,7 @@ class Services:
     allocatable: dict[str, dict[str, str]]  # node -> allocatable
     api_proxy: ApiProxy | None = None
     api_address: tuple[str, int] = ("127.0.0.1", 443)
+    image_paths: list[str] = field(default_factory=list)  # host folders that are "the image" (repo, venv)
     stopping: bool = False
     workers: dict[str, PodWorker] = field(default_factory=dict)
 
@@ -126,6 +127,10 @@ class PodWorker:
         if not self.svc.stopping:
             self.svc.events.record(self.pod, self.node, kind, reason, message)
 
+    def container_runner(self, name: str) -> ContainerRunner | None:
+        """The runner of container `name` (init containers included), or None when the pod has no such container."""
+        return next((r for r in [*self.init_runners, *self.runners] if r.name == name), None)
+
     def log_path(self, container: str) -> Path:
         return self.dir / f"{container}.log"
 
@@ -149,11 +154,14 @@ class PodWorker:
             node_allocatable=self.svc.allocatable.get(self.node, {}),
         )
         self._envs[spec["name"]] = env
-        mounts = [
-            {"source": str(self.sandbox_dir / "hosts"), "target": "/etc/hosts", "readonly": False},
-            {"source": str(self.sandbox_dir / "hostname"), "target": "/etc/hostname", "readonly": False},
-            *container_mounts(spec, self.volumes, env),
-        ]
+        mounts = keep_image_visible(
+            [
+                {"source": str(self.sandbox_dir / "hosts"), "target": "/etc/hosts", "readonly": False},
+                {"source": str(self.sandbox_dir / "hostname"), "target": "/etc/hostname", "readonly": False},
+                *container_mounts(spec, self.volumes, env),
+            ],
+            self.svc.image_paths,
+        )
         return expand_command(spec, env), env, spec.get("workingDir") or "/", mounts
 
     def _hostname(self) -> str:

@@ -32,6 +32,7 @@ import httpx  # noqa: E402
 from podrunner.containers import Backoff  # noqa: E402
 from podrunner.events import EventRecorder  # noqa: E402
 from podrunner.kube import Kube  # noqa: E402
+from podrunner.kubelet import KubeletServer  # noqa: E402
 from podrunner.logs import log_path, read_log  # noqa: E402
 from podrunner.network import Network  # noqa: E402
 from podrunner.node import RUNNER_LABEL, RUNNER_TAINT, NodeConfig, NodeKeeper  # noqa: E402
@@ -95,10 +96,11 @@ class PodRunner:
     def worker(self, namespace: str, pod: str) -> PodWorker | None:
         if self.svc is None:
             return None
-        for w in list(self.svc.workers.values()):
+        found = None
+        for w in list(self.svc.workers.values()):  # the newest one, when a pod of the same name is still ending
             if w.namespace == namespace and w.name == pod:
-                return w
-        return None
+                found = w
+        return found
 
     def sandbox_info(self, namespace: str, pod: str) -> dict[str, Any] | None:
         """Host-side facts of a running pod: IP, veth, PIDs, network-namespace inode."""
@@ -183,6 +185,7 @@ class PodRunner:
         self._write_state(network)
         http = httpx.AsyncClient(trust_env=False, verify=False, follow_redirects=True)
         proxy_server: asyncio.AbstractServer | None = None
+        kubelet = KubeletServer(kube, [n.name for n in self.nodes], self.state_dir, self.worker)
         keepers: list[NodeKeeper] = []
         background: list[asyncio.Task] = []
         try:
@@ -199,9 +202,11 @@ class PodRunner:
                 allocatable={n.name: dict(n.capacity) for n in self.nodes},
                 api_proxy=proxy,
                 api_address=kube.server_address,
+                image_paths=self._image_paths(),
             )
+            kubelet_port = await self._start_kubelet(kubelet, kube, str(network.gateway))
             for cfg in self.nodes:
-                keeper = NodeKeeper(kube, cfg, str(network.gateway), f"{version}-podrunner")
+                keeper = NodeKeeper(kube, cfg, str(network.gateway), f"{version}-podrunner", kubelet_port)
                 await keeper.register()
                 keepers.append(keeper)
                 background.append(asyncio.create_task(keeper.heartbeat()))
@@ -217,6 +222,7 @@ class PodRunner:
                 on_ready()
             await self._stop.wait()
         finally:
+            await kubelet.close()
             await self._shutdown(background, keepers)
             if proxy_server is not None:
                 proxy_server.close()
@@ -230,6 +236,18 @@ class PodRunner:
             await kube.close()
             (self.state_dir / "runner.json").unlink(missing_ok=True)
             log.info("pod runner stopped")
+
+    async def _start_kubelet(self, kubelet: KubeletServer, kube: Kube, address: str) -> int:
+        """The kubelet endpoint for `kubectl logs` on the node address; its port, or 0 when it cannot run (the
+        pods still do; `kubectl logs` then fails at the API server, and this log says why)."""
+        if not kube.ca:
+            log.warning("the kubeconfig names no CA: no kubelet endpoint, so `kubectl logs` will not work")
+            return 0
+        try:
+            return await kubelet.start(address, kube.ca)
+        except Exception as e:  # noqa: BLE001 - logs are a convenience; the pods must run regardless
+            log.warning("no kubelet endpoint, so `kubectl logs` will not work: %s", e)
+            return 0
 
     async def _shutdown(self, background: list[asyncio.Task], keepers: list[NodeKeeper]) -> None:
         for task in background:
@@ -263,6 +281,14 @@ class PodRunner:
                 if asyncio.get_running_loop().time() > deadline:
                     raise TimeoutError(f"nodes {pending} still carry node.kubernetes.io taints after {timeout}s")
                 await asyncio.sleep(0.5)
+
+    def _image_paths(self) -> list[str]:
+        """The host folders a container's command comes from: this repository, its venv and the interpreter.
+        Volumes must not hide them (see `keep_image_visible`), wherever the checkout lives."""
+        paths = {REPO, Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}
+        if self.venv_bin:
+            paths.add(self.venv_bin.resolve().parent)
+        return sorted(str(p) for p in paths)
 
     def _base_env(self) -> dict[str, str]:
         """The "image" environment: the host's PATH with the repository's venv first."""

@@ -8,7 +8,9 @@ import pytest
 
 from podrunner.containers import go_duration
 from podrunner.downward import expand, parse_quantity
+from podrunner.kubelet import LogRequest, LogRequestError, parse_log_request, tail_offset
 from podrunner.status import PodFacts, build_status, pod_phase
+from podrunner.volumes import keep_image_visible
 
 
 @pytest.mark.parametrize(
@@ -107,3 +109,79 @@ def test_readiness_gates_hold_ready_back() -> None:
     conds = {c["type"]: c for c in build_status(pod, facts, "T")["conditions"]}
     assert conds["ContainersReady"]["status"] == "True"
     assert conds["Ready"]["status"] == "False" and conds["Ready"]["reason"] == "ReadinessGatesNotReady"
+
+
+def _binds(mounts: list[dict]) -> list[tuple[str, str]]:
+    return [(m["source"], m["target"]) for m in mounts]
+
+
+@pytest.mark.parametrize(
+    ("targets", "image", "added"),
+    [
+        (["/tmp"], ["/tmp/clone", "/tmp/clone/.venv"], [("/tmp/clone", "/tmp/clone")]),  # the topmost path only
+        (["/tmp/"], ["/tmp/clone"], [("/tmp/clone", "/tmp/clone")]),
+        (["/srv", "/models"], ["/tmp/clone"], []),  # nothing of the image covered
+        (["/tmp/clone"], ["/tmp/clone"], []),  # a volume on the image path itself is the user's choice
+        (["/tmp/clone/data"], ["/tmp/clone"], []),  # a volume inside the image stays on top of it
+        (["/tmpfoo"], ["/tmp/clone"], []),  # a prefix of the name is not a parent folder
+    ],
+)
+def test_keep_image_visible_binds_back_covered_image_paths(
+    targets: list[str], image: list[str], added: list[tuple[str, str]]
+) -> None:
+    mounts = [{"source": f"/vol{i}", "target": t, "readonly": False} for i, t in enumerate(targets)]
+    out = keep_image_visible(mounts, image)
+    assert out[: len(mounts)] == mounts and _binds(out[len(mounts) :]) == added
+
+
+@pytest.mark.parametrize(
+    ("target", "want"),
+    [
+        ("/containerLogs/ns/p/c", LogRequest("ns", "p", "c")),
+        (
+            "/containerLogs/ns/p/c?follow=true&tailLines=10&limitBytes=5",
+            LogRequest("ns", "p", "c", follow=True, tail_lines=10, limit_bytes=5),
+        ),
+        ("/containerLogs/ns/p/c?previous=true&follow=true", LogRequest("ns", "p", "c", previous=True)),
+        ("/containerLogs/ns/p/c?timestamps=false&stream=All", LogRequest("ns", "p", "c")),
+    ],
+)
+def test_parse_log_request(target: str, want: LogRequest) -> None:
+    assert parse_log_request(target) == want
+
+
+@pytest.mark.parametrize(
+    ("target", "status", "says"),
+    [
+        ("/containerLogs/ns/p", 404, "only /containerLogs"),
+        ("/exec/ns/p/c", 404, "only /containerLogs"),
+        ("/containerLogs/ns/%2E%2E/c", 400, "not a valid Kubernetes name"),
+        ("/containerLogs/ns/p/c?timestamps=true", 400, "no per-line timestamps"),
+        ("/containerLogs/ns/p/c?sinceSeconds=5", 400, "no per-line timestamps"),
+        ("/containerLogs/ns/p/c?tailLines=-1", 400, "at least 0"),
+        ("/containerLogs/ns/p/c?limitBytes=x", 400, "expected an integer"),
+        ("/containerLogs/ns/p/c?follow=maybe", 400, "expected true or false"),
+        ("/containerLogs/ns/p/c?stream=Stderr", 400, "only All"),
+    ],
+)
+def test_parse_log_request_refuses(target: str, status: int, says: str) -> None:
+    with pytest.raises(LogRequestError) as e:
+        parse_log_request(target)
+    assert e.value.status == status and says in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "start", "lines", "want"),
+    [
+        (b"a\nb\nc\n", 0, 2, b"b\nc\n"),
+        (b"a\nb\nc", 0, 2, b"b\nc"),  # a last line without its newline counts
+        (b"a\nb\nc\n", 0, 5, b"a\nb\nc\n"),
+        (b"a\nb\nc\n", 2, 5, b"b\nc\n"),  # never before the run's start
+        (b"a\nb\nc\n", 0, 0, b""),
+        (b"x" * 100_000 + b"\n" + b"y" * 70_000 + b"\n", 0, 1, b"y" * 70_000 + b"\n"),  # across read blocks
+    ],
+)
+def test_tail_offset(tmp_path, data: bytes, start: int, lines: int, want: bytes) -> None:
+    path = tmp_path / "log"
+    path.write_bytes(data)
+    assert data[tail_offset(path, start, len(data), lines) :] == want

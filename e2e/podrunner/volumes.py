@@ -20,7 +20,7 @@ from podrunner.downward import DownwardError, expand, field_value, parse_quantit
 from podrunner.envs import ObjectCache
 from podrunner.kube import Kube
 
-__all__ = ["Volume", "VolumeError", "container_mounts", "prepare_volumes"]
+__all__ = ["Volume", "VolumeError", "container_mounts", "keep_image_visible", "prepare_volumes"]
 
 
 class VolumeError(RuntimeError):
@@ -247,3 +247,29 @@ def container_mounts(container: dict, volumes: dict[str, Volume], env: dict[str,
             {"source": source, "target": vm["mountPath"], "readonly": bool(vm.get("readOnly")) or vol.read_only}
         )
     return mounts
+
+
+def _strictly_under(path: str, folder: str) -> bool:
+    folder = folder.rstrip("/")
+    return path != folder and path.startswith(folder + "/")
+
+
+def keep_image_visible(mounts: list[dict], image_paths: list[str]) -> list[dict]:
+    """`mounts` plus a bind of each image path that a mount's target would otherwise cover.
+
+    The host is every container's image, so the image lives wherever the checkout and its venv are. A real
+    image keeps its code away from the paths volumes cover; here a clone under /tmp would vanish under a
+    pod's `/tmp` emptyDir, and the container could not even start its interpreter. So an image path strictly
+    under a mount's target is bound again from the host on top of that volume (deeper, so mounted after it):
+    the volume still covers everything else, and volumes inside the image path still go on top of it. A mount
+    whose target is the image path itself, or above nothing of it, is left alone.
+    """
+    roots = sorted({p.rstrip("/") or "/" for p in image_paths})
+    roots = [p for p in roots if not any(_strictly_under(p, q) for q in roots)]
+    targets = {m["target"].rstrip("/") for m in mounts}
+    extra = [
+        {"source": p, "target": p, "readonly": False}
+        for p in roots
+        if p not in targets and any(_strictly_under(p, t) for t in targets)
+    ]
+    return [*mounts, *extra]
