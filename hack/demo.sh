@@ -24,6 +24,14 @@ export KUBECONFIG=$DIR/cluster/kubeconfig
 BIN=$($PY -c "import json;print(json.load(open('$DIR/cluster/state.json'))['bin_dir'])")
 export PATH="$BIN:$PWD/.venv/bin:$PATH"
 kubectl get nodes -L nvidia.com/gpu.product,omnikube.io/accelerator
+on_error() {
+  printf '\n\033[1mmake demo stopped on an error.\033[0m What runs stays up; look around with:\n'
+  printf '  export KUBECONFIG=%s PATH=%s:$PATH\n' "$KUBECONFIG" "$BIN"
+  printf '  kubectl get pods -A -o wide; kubectl describe pod -n NAMESPACE POD; kubectl logs -n NAMESPACE POD\n'
+  printf '  the pod runner'"'"'s own log: %s\n' "$DIR/podrunner.log"
+  printf 'then `make demo` again (it reuses what runs) or `make demo-down`.\n'
+}
+trap on_error ERR
 
 step "pod runner (runs the pods of runner-node-0 as local processes)"
 if [ -f "$DIR/podrunner.pid" ] && kill -0 "$(cat "$DIR/podrunner.pid")" 2>/dev/null; then
@@ -103,11 +111,24 @@ path.write_bytes(base64.b64decode(image.data[0].b64_json))
 print(f"image ({draw.base_url}): saved to {path}")
 PYEOF
 
+CHAT_IP=$(router_ip chat)
+DRAW_IP=$(router_ip draw)
 cat <<MSG
 
-Everything keeps running. To look around:
+Everything keeps running. The routers answer on their pod IPs (the pod runner's bridge; reachable from
+this host, not from other machines; there is no kube-proxy, so Service IPs and port-forward do not route):
+  chat  http://$CHAT_IP:8000/v1   (OpenAI API, model "chat")
+  draw  http://$DRAW_IP:8000/v1   (OpenAI API, model "draw")
+For example:
+  curl --noproxy '*' http://$CHAT_IP:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"model": "chat", "messages": [{"role": "user", "content": "Say hello!"}], "max_tokens": 16}'
+
+kubectl talks to the demo cluster with:
   export KUBECONFIG=$KUBECONFIG PATH=$BIN:\$PATH
-  kubectl get omnipipelines -A -o wide
+  kubectl get omnipipelines,omnistages,pods -n $NS -o wide
+  kubectl logs -n $NS -f deploy/chat-router          # logs work for every pod on runner-node-0
+  kubectl describe omnipipeline -n $NS chat
+A pod's IP changes when the pod is replaced; the IP column of \`kubectl get pods -n $NS -o wide\` has the new one.
 Tear down with:
   make demo-down
 MSG
