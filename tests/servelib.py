@@ -327,10 +327,13 @@ def echo_pipeline(topology, *, limits=None, name: str = "echo"):
 
 
 class echo_cluster:  # noqa: N801 (used as `async with echo_cluster(...)`)
-    def __init__(self, pipeline, replicas: dict[str, int] | None = None, *, ping_timeout_s: float = 3.0) -> None:
+    def __init__(
+        self, pipeline, replicas: dict[str, int] | None = None, *, ping_timeout_s: float = 3.0, api_key_file=None
+    ) -> None:
         self.pipeline = pipeline
         self.replicas = replicas or {}
         self.ping_timeout_s = ping_timeout_s
+        self.api_key_file = api_key_file
 
     async def __aenter__(self) -> EchoCluster:
         import socket
@@ -358,7 +361,7 @@ class echo_cluster:  # noqa: N801 (used as `async with echo_cluster(...)`)
                 static=[f"127.0.0.1:{s.port}" for s in servers[stage.name]]
             )
         pool = StagePool(self.pipeline, ping_interval_s=0.1, ping_timeout_s=self.ping_timeout_s)
-        app = build_app(self.pipeline, pool)
+        app = build_app(self.pipeline, pool, api_key_file=self.api_key_file)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -97,6 +97,21 @@ def test_serve_arguments_override_the_file(t2i_folder, tmp_path) -> None:
     assert len(run.resolved.discovery["dit"].static) == 3 and run.resolved.served_model_name == "x"
 
 
+def test_serve_gives_the_router_the_api_key_file(t2i_folder, tmp_path) -> None:
+    key = tmp_path / "key"
+    key.write_text("local-secret\n")
+    args = build_parser().parse_args(["serve", str(t2i_folder), "--api-key-file", str(key)])
+    run = LocalRun.prepare(load_local_spec(args.target), run_dir=tmp_path / "run", api_key_file=args.api_key_file)
+    (router,) = [p.cmd for p in run._commands() if p.name == "router"]
+    parsed = build_parser().parse_args(router[router.index("router") :])
+    assert parsed.api_key_file == str(key.resolve())
+    (stage, *_) = [p.cmd for p in run._commands() if p.name != "router"]
+    assert "--api-key-file" not in stage
+    with pytest.raises(SpecError, match="--api-key-file: API key file .* is empty"):
+        (tmp_path / "empty").write_text("\n")
+        LocalRun.prepare(load_local_spec(t2i_folder), run_dir=tmp_path / "run2", api_key_file=tmp_path / "empty")
+
+
 def test_bad_local_specs_say_what_to_change(t2i_folder, tmp_path) -> None:
     with pytest.raises(SpecError, match="neither a model folder nor a pipeline file"):
         load_local_spec(tmp_path / "missing")

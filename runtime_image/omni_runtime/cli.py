@@ -99,21 +99,33 @@ def _router_command(sub: argparse._SubParsersAction) -> None:
         default=10.0,
         help="seconds without a message before a stage replica counts as hung (default 10)",
     )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file holding the key every /v1 request must send as 'Authorization: Bearer <key>'; re-read "
+        "when it changes (a mounted Secret), so a rotated key needs no restart (default: no key)",
+    )
     parser.set_defaults(func=_run_router)
 
 
 def _run_router(args: argparse.Namespace) -> int:
+    from omni_runtime.router.auth import ApiKeyError
     from omni_runtime.router.main import run
 
     level = "debug" if args.verbose else "info"
-    return run(
-        args.config,
-        host=args.host,
-        port=args.port,
-        kubeconfig=args.kubeconfig,
-        log_level=level,
-        ping_timeout_s=args.ping_timeout,
-    )
+    try:
+        return run(
+            args.config,
+            host=args.host,
+            port=args.port,
+            kubeconfig=args.kubeconfig,
+            log_level=level,
+            ping_timeout_s=args.ping_timeout,
+            api_key_file=args.api_key_file,
+        )
+    except ApiKeyError as err:
+        print(f"omnikube router: {err}", file=sys.stderr)
+        return 2
 
 
 def _serve_command(sub: argparse._SubParsersAction) -> None:

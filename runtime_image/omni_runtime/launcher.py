@@ -203,6 +203,8 @@ class LocalRun:
     procs: list[_Proc] = field(default_factory=list)
     mooncake: Any = None
     shm_pool_bytes: int = 64 * 1024**2
+    api_key_file: Path | None = None
+    """Given to the router: every /v1 request must send this file's key as a Bearer token."""
 
     @property
     def endpoint(self) -> str:
@@ -220,6 +222,7 @@ class LocalRun:
         replicas: dict[str, int] | None = None,
         served_model_name: str | None = None,
         shm_pool_bytes: int = 64 * 1024**2,
+        api_key_file: str | Path | None = None,
     ) -> LocalRun:
         """Resolve the pipeline, pick ports and write `resolved.json`; starts nothing."""
         topology = topology_for(spec)
@@ -275,7 +278,15 @@ class LocalRun:
             connectors=connectors,
             limits=spec.limits,
         )
+        if api_key_file is not None:
+            from omni_runtime.router.auth import ApiKeyError, ApiKeyFile
+
+            try:
+                ApiKeyFile(api_key_file)  # refuse a bad file here, not after the stages loaded
+            except ApiKeyError as err:
+                raise SpecError(f"--api-key-file: {err}") from None
         run = cls(resolved=resolved, run_dir=_run_dir(run_dir, name), host=host, shm_pool_bytes=shm_pool_bytes)
+        run.api_key_file = Path(api_key_file).resolve() if api_key_file is not None else None
         run.router_port = port or free_port(host)
         for stage in names:
             ports = [(free_port(host), free_port(host)) for _ in range(counts[stage])]
@@ -336,6 +347,7 @@ class LocalRun:
             self.host,
             "--port",
             str(self.router_port),
+            *(["--api-key-file", str(self.api_key_file)] if self.api_key_file else []),
         ]
         procs.append(
             _Proc("router", router, self.run_dir / "router.log", f"http://{self.host}:{self.router_port}/health")
@@ -560,6 +572,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--replicas", action="append", default=[], metavar="STAGE=N", help="replicas of a stage (repeatable)"
     )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file holding the API key clients must send as 'Authorization: Bearer <key>' (re-read when it "
+        "changes; default: no key)",
+    )
     parser.add_argument("--run-dir", default=None, help="folder for resolved.json and logs (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
     parser.add_argument(
@@ -589,6 +607,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
             replicas=replicas,
             served_model_name=args.served_model_name,
             shm_pool_bytes=args.shm_pool_bytes,
+            api_key_file=args.api_key_file,
         )
     except SpecError as err:
         print(f"omnikube serve: {err}", file=sys.stderr)

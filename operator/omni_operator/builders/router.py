@@ -18,7 +18,12 @@ from omni_operator.builders.stage_workload import CONFIG_MOUNT, RUNTIME_UID, pod
 from omni_operator.resolve import uses_mooncake
 from omni_runtime.spec import ROUTER_PORT, ResolvedPipeline
 
-__all__ = ["build_router_objects", "router_endpoint"]
+__all__ = ["API_KEY_FILE", "API_KEY_MOUNT", "build_router_objects", "router_endpoint"]
+
+API_KEY_MOUNT = "/etc/omnikube-auth"
+API_KEY_FILE = f"{API_KEY_MOUNT}/api-key"
+"""Where the router reads `router.apiKeySecret`: a Secret volume, which the kubelet rewrites when the
+Secret changes (within about a minute), and the router re-reads, so rotating the key needs no restart."""
 
 
 def _router_config_hash(resolved: ResolvedPipeline) -> str:
@@ -104,13 +109,16 @@ def build_router_objects(
         "subjects": [{"kind": "ServiceAccount", "name": rname, "namespace": namespace}],
     }
     env = pod_container_env([e.to_dict() for e in runtime.env], None)
+    volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": configmap_name(name)}}]
+    mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
+    key_args: list[str] = []
     if router.api_key_secret:
-        env.append(
-            {
-                "name": "OMNIKUBE_API_KEY",
-                "valueFrom": {"secretKeyRef": {**router.api_key_secret.to_dict(), "optional": False}},
-            }
+        ref = router.api_key_secret
+        volumes.append(
+            {"name": "api-key", "secret": {"secretName": ref.name, "items": [{"key": ref.key, "path": "api-key"}]}}
         )
+        mounts.append({"name": "api-key", "mountPath": API_KEY_MOUNT, "readOnly": True})
+        key_args = ["--api-key-file", API_KEY_FILE]
     container: dict[str, Any] = {
         "name": "router",
         "image": runtime.image,
@@ -124,12 +132,15 @@ def build_router_objects(
             "0.0.0.0",
             "--port",
             str(ROUTER_PORT),
+            *key_args,
         ],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "env": env,
+        # Ready: every stage has a ready replica (the Service sends clients only then). Alive: the process
+        # serves; never tied to the stages, or a router would restart-loop while a model loads.
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
-        "volumeMounts": [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}],
+        "livenessProbe": {"httpGet": {"path": "/livez", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
+        "volumeMounts": mounts,
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
     resources = {k: v for k, v in router.resources.to_dict().items() if v}
@@ -154,7 +165,7 @@ def build_router_objects(
                     **_placement(router),
                     "serviceAccountName": rname,
                     "containers": containers,
-                    "volumes": [{"name": "config", "configMap": {"name": configmap_name(name)}}],
+                    "volumes": volumes,
                     "securityContext": {
                         "runAsNonRoot": True,
                         "runAsUser": RUNTIME_UID,

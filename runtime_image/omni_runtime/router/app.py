@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -14,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_runtime.metrics import Router as M
 from omni_runtime.router.admission import Admission
+from omni_runtime.router.auth import ApiKeyFile, BearerAuth
 from omni_runtime.router.errors import OmniError, RequestTooLarge, error_response
 from omni_runtime.router.orchestrator import Orchestrator
 from omni_runtime.router.pool import StagePool
@@ -40,9 +42,13 @@ def build_app(
     *,
     api_client: Any = None,
     ping_timeout_s: float = 10.0,
+    api_key_file: str | Path | None = None,
 ) -> FastAPI:
     """The router app for `pipeline`. The pool (made from the pipeline's discovery unless given) starts
-    and stops with the app's lifespan; `ping_timeout_s`: silence after which a replica counts as hung."""
+    and stops with the app's lifespan; `ping_timeout_s`: silence after which a replica counts as hung;
+    `api_key_file`: where the key every `/v1/*` request must send as a Bearer token is (None: no key).
+    Raises ApiKeyError when that file cannot be used."""
+    api_key = ApiKeyFile(api_key_file) if api_key_file is not None else None
     pool = pool or StagePool(pipeline, api_client=api_client, ping_timeout_s=ping_timeout_s)
     name = pipeline.name
 
@@ -74,6 +80,8 @@ def build_app(
 
     for exc_type in (OmniError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, handle)
+    if api_key is not None:
+        app.add_middleware(BearerAuth, key=api_key)  # inside the guard, so its 401s are counted too
     app.add_middleware(_Guard, max_bytes=limits.max_body_bytes, pipeline=name)
     return app
 
@@ -143,7 +151,7 @@ class _Guard:
 
 
 _ERROR_TYPES = {
-    400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError", 429: "RateLimitError",
-    499: "ClientClosedRequest", 500: "InternalServerError", 502: "BadGatewayError",
+    400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
+    429: "RateLimitError", 499: "ClientClosedRequest", 500: "InternalServerError", 502: "BadGatewayError",
     503: "ServiceUnavailableError", 504: "TimeoutError",
 }  # fmt: skip

@@ -27,6 +27,7 @@ __all__ = [
     "RequestTooLarge",
     "StageLost",
     "StageUnavailable",
+    "Unauthorized",
     "error_body",
     "error_response",
     "from_stage_failure",
@@ -50,6 +51,15 @@ class OmniError(Exception):
 
 class BadRequest(OmniError):
     status, type = 400, "BadRequestError"
+
+
+class Unauthorized(OmniError):
+    """No API key, or a wrong one; the `WWW-Authenticate` header names the scheme (RFC 6750)."""
+
+    status, type = 401, "AuthenticationError"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": 'Bearer realm="omnikube"'})
 
 
 class NotFound(OmniError):
@@ -131,7 +141,7 @@ def error_response(exc: BaseException) -> JSONResponse:
         message = str(exc.detail)
         if status == 404:
             message = "no such route; this server offers /v1/chat/completions, /v1/images/generations, " \
-                "/v1/images/edits, /v1/models, /health and /metrics"  # fmt: skip
+                "/v1/images/edits, /v1/models, /health, /livez and /metrics"  # fmt: skip
     else:
         log.exception("unexpected error while serving a request", exc_info=exc)
         status, type_, param, headers = 500, "InternalServerError", None, {}

@@ -44,15 +44,22 @@ async def serve(
     kubeconfig: str | None = None,
     log_level: str = "info",
     ping_timeout_s: float = 10.0,
+    api_key_file: str | Path | None = None,
 ) -> None:
     pipeline = load_resolved(config)
     api_client = await make_api_client(kubeconfig) if _needs_kubernetes(pipeline) else None
-    app = build_app(pipeline, api_client=api_client, ping_timeout_s=ping_timeout_s)
+    try:
+        app = build_app(pipeline, api_client=api_client, ping_timeout_s=ping_timeout_s, api_key_file=api_key_file)
+    except BaseException:
+        if api_client is not None:
+            await api_client.close()
+        raise
     config_ = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
     )
     server = uvicorn.Server(config_)
-    log.info("router for %s (model %s) on http://%s:%d/v1", pipeline.name, pipeline.served_model_name, host, port)
+    log.info("router for %s (model %s) on http://%s:%d/v1%s", pipeline.name, pipeline.served_model_name, host, port,
+             f", API key from {api_key_file}" if api_key_file else ", no API key")  # fmt: skip
     try:
         await server.serve()
     finally:

@@ -15,7 +15,7 @@ __all__ = ["ROUTES", "router"]
 router = APIRouter()
 
 ROUTES = ("/v1/chat/completions", "/v1/images/generations", "/v1/images/edits", "/v1/models", "/health",
-          "/metrics")  # fmt: skip
+          "/livez", "/metrics")  # fmt: skip
 
 
 @router.post("/v1/chat/completions")
@@ -38,8 +38,16 @@ async def models(raw: Request) -> ModelList:
     return raw.app.state.serving.models.list()
 
 
+@router.get("/livez")
+async def livez() -> Response:
+    """Liveness: the router process serves. It says nothing about the stages, so a router is never
+    restarted while a stage loads its model (readiness, `/health`, says that)."""
+    return JSONResponse({"status": "alive"})
+
+
 @router.get("/health")
 async def health(raw: Request) -> Response:
+    """Readiness: every stage has at least one ready replica (503 with the missing stages otherwise)."""
     ready = raw.app.state.context.pool.ready()
     ok = all(ready.values())
     body = {"status": "ok" if ok else "unavailable", "ready_replicas": ready}
