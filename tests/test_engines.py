@@ -513,6 +513,23 @@ async def test_diffusion_rejects_bad_sizes_and_steps(dit: DiffusionEngine) -> No
 
 @models
 @in_module_loop
+async def test_diffusion_bounds_the_steps_a_sigmas_schedule_asks_for(dit: DiffusionEngine) -> None:
+    """A custom schedule runs one step per entry, so it obeys max_inference_steps like num_inference_steps."""
+    long = [1.0 - i / 10_000 for i in range(10_000)]
+    with pytest.raises(InvalidRequest, match="sigmas has 10000 entries.*1 to 200 steps.*max_inference_steps"):
+        await _image(dit, "g1", "a cat", sigmas=long)
+    with pytest.raises(InvalidRequest, match="sigmas must be a list of numbers"):
+        await _image(dit, "g2", "a cat", sigmas="1.0,0.5")
+    with pytest.raises(InvalidRequest, match="sigmas has 0 entries"):
+        await _image(dit, "g3", "a cat", sigmas=[])
+    with pytest.raises(InvalidRequest, match="finite numbers"):
+        await _image(dit, "g4", "a cat", sigmas=[1.0, float("nan")])
+    png = await _image(dit, "g5", "a cat", seed=1, sigmas=[1.0, 0.5])
+    assert png.startswith(b"\x89PNG")
+
+
+@models
+@in_module_loop
 async def test_diffusion_abort_drops_a_queued_request(dit: DiffusionEngine) -> None:
     calls = len(dit.batch_log)
     running = asyncio.ensure_future(_collect(dit, EngineInput("q1", {"prompt": "a cat"}, {"seed": 1})))

@@ -637,3 +637,40 @@ def test_rendered_yaml_quotes_strings_other_yaml_readers_would_not_read_as_strin
     out = dump_yaml([{"metadata": {"annotations": {"omnikube.io/spec-hash": value}}}])
     assert f"'{value}'" in out
     assert yaml.safe_load(out)["metadata"]["annotations"]["omnikube.io/spec-hash"] == value
+
+
+def test_router_api_key_is_a_secret_file_the_router_command_reads_and_liveness_is_livez() -> None:
+    from omni_operator.builders.router import API_KEY_FILE
+    from omni_runtime.cli import build_parser
+
+    manifest = {
+        "apiVersion": "omnikube.io/v1alpha1",
+        "kind": "OmniPipeline",
+        "metadata": {"name": "keyed"},
+        "spec": {
+            "model": "/models/m",
+            "pipeline": "text-chat",
+            "router": {"apiKeySecret": {"name": "router-key", "key": "token"}, "limits": {"maxN": 4, "maxTokens": 99}},
+        },
+    }
+    objects = render(manifest)
+    pod = find(objects, "Deployment", "keyed-router")["spec"]["template"]["spec"]
+    router = containers(find(objects, "Deployment", "keyed-router"))["router"]
+    # A file from a Secret volume (the kubelet refreshes it), never an env var (fixed at start).
+    assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in router.get("env", []))
+    (volume,) = [v for v in pod["volumes"] if "secret" in v]
+    assert volume["secret"] == {"secretName": "router-key", "items": [{"key": "token", "path": "api-key"}]}
+    (mount,) = [m for m in router["volumeMounts"] if m["name"] == volume["name"]]
+    assert API_KEY_FILE == f"{mount['mountPath']}/api-key" and mount["readOnly"]
+    assert "subPath" not in mount  # a subPath mount would never see a rotated key
+    args = build_parser().parse_args(router["command"][1:])
+    assert args.api_key_file == API_KEY_FILE
+    # Liveness is the process only; readiness waits for the stages.
+    assert router["livenessProbe"]["httpGet"]["path"] == "/livez"
+    assert router["readinessProbe"]["httpGet"]["path"] == "/health"
+    limits = resolved_config(objects, "keyed")["limits"]
+    assert (limits["max_n"], limits["max_tokens"]) == (4, 99)
+
+    del manifest["spec"]["router"]["apiKeySecret"]
+    plain = containers(find(render(manifest), "Deployment", "keyed-router"))["router"]
+    assert build_parser().parse_args(plain["command"][1:]).api_key_file is None

@@ -103,6 +103,8 @@ def router_limits(limits: RouterLimitsConfig) -> RouterLimits:
         max_queued_requests=limits.max_queued_requests,
         request_timeout_s=float(limits.request_timeout_seconds),
         max_body_bytes=limits.max_body_bytes,
+        max_n=limits.max_n,
+        max_tokens=limits.max_tokens,
     )
 
 

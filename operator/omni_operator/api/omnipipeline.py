@@ -149,7 +149,20 @@ class RouterLimitsConfig(KubeModel):
     max_body_bytes: Int = Field(
         _LIMIT_DEFAULTS.max_body_bytes,
         ge=1024,
-        description="Largest request body accepted, in bytes; larger ones get 413.",
+        description="Largest request body accepted, in bytes; larger ones get 413 before they are read. "
+        "It also bounds what a stage accepts in one protocol frame.",
+    )
+    max_n: Int = Field(
+        _LIMIT_DEFAULTS.max_n,
+        ge=1,
+        le=128,
+        description="Most choices (chat) or images (images API) one request may ask for with `n`; more get 400.",
+    )
+    max_tokens: Int = Field(
+        _LIMIT_DEFAULTS.max_tokens,
+        ge=1,
+        description="Largest `max_tokens` (or `max_completion_tokens`) a request may ask for, also inside "
+        "`sampling_params_list`; larger ones get 400. The model's context length still applies.",
     )
 
 
@@ -163,7 +176,10 @@ class RouterSpec(KubeModel):
     service: RouterService = Field(default_factory=RouterService, description="The Service clients call.")
     api_key_secret: SecretKeyRef | None = Field(
         None,
-        description="Secret key holding the API key clients must send as a Bearer token; unset accepts every request.",
+        description="Secret key holding the API key clients must send as `Authorization: Bearer <key>` on every "
+        "/v1 request (401 otherwise; /health, /livez and /metrics stay open). The router reads it from a "
+        "Secret volume and re-reads it when the kubelet refreshes that (within about a minute), so a "
+        "rotated key takes effect without a restart. Unset accepts every request.",
     )
     limits: RouterLimitsConfig = Field(
         default_factory=RouterLimitsConfig, description="Concurrency, queue, timeout and body limits."

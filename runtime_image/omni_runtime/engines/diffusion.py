@@ -16,7 +16,7 @@ Engine args (the rest go to `DiffusionPipeline.from_pretrained`):
 | `batch_window_ms` | 10 | how long the oldest waiting request waits for company |
 | `max_batch_size` | 8 | most images (requests x `n`) in one pipeline call |
 | `max_pixels` | 4194304 (2048 x 2048) | largest height x width accepted |
-| `max_inference_steps` | 200 | most denoising steps accepted |
+| `max_inference_steps` | 200 | most denoising steps (`num_inference_steps`, or entries of `sigmas`/`timesteps`) |
 
 Input (`EngineInput.data`): `{"prompt": str, "negative_prompt": str | None}`, or embeddings named as
 the pipeline's `__call__` names them (`prompt_embeds`, `pooled_prompt_embeds`, `negative_*`...), each
@@ -35,6 +35,7 @@ import difflib
 import inspect
 import io
 import logging
+import math
 import os
 import secrets
 import time
@@ -291,6 +292,9 @@ class DiffusionEngine(Engine):
                     f"num_inference_steps {steps} is out of range: stage {name!r} accepts 1 to "
                     f"{self.max_inference_steps} (max_inference_steps)"
                 )
+        for key in ("sigmas", "timesteps"):  # a schedule given as a list runs one step per entry
+            if params.get(key) is not None:
+                params[key] = self._schedule(params[key], key)
         n = _int(n, "n")
         if not 1 <= n <= self.max_batch_size:
             raise InvalidRequest(
@@ -330,6 +334,20 @@ class DiffusionEngine(Engine):
         size = None if picture is None else picture.size
         key = repr(("text", sorted(params.items()), n, negative is not None, size))
         return _Job(request.request_id, "text", key, params, n, seed, data["prompt"], negative, image=picture)
+
+    def _schedule(self, value: Any, key: str) -> list[float]:
+        """A custom `sigmas` / `timesteps` list: it sets the number of steps, so the step bound applies."""
+        name = self.stage.name
+        if not isinstance(value, list | tuple):
+            raise InvalidRequest(f"{key} must be a list of numbers, one per denoising step, not {type(value).__name__}")
+        if not 1 <= len(value) <= self.max_inference_steps:
+            raise InvalidRequest(
+                f"{key} has {len(value)} entries, one denoising step each; stage {name!r} runs 1 to "
+                f"{self.max_inference_steps} steps (max_inference_steps); send a shorter schedule"
+            )
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in value):
+            raise InvalidRequest(f"{key} must hold finite numbers only")
+        return [float(v) for v in value]
 
     def _input_image(self, raw: Any) -> Any:
         """The request's input image as an RGB PIL image; None when it has none and needs none."""
@@ -459,7 +477,9 @@ class DiffusionEngine(Engine):
             self._current = None
             self._running = []
         seconds = time.monotonic() - started
-        steps = batch[0].call.get("num_inference_steps") or 1
+        call = batch[0].call
+        schedule = call.get("sigmas") or call.get("timesteps")
+        steps = len(schedule) if schedule else call.get("num_inference_steps") or 1
         self._stats.update(
             last_batch_size=float(len(batch)),
             last_batch_images=float(sum(j.n for j in batch)),

@@ -75,6 +75,10 @@ class RouterLimits(BaseModel):
     max_queued_requests: int = Field(256, ge=0, description="Requests waiting beyond that; more get 429.")
     request_timeout_s: float = Field(600.0, gt=0, description="A request still running after this fails.")
     max_body_bytes: int = Field(32 * 1024**2, ge=1024, description="Largest request body accepted.")
+    max_n: int = Field(16, ge=1, le=128, description="Most choices or images (`n`) one request may ask for.")
+    max_tokens: int = Field(
+        32768, ge=1, description="Largest `max_tokens` / `max_completion_tokens` a request may ask of an AR stage."
+    )
 
 
 class ResolvedPipeline(BaseModel):

@@ -1,8 +1,11 @@
-"""The stage server's HTTP side: /healthz (alive), /readyz (engine loaded), /metrics (Prometheus)."""
+"""The stage server's HTTP side: /healthz (alive), /readyz (engine loaded), /metrics (Prometheus).
+
+Nothing here is authenticated (probes and scrapers call it), so it tells counts, never work ids."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import socket
 from typing import TYPE_CHECKING
@@ -27,8 +30,11 @@ def build_app(server: StageServer) -> Starlette:
 
     async def readyz(_: Request) -> Response:
         if server.ready:
-            works = {w.id: w.phase for w in server.works.values()}
-            return JSONResponse({"status": "ready", "stage": server.stage, "running": len(works), "works": works})
+            # Counts only: this port is unauthenticated, and a work id is what abort/feed messages name.
+            phases = collections.Counter(w.phase for w in list(server.works.values()))
+            return JSONResponse(
+                {"status": "ready", "stage": server.stage, "running": sum(phases.values()), "phases": dict(phases)}
+            )
         reason = "engine failed to load" if server._load_error else "engine loading"
         return JSONResponse({"status": reason, "stage": server.stage}, status_code=503)
 

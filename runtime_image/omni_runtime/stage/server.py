@@ -28,12 +28,25 @@ from omni_runtime.stage.connectors import ConnectorSet, ConnectorSettings
 from omni_runtime.stage.inputs import process_inputs
 from omni_runtime.stage.outputs import count_items, merge, summarize
 
-__all__ = ["StageServer"]
+__all__ = ["StageServer", "max_message_bytes"]
 
 log = logging.getLogger(__name__)
 
 PEER_TIMEOUT_S = 15.0
 """Works of a router that has sent nothing (not even a ping) for this long are aborted."""
+
+_HEADER_SLACK = 1024**2
+
+
+def max_message_bytes(pipeline: ResolvedPipeline) -> int:
+    """The largest frame the stage socket accepts (ZMQ_MAXMSGSIZE: a peer that sends a larger one is
+    disconnected before the frame is buffered whole). A frame holds a request's own input, which the
+    router took from a body of at most `limits.max_body_bytes`, or a header whose inline handles are each
+    at most `connectors.inline_max_bytes`, one per edge and role; the bound is their sum plus slack."""
+    topology = pipeline.topology
+    roles = 1 + max((len(s.companions) for s in topology.stages), default=0)
+    inline = topology.connectors.inline_max_bytes * max(1, len(topology.edges)) * roles
+    return pipeline.limits.max_body_bytes + inline + _HEADER_SLACK
 
 
 @dataclass(eq=False)
@@ -110,6 +123,7 @@ class StageServer:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes(self.pipeline))
         if self.port:
             sock.bind(f"tcp://{self.host}:{self.port}")
         else:

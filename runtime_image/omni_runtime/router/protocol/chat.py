@@ -46,11 +46,11 @@ class ChatCompletionRequest(BaseModel):
         None,
         description="Output modalities wanted (text, image, audio, video); default: all the pipeline makes.",
     )
-    n: int = Field(1, ge=1, le=16)
+    n: int = Field(1, ge=1, description="Choices; at most the pipeline's router.limits.maxN.")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, description="At most the pipeline's router.limits.maxTokens.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="As max_tokens (OpenAI's newer name).")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None

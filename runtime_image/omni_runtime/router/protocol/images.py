@@ -25,7 +25,7 @@ class ImageGenerationRequest(BaseModel):
 
     prompt: str = Field(min_length=1)
     model: str | None = None
-    n: int = Field(1, ge=1, le=10)
+    n: int = Field(1, ge=1, description="Images; at most the pipeline's router.limits.maxN.")
     size: str | None = Field(None, description="WIDTHxHEIGHT, e.g. 512x512; 'auto' or unset: the stage default.")
     response_format: str | None = "b64_json"
     quality: str | None = None

@@ -61,6 +61,31 @@ class ServingBase:
                 param="model",
             )
 
+    def check_n(self, n: int) -> None:
+        if n > self.limits.max_n:
+            raise BadRequest(
+                f"n is {n}; this pipeline answers at most {self.limits.max_n} choices per request "
+                "(router.limits.maxN); ask for fewer, or send several requests",
+                param="n",
+            )
+
+    def check_max_tokens(self, value: Any, where: str) -> None:
+        """`where` names the field for the message (`max_tokens`, `sampling_params_list[0].max_tokens`)."""
+        if isinstance(value, int) and not isinstance(value, bool) and value > self.limits.max_tokens:
+            raise BadRequest(
+                f"{where} is {value}; this pipeline generates at most {self.limits.max_tokens} tokens per "
+                "request (router.limits.maxTokens); ask for fewer",
+                param=where.split(".")[0].split("[")[0],
+            )
+
+    def check_stage_params(self, per_stage: list[dict[str, Any]] | None) -> None:
+        """vLLM-Omni's `sampling_params_list` must not lift the limits the top-level fields obey."""
+        for i, params in enumerate(per_stage or []):
+            for key in ("max_tokens", "max_completion_tokens"):
+                self.check_max_tokens((params or {}).get(key), f"sampling_params_list[{i}].{key}")
+            if isinstance((params or {}).get("n"), int):
+                self.check_n(params["n"])
+
     def producible(self) -> list[str]:
         return producible_modalities(self.topology)
 

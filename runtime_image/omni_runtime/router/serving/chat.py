@@ -82,6 +82,10 @@ class ServingChat(ServingBase):
     # -- building the request ------------------------------------------------------------------
 
     def _requests(self, body: ChatCompletionRequest, plan: Plan, request_id: str) -> list[PipelineRequest]:
+        self.check_n(body.n)
+        self.check_max_tokens(body.max_tokens, "max_tokens")
+        self.check_max_tokens(body.max_completion_tokens, "max_completion_tokens")
+        self.check_stage_params(body.sampling_params_list)
         messages = normalize_messages(body.messages)
         ar = {k: getattr(body, k) for k in AR_FIELDS}
         ar["max_tokens"] = body.max_completion_tokens or body.max_tokens

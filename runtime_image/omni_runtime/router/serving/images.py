@@ -44,6 +44,8 @@ class ServingImages(ServingBase):
 
     async def generate(self, body: ImageGenerationRequest, raw: Request, *, image: bytes | None = None) -> Response:
         self.check_model(body.model, required=False)
+        self.check_n(body.n)
+        self.check_stage_params(body.sampling_params_list)
         plan = self._check_images()
         if body.response_format not in (None, "b64_json"):
             raise BadRequest(
