@@ -303,6 +303,56 @@ def test_volumes_env_and_downward_api_inside_the_pod(cluster, namespace, podrunn
     assert not os.path.exists("/etc/omnikube") and not os.path.exists("/etc/items")
 
 
+def test_secret_and_configmap_volumes_follow_their_objects(cluster, namespace, podrunner: PodRunner):
+    """As with the kubelet: a changed Secret or ConfigMap reaches a running container's mounted files (no
+    restart); a `subPath` mount keeps the content it started with."""
+    apply(
+        cluster,
+        namespace,
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "rot"}, "stringData": {"key": "one"}},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "rotcfg"}, "data": {"a": "1", "b": "2"}},
+        pod(
+            "rotating",
+            [
+                {
+                    "name": "app",
+                    "image": "busybox",
+                    "command": ["sh", "-c", "exec sleep 3600"],
+                    "volumeMounts": [
+                        {"name": "sec", "mountPath": "/var/key", "readOnly": True},
+                        {"name": "cfg", "mountPath": "/etc/cfg"},
+                        {"name": "cfg", "mountPath": "/etc/pinned-a", "subPath": "a"},
+                    ],
+                }
+            ],
+            volumes=[
+                {"name": "sec", "secret": {"secretName": "rot", "items": [{"key": "key", "path": "api-key"}]}},
+                {"name": "cfg", "configMap": {"name": "rotcfg"}},
+            ],
+        ),
+    )
+    wait_for("rotating Running", lambda: get_pod(cluster, namespace, "rotating")["status"].get("phase") == "Running")
+
+    def cat(path: str) -> str:
+        return podrunner.exec(namespace, "rotating", "app", ["cat", path])[1]
+
+    def listing() -> list[str]:
+        return sorted(podrunner.exec(namespace, "rotating", "app", ["ls", "/etc/cfg"])[1].split())
+
+    assert cat("/var/key/api-key") == "one" and listing() == ["a", "b"]
+    apply(
+        cluster,
+        namespace,
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "rot"}, "stringData": {"key": "two"}},
+    )
+    patch = [{"op": "replace", "path": "/data/a", "value": "10"}, {"op": "remove", "path": "/data/b"}]
+    cluster.kubectl("-n", namespace, "patch", "configmap", "rotcfg", "--type=json", "-p", json.dumps(patch))
+    wait_for("the rotated secret in the container", lambda: cat("/var/key/api-key") == "two")
+    wait_for("the configmap's new content", lambda: cat("/etc/cfg/a") == "10" and listing() == ["a"])
+    assert cat("/etc/pinned-a") == "1"
+    assert container_status(get_pod(cluster, namespace, "rotating"))["restartCount"] == 0
+
+
 def test_init_containers_and_a_claim_on_a_host_path_volume(cluster, namespace, podrunner: PodRunner, tmp_path):
     """An init container fills a PVC (bound by the PV controller to a hostPath PV) before the app starts."""
     data = tmp_path / "pv"

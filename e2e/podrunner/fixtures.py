@@ -21,6 +21,8 @@ __all__ = ["RUNNER_NODES", "on_runner", "podrunner"]
 RUNNER_NODES = ["runner-node-0", "runner-node-1"]
 # Short crash-loop back-off (the kubelet's is 10s doubling to 5 min) keeps restart tests quick.
 TEST_BACKOFF = Backoff(base=1.0, cap=8.0)
+# The kubelet refreshes configMap and secret volumes within about a minute; tests need not wait that long.
+TEST_VOLUME_SYNC_S = 2.0
 
 
 def on_runner(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -48,5 +50,11 @@ def podrunner(cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod
         ),
         NodeConfig("runner-node-1"),
     ]
-    with PodRunner(cluster.kubeconfig, nodes, tmp_path_factory.mktemp("podrunner"), backoff=TEST_BACKOFF) as runner:
+    with PodRunner(
+        cluster.kubeconfig,
+        nodes,
+        tmp_path_factory.mktemp("podrunner"),
+        backoff=TEST_BACKOFF,
+        volume_sync_s=TEST_VOLUME_SYNC_S,
+    ) as runner:
         yield runner

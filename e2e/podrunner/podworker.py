@@ -22,7 +22,14 @@ from podrunner.kube import MERGE_PATCH, Kube, KubeError
 from podrunner.network import VETH_PREFIX, Network, NetworkError
 from podrunner.sandbox import Sandbox, SandboxError
 from podrunner.status import PodFacts, build_status, pod_phase
-from podrunner.volumes import Volume, VolumeError, container_mounts, keep_image_visible, prepare_volumes
+from podrunner.volumes import (
+    Volume,
+    VolumeError,
+    container_mounts,
+    keep_image_visible,
+    prepare_volumes,
+    refresh_volumes,
+)
 
 __all__ = ["ApiProxy", "PodWorker", "Services"]
 
@@ -54,6 +61,8 @@ class Services:
     image_paths: list[str] = field(default_factory=list)  # host folders that are "the image" (repo, venv)
     stopping: bool = False
     workers: dict[str, PodWorker] = field(default_factory=dict)
+    volume_sync_s: float = 60.0
+    """How often configMap and secret volumes are brought up to date (the kubelet's sync period is ~1 min)."""
 
 
 def pod_dir(state_dir: Path, namespace: str, name: str) -> Path:
@@ -261,6 +270,27 @@ class PodWorker:
 
     async def _live(self) -> None:
         await self._create_sandbox()
+        sync = asyncio.create_task(self._sync_volumes(), name=f"volumes-{self.name}")
+        try:
+            await self._run_containers()
+        finally:
+            sync.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sync
+
+    async def _sync_volumes(self) -> None:
+        """Every sync period, rewrite configMap and secret volumes whose objects changed, as the kubelet does."""
+        while True:
+            await asyncio.sleep(self.svc.volume_sync_s)
+            try:
+                changed = await refresh_volumes(ObjectCache(self.svc.kube, self.namespace), self.pod, self.volumes)
+            except Exception as e:  # noqa: BLE001 - the API server may be busy; try again next period
+                log.debug("pod %s/%s: volume sync failed: %s", self.namespace, self.name, e)
+                continue
+            if changed:
+                log.info("pod %s/%s: volumes updated: %s", self.namespace, self.name, ", ".join(changed))
+
+    async def _run_containers(self) -> None:
         sidecars = []
         for runner in self.init_runners:
             if runner.sidecar:

@@ -68,6 +68,7 @@ class PodRunner:
         venv_bin: Path | None = None,
         api_proxy: bool = True,
         delete_nodes: bool = True,
+        volume_sync_s: float = 60.0,
     ) -> None:
         self.kubeconfig = str(kubeconfig)
         self.nodes = [n if isinstance(n, NodeConfig) else NodeConfig(n) for n in nodes]
@@ -77,6 +78,7 @@ class PodRunner:
         self.venv_bin = venv_bin or default_venv_bin()
         self.use_api_proxy = api_proxy
         self.delete_nodes = delete_nodes
+        self.volume_sync_s = volume_sync_s
         self.svc: Services | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -203,6 +205,7 @@ class PodRunner:
                 api_proxy=proxy,
                 api_address=kube.server_address,
                 image_paths=self._image_paths(),
+                volume_sync_s=self.volume_sync_s,
             )
             kubelet_port = await self._start_kubelet(kubelet, kube, str(network.gateway))
             for cfg in self.nodes:
@@ -446,6 +449,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--backoff-base", type=float, default=10.0, help="crash-loop back-off start (s)")
     parser.add_argument("--backoff-cap", type=float, default=300.0, help="crash-loop back-off ceiling (s)")
+    parser.add_argument(
+        "--volume-sync-period",
+        type=float,
+        default=60.0,
+        help="seconds between updates of configMap and secret volumes from their objects (the kubelet's ~60)",
+    )
     parser.add_argument("--keep-nodes", action="store_true", help="leave the Node objects when stopping")
     parser.add_argument("--no-api-proxy", action="store_true", help="pods do not reach the API server")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -473,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         backoff=Backoff(args.backoff_base, args.backoff_cap),
         api_proxy=not args.no_api_proxy,
         delete_nodes=not args.keep_nodes,
+        volume_sync_s=args.volume_sync_period,
     )
 
     async def run() -> None:

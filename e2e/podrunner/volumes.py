@@ -1,8 +1,11 @@
 """A pod's volumes, materialised on the host under the pod's state folder and listed as bind sources.
 
 configMap, secret, downwardAPI and projected volumes (service-account token through the TokenRequest API
-included) become files under `<pod dir>/volumes/<name>`; they are written once (later updates of the
-objects are not followed) and mounted read-only, as the kubelet does. emptyDir is a folder there; with
+included) become files under `<pod dir>/volumes/<name>`, mounted read-only, as the kubelet does. Like the
+kubelet, the runner rewrites configMap and secret volumes when their object changes (`refresh_volumes`,
+called every sync period): each changed file is replaced by a rename inside the mounted folder, so a
+container sees the new content (a `subPath` mount of one file keeps the old one, as with the kubelet).
+Projected and downwardAPI volumes are written once. emptyDir is a folder there; with
 `medium: Memory` the agent mounts a tmpfs (sizeLimit as its size) on that folder inside the pod's mount
 namespace, shared by all containers of the pod. hostPath and PVCs (bound to a hostPath or local PV) are the
 host folder itself.
@@ -20,7 +23,7 @@ from podrunner.downward import DownwardError, expand, field_value, parse_quantit
 from podrunner.envs import ObjectCache
 from podrunner.kube import Kube
 
-__all__ = ["Volume", "VolumeError", "container_mounts", "keep_image_visible", "prepare_volumes"]
+__all__ = ["Volume", "VolumeError", "container_mounts", "keep_image_visible", "prepare_volumes", "refresh_volumes"]
 
 
 class VolumeError(RuntimeError):
@@ -45,15 +48,43 @@ def _write_file(root: Path, rel: str, data: bytes, mode: int | None) -> None:
     target.chmod(mode if mode is not None else 0o644)
 
 
+def _replace_file(root: Path, rel: str, data: bytes, mode: int | None) -> bool:
+    """Write `rel` under `root` by a rename (a reader never sees half a file); False when unchanged."""
+    if rel.startswith("/") or ".." in Path(rel).parts:
+        raise VolumeError(f"item path {rel!r} must be relative and must not contain '..'")
+    target = root / rel
+    mode = mode if mode is not None else 0o644
+    try:
+        if target.read_bytes() == data and (target.stat().st_mode & 0o7777) == mode:
+            return False
+    except OSError:
+        pass
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_bytes(data)
+    tmp.chmod(mode)
+    os.replace(tmp, target)
+    return True
+
+
+class _Files(dict):
+    """Relative path -> (data, mode): what a volume should hold."""
+
+    def write(self, root: Path, rel: str, data: bytes, mode: int | None) -> None:
+        self[rel] = (data, mode)
+
+
 async def _key_files(
-    cache: ObjectCache, kind: str, name: str, items: list | None, optional: bool, root: Path, default_mode: int | None
-) -> None:
+    cache: ObjectCache, kind: str, name: str, items: list | None, optional: bool, root: Path | _Files,
+    default_mode: int | None,
+) -> None:  # fmt: skip
     obj = await cache.get(kind, name)
     label = "configmap" if kind == "configmaps" else "secret"
     if obj is None:
         if optional:
             return
         raise VolumeError(f'{label} "{name}" not found')
+    write = root.write if isinstance(root, _Files) else _write_file
     data: dict[str, bytes] = {}
     if kind == "secrets":
         data = {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
@@ -66,10 +97,10 @@ async def _key_files(
                 if optional:
                     continue
                 raise VolumeError(f'{label} "{name}" has no key {item["key"]!r}')
-            _write_file(root, item["path"], data[item["key"]], item.get("mode", default_mode))
+            write(root, item["path"], data[item["key"]], item.get("mode", default_mode))  # type: ignore[arg-type]
     else:
         for key, value in data.items():
-            _write_file(root, key, value, default_mode)
+            write(root, key, value, default_mode)  # type: ignore[arg-type]
 
 
 def _downward_files(
@@ -191,6 +222,39 @@ async def prepare_volumes(
             )
         volumes[name] = Volume(name, str(root), read_only=True)
     return volumes
+
+
+async def refresh_volumes(cache: ObjectCache, pod: dict, volumes: dict[str, Volume]) -> list[str]:
+    """Bring the pod's configMap and secret volumes up to date with their objects; returns the files
+    changed (`<volume>/<path>`). A missing object or key keeps the files as they are (the kubelet keeps the
+    last content too); a key removed from the object removes its file."""
+    changed = []
+    for vol in pod["spec"].get("volumes") or []:
+        spec = vol.get("configMap") or vol.get("secret")
+        mounted = volumes.get(vol["name"])
+        if spec is None or mounted is None:
+            continue
+        kind = "configmaps" if "configMap" in vol else "secrets"
+        want = _Files()
+        try:
+            await _key_files(
+                cache, kind, spec.get("name") or spec.get("secretName", ""), spec.get("items"), True, want,
+                spec.get("defaultMode"),
+            )  # fmt: skip
+        except VolumeError:
+            continue
+        if not want and await cache.get(kind, spec.get("name") or spec.get("secretName", "")) is None:
+            continue
+        root = Path(mounted.path)
+        for rel, (data, mode) in want.items():
+            if _replace_file(root, rel, data, mode):
+                changed.append(f"{vol['name']}/{rel}")
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            rel = str(path.relative_to(root))
+            if rel not in want and not path.name.startswith("."):
+                path.unlink()
+                changed.append(f"{vol['name']}/{rel}")
+    return changed
 
 
 def _host_path(spec: dict) -> str:
