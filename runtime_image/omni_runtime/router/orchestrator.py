@@ -132,8 +132,12 @@ class _Run:
         if message.info:
             key = work.stage if work.role == PRIMARY else f"{work.stage}/{work.role}"
             self.result.info[key] = dict(message.info)
-        for item in message.handles:
-            self._on_handle(work, item)
+        for i, item in enumerate(message.handles):
+            try:
+                self._on_handle(work, item)
+            except BaseException:  # the run ends here: the handles not looked at yet must not be lost
+                self._release([(later, work.client) for later in message.handles[i + 1 :]])
+                raise
         payload = P.payload_of(message, rest)
         if work.final and work.role == PRIMARY and (payload is not None or message.finished):
             event = StageEvent(
@@ -268,7 +272,7 @@ class _Run:
     # -- cleanup -------------------------------------------------------------------------------
 
     def _cleanup(self) -> None:
-        orphans: list[tuple[P.Input, ReplicaClient]] = []
+        orphans = self._drain_queue()
         for roles in self.works.values():
             for work in roles.values():
                 if not work.done and not work.lost:
@@ -283,6 +287,20 @@ class _Run:
             items.clear()
         if orphans:
             self._release(orphans)
+
+    def _drain_queue(self) -> list[tuple[P.Input, ReplicaClient]]:
+        """The handles of messages that arrived but were never handled: the run ended (cancelled, timed
+        out, failed) with them still queued. Nobody else knows of them, and their producer forgot them
+        once it sent them, so they are released here. A queued finish or failure marks its work done."""
+        found: list[tuple[P.Input, ReplicaClient]] = []
+        while not self.queue.empty():
+            work, message, _rest, _lost = self.queue.get_nowait()
+            if isinstance(message, P.Output):
+                found.extend((item, work.client) for item in message.handles)
+                work.done = work.done or message.finished
+            elif isinstance(message, P.Failed):
+                work.done = True
+        return found
 
     def _release(self, items: list[tuple[P.Input, ReplicaClient]]) -> None:
         """Ask each handle's producer to release it; for Mooncake any live replica can."""

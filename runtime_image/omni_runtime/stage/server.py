@@ -107,6 +107,8 @@ class StageServer:
         self._sock: zmq.asyncio.Socket | None = None
         self._send_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
+        self._closers: set[asyncio.Task] = set()
+        """Cleanups of works aborted before they started (see `_after_task`)."""
         self._peers: dict[bytes, float] = {}
         self._http: Any = None
         self._stopped = asyncio.Event()
@@ -179,6 +181,7 @@ class StageServer:
             if work.task is not None:
                 work.task.cancel()
         await asyncio.gather(*(w.task for w in list(self.works.values()) if w.task), return_exceptions=True)
+        await asyncio.gather(*list(self._closers), return_exceptions=True)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -259,6 +262,7 @@ class StageServer:
         M.running.labels(*self._labels).set(len(self.works))
         self._count_handles()
         work.task = asyncio.create_task(self._run(work, inline), name=f"work-{submit.id}")
+        work.task.add_done_callback(lambda _task: self._after_task(work))
 
     # -- running a work ------------------------------------------------------------------------
 
@@ -285,6 +289,17 @@ class StageServer:
             # No abort may interrupt the cleanup: it runs shielded, to its end, whatever happens here.
             work.closing = True
             await asyncio.shield(self._close_work(work, status))
+
+    def _after_task(self, work: _Work) -> None:
+        """Close a work whose task ended without running `_run`: a task cancelled before its first step
+        never runs its body, `finally` included. That happens when an Abort is read right behind its
+        Submit (both arrive in one burst and are dispatched before the new task gets a turn)."""
+        if work.closing or self.works.get(work.id) is not work:
+            return
+        work.closing = True
+        closer = asyncio.create_task(self._close_work(work, "aborted"), name=f"close-{work.id}")
+        self._closers.add(closer)
+        closer.add_done_callback(self._closers.discard)
 
     async def _close_work(self, work: _Work, status: str) -> None:
         """Abort the engine and release created handles unless the work finished; then release every
