@@ -724,6 +724,10 @@ def test_kubectl_logs_of_a_runner_pod_with_tail_limit_and_follow(cluster, namesp
     assert stamped.returncode != 0 and "no per-line timestamps" in stamped.stderr  # refused, not ignored
     unknown = _logs(cluster, namespace, "chatty", "-c", "nope")
     assert unknown.returncode != 0 and "nope" in unknown.stderr
+    # What the endpoint does not serve says so, instead of a bare protocol error.
+    for verb in (["exec", "chatty", "-c", "once", "--", "true"], ["port-forward", "chatty", "18080:8080"]):
+        refused = cluster.kubectl("-n", namespace, *verb, check=False, timeout=30)
+        assert refused.returncode != 0 and "serve only container logs" in refused.stderr, (verb, refused.stderr)
 
     # -f streams what the container writes after the call: ticks beyond the last one written before it.
     before = int(podrunner.logs(namespace, "chatty", "counter").split()[-1])

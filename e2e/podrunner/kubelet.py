@@ -24,6 +24,7 @@ import asyncio
 import base64
 import contextlib
 import ipaddress
+import json
 import logging
 import os
 import re
@@ -325,6 +326,17 @@ class KubeletServer:
         if not user:
             await _reply(writer, 401, "a client certificate with a common name is required")
             return
+        path = urlsplit(target).path
+        if not path.startswith("/containerLogs/"):
+            # As a Kubernetes Status, so that kubectl exec/attach/port-forward print the message.
+            await _reply(
+                writer,
+                404,
+                f"{path}: the omnikube pod runner's nodes serve only container logs (kubectl logs); kubectl exec, "
+                "attach and port-forward do not work there. Reach a pod by its IP from this host instead.",
+                as_status=True,
+            )
+            return
         if method != "GET":
             await _reply(writer, 405, f"{method}: only GET is served")
             return
@@ -445,7 +457,8 @@ async def _copy(
     return pos, budget
 
 
-async def _reply(writer: asyncio.StreamWriter, status: int, message: str) -> None:
+async def _reply(writer: asyncio.StreamWriter, status: int, message: str, *, as_status: bool = False) -> None:
+    """An error answer: plain text (the API server wraps it for `kubectl logs`) or a Kubernetes Status."""
     reasons = {
         400: "Bad Request",
         401: "Unauthorized",
@@ -454,10 +467,25 @@ async def _reply(writer: asyncio.StreamWriter, status: int, message: str) -> Non
         405: "Method Not Allowed",
         431: "Request Header Fields Too Large",
     }
-    body = (message + "\n").encode()
+    reason = reasons.get(status, "Error")
+    if as_status:
+        body = json.dumps(
+            {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "metadata": {},
+                "status": "Failure",
+                "message": message,
+                "reason": reason.replace(" ", ""),
+                "code": status,
+            }
+        ).encode()
+        kind = "application/json"
+    else:
+        body, kind = (message + "\n").encode(), "text/plain; charset=utf-8"
     writer.write(
-        f"HTTP/1.1 {status} {reasons.get(status, 'Error')}\r\nContent-Type: text/plain; charset=utf-8\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n".encode()
         + body
     )
     await writer.drain()
