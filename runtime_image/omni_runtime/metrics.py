@@ -1,7 +1,8 @@
 """Prometheus metrics of the router and the stage servers, prefix `omnikube_`.
 
 Names follow the seed's serving vocabulary: TTFT (first text token), TPOT (per output token after the
-first), TTFP (first media packet: image, audio, video), E2EL (admission to the final output).
+first), TTFP (first media packet: image, audio, video), E2EL (admission to the final output), RTF
+(wall-clock time of a request over the seconds of audio it produced; below 1 is faster than real time).
 Router metrics carry `pipeline`; per-stage ones add `stage` and `replica` (the replica's address on the
 router, its own name on a stage). Each process has one registry (`REGISTRY`), served on /metrics.
 """
@@ -23,6 +24,7 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 """The process's registry (a private one: no default process/platform collectors in unit tests)."""
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+_RTF = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2, 3, 5, 10, 20)
 _TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 
@@ -64,6 +66,13 @@ class Router:
     replica_up = Gauge(
         "omnikube_stage_replica_up", "1 while a stage replica answers pings and is ready.",
         ["pipeline", "stage", "replica"], registry=REGISTRY,
+    )  # fmt: skip
+    rtf = Histogram(
+        "omnikube_audio_real_time_factor", "RTF: a request's wall-clock time over the audio seconds it produced.",
+        ["pipeline", "endpoint"], buckets=_RTF, registry=REGISTRY,
+    )  # fmt: skip
+    audio_seconds = Counter(
+        "omnikube_audio_seconds", "Seconds of audio sent to clients.", ["pipeline", "endpoint"], registry=REGISTRY,
     )  # fmt: skip
     handles_in_transit = Gauge(
         "omnikube_handles_in_transit", "Connector handles the router holds that no stage has taken yet.",
@@ -109,6 +118,22 @@ class Stage:
     connector_seconds = Histogram(
         "omnikube_connector_transfer_seconds", "Time of connector put/get calls, by kind.",
         ["pipeline", "stage", "kind", "op"], buckets=_LATENCY, registry=REGISTRY,
+    )  # fmt: skip
+    audio_seconds = Counter(
+        "omnikube_stage_audio_seconds", "Seconds of audio this stage produced.", ["pipeline", "stage", "replica"],
+        registry=REGISTRY,
+    )  # fmt: skip
+    ttfp = Histogram(
+        "omnikube_stage_time_to_first_packet_seconds", "Time from a work's submit to its first audio output.",
+        ["pipeline", "stage", "replica"], buckets=_LATENCY, registry=REGISTRY,
+    )  # fmt: skip
+    edge_chunks = Counter(
+        "omnikube_edge_chunks", "Handles (chunks, or whole outputs) put on a downstream edge.",
+        ["pipeline", "stage", "target", "connector"], registry=REGISTRY,
+    )  # fmt: skip
+    edge_bytes = Counter(
+        "omnikube_edge_bytes", "Payload bytes put on a downstream edge.",
+        ["pipeline", "stage", "target", "connector"], registry=REGISTRY,
     )  # fmt: skip
     connector_unreleased = Gauge(
         "omnikube_connector_payloads_unreleased", "Payloads this stage process put that are not released "

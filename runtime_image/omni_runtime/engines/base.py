@@ -45,6 +45,10 @@ class EngineInput:
     data: Payload
     params: dict[str, Any] = field(default_factory=dict)
     role: str = "primary"
+    chunks: AsyncIterator[Payload] | None = None
+    """Later input chunks of a streamed upstream edge (each already through the edge's input
+    processor), ending after the producer's last one; `data` is the first chunk. Only set for
+    engines with `streams_input`; None when the whole input is in `data`."""
 
 
 @dataclass
@@ -65,6 +69,11 @@ class EngineOutput:
 
 class Engine(ABC):
     """A loaded model serving one stage."""
+
+    streams_input = False
+    """True when one request can take its input in chunks while it runs (`EngineInput.chunks`):
+    a talker fed the thinker's tokens step by step, a codec decoder fed codec windows. Otherwise a
+    streamed edge runs the engine once per chunk."""
 
     def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
         self.pipeline = pipeline
@@ -89,3 +98,7 @@ class Engine(ABC):
     def stats(self) -> dict[str, float]:
         """Gauges for /metrics (queue depth, running requests...); engines add what they know."""
         return {}
+
+    def voices(self) -> list[str]:
+        """The speakers a request may name as `voice` (speech stages), once started; [] otherwise."""
+        return []

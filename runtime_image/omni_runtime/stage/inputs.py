@@ -12,7 +12,7 @@ from typing import Any
 from omni_runtime.spec import PipelineSpec
 from omni_runtime.stage.protocol import Input
 
-__all__ = ["process_inputs"]
+__all__ = ["owned", "process_inputs"]
 
 
 def process_inputs(
@@ -34,3 +34,24 @@ def process_inputs(
     for source, outputs in by_source.items():
         out.update(apply_processor(name, topology.stage(source), outputs, context))
     return out
+
+
+def owned(value: Any) -> Any:
+    """`value` with every tensor, array and buffer copied, so nothing in it still points into a
+    connector's memory (an shm segment) once that payload is released."""
+    import sys
+
+    import numpy as np
+
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, memoryview | bytearray):
+        return bytes(value)
+    if isinstance(value, dict):
+        return {k: owned(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(owned(v) for v in value)
+    return value

@@ -136,6 +136,8 @@ class Pong(msgspec.Struct, frozen=True, kw_only=True, tag="pong"):
     running: int = 0
     """Works running on this replica (all routers together)."""
     version: int = PROTOCOL_VERSION
+    voices: list[str] = []
+    """Speakers its engine knows (speech stages, once loaded); `voice` in a request must be one."""
 
 
 class Output(msgspec.Struct, frozen=True, kw_only=True, tag="output"):

@@ -25,8 +25,8 @@ from omni_runtime.processors import ProcessorError
 from omni_runtime.spec import ResolvedPipeline
 from omni_runtime.stage import protocol as P
 from omni_runtime.stage.connectors import ConnectorSet, ConnectorSettings
-from omni_runtime.stage.inputs import process_inputs
-from omni_runtime.stage.outputs import count_items, merge, summarize
+from omni_runtime.stage.inputs import owned, process_inputs
+from omni_runtime.stage.outputs import audio_seconds, count_items, merge, summarize
 
 __all__ = ["StageServer", "max_message_bytes"]
 
@@ -64,6 +64,7 @@ class _Work:
     running_engine_id: str | None = None
     closing: bool = False
     """Past its last output or failure: an abort no longer cancels it."""
+    audio_seen: bool = False
     phase: str = "queued"
     """Where the work is (inputs, engine, outputs, aborting...), for /readyz and debugging."""
 
@@ -215,9 +216,10 @@ class StageServer:
     async def _dispatch(self, peer: bytes, message: P.Message, rest: list[Any]) -> None:
         if isinstance(message, P.Ping):
             running = len(self.works)
+            voices = self.engine.voices() if self.ready and self.engine is not None else []
             pong = P.Pong(
                 nonce=message.nonce, sent_at=message.sent_at, ready=self.ready, stage=self.stage,
-                running=running,
+                running=running, voices=voices,
             )  # fmt: skip
             await self._send(peer, pong)
         elif isinstance(message, P.Submit):
@@ -324,12 +326,28 @@ class StageServer:
         s = work.submit
         params = {**self.spec.sampling_params, **s.params}
         edges = _EdgeBuffers(s.edges)
-        final_acc: dict[str, Any] | None = None
-        last: EngineOutput | None = None
-        chunks = self._chunks(work)
+        put = lambda e, d, last: self._put(work, e, d, last)  # noqa: E731
+        acc = _FinalAcc()
+        if s.more_inputs and self.engine.streams_input:  # type: ignore[union-attr]
+            await self._run_streamed(work, inline, params, edges, acc)
+        else:
+            await self._run_chunked(work, inline, params, edges, acc)
+        await edges.flush(put)
+        last = acc.last
+        with_data = s.final and not s.stream and acc.data is not None
+        done_msg = P.Output(
+            id=work.id, seq=self._seq(work), data=with_data, finished=True,
+            finish_reason=last.finish_reason if last else None, usage=last.usage if last else None,
+        )  # fmt: skip
+        await self._send(work.peer, done_msg, acc.data if with_data else None)
+        work.created.clear()  # the router now owns them (it releases what nobody consumes)
+
+    async def _run_chunked(self, work: _Work, inline, params, edges: _EdgeBuffers, acc: _FinalAcc) -> None:
+        """One engine run for the whole input, or one per chunk of a windowed edge."""
+        s = work.submit
         chunk_index = 0
         info_sent = False
-        async for inputs, is_last in chunks:
+        async for inputs, is_last in self._chunks(work):
             work.phase = "inputs"
             data = await self._prepare(work, inline, inputs)
             if not info_sent and summarize(data):
@@ -340,17 +358,7 @@ class StageServer:
                 chunk_params.update(chunk_index=chunk_index, last_chunk=is_last)
             engine_id = work.id if not s.more_inputs else f"{work.id}#{chunk_index}"
             request = EngineInput(request_id=engine_id, data=data, params=chunk_params, role=s.role)
-            work.running_engine_id = engine_id
-            work.phase = "engine"
-            async for out in self.engine.generate(request):  # type: ignore[union-attr]
-                last = out
-                if s.final:
-                    if s.stream:
-                        await self._send_final(work, out.data)
-                    else:
-                        final_acc = merge(final_acc, out.data)
-                await edges.add(out.data, lambda e, d, last: self._put(work, e, d, last))
-            work.running_engine_id = None
+            await self._engine_run(work, request, edges, acc, ends_work=is_last)
             work.phase = "outputs"
             if s.more_inputs:  # a chunk is done with once its engine run is; whole inputs at the end,
                 done = [i.handle for i in inputs]  # after their outputs are put (shm payloads are views)
@@ -358,14 +366,62 @@ class StageServer:
                 work.held = [h for h in work.held if h not in done]
                 self._count_handles()
             chunk_index += 1
-        await edges.flush(lambda e, d, last: self._put(work, e, d, last))
-        with_data = s.final and not s.stream and final_acc is not None
-        done_msg = P.Output(
-            id=work.id, seq=self._seq(work), data=with_data, finished=True,
-            finish_reason=last.finish_reason if last else None, usage=last.usage if last else None,
-        )  # fmt: skip
-        await self._send(work.peer, done_msg, final_acc if with_data else None)
-        work.created.clear()  # the router now owns them (it releases what nobody consumes)
+
+    async def _run_streamed(self, work: _Work, inline, params, edges: _EdgeBuffers, acc: _FinalAcc) -> None:
+        """One engine run fed chunk by chunk (`Engine.streams_input`): the first chunk is its `data`,
+        the rest arrive through `EngineInput.chunks` while it runs. Each chunk is copied out of its
+        payload and released as soon as it is read, so the producer's memory is not held while the
+        engine runs on."""
+        s = work.submit
+        chunks = self._chunks(work)
+        work.phase = "inputs"
+        first = await anext(chunks, None)
+        data = await self._take(work, inline, first[0] if first else [])
+        if summarize(data):
+            await self._send(work.peer, P.Output(id=work.id, seq=self._seq(work), info=summarize(data)))
+
+        async def rest():
+            async for inputs, _ in chunks:
+                yield await self._take(work, None, inputs)
+
+        request = EngineInput(request_id=work.id, data=data, params=dict(params), role=s.role, chunks=rest())
+        await self._engine_run(work, request, edges, acc, ends_work=True)
+
+    async def _take(self, work: _Work, inline: dict[str, Any] | None, inputs: list[P.Input]) -> dict[str, Any]:
+        """A chunk's engine input, owned (copied out of connector memory), its handles released."""
+        data = owned(await self._prepare(work, inline, inputs))
+        if inputs:
+            done = [i.handle for i in inputs]
+            await self._release_all(done)
+            work.held = [h for h in work.held if h not in done]
+            self._count_handles()
+        return data
+
+    async def _engine_run(
+        self, work: _Work, request: EngineInput, edges: _EdgeBuffers, acc: _FinalAcc, *, ends_work: bool
+    ) -> None:
+        s = work.submit
+        put = lambda e, d, last: self._put(work, e, d, last)  # noqa: E731
+        work.running_engine_id = request.request_id
+        work.phase = "engine"
+        async for out in self.engine.generate(request):  # type: ignore[union-attr]
+            acc.last = out
+            self._count_audio(work, out.data)
+            if s.final:
+                if s.stream:
+                    await self._send_final(work, out.data)
+                else:
+                    acc.data = merge(acc.data, out.data)
+            await edges.add(out.data, put, finished=out.finished and ends_work)
+        work.running_engine_id = None
+
+    def _count_audio(self, work: _Work, data: dict[str, Any]) -> None:
+        seconds = audio_seconds(data)
+        if seconds:
+            if not work.audio_seen:
+                work.audio_seen = True
+                M.ttfp.labels(*self._labels).observe(time.perf_counter() - work.started)
+            M.audio_seconds.labels(*self._labels).inc(seconds)
 
     async def _chunks(self, work: _Work):
         """(inputs, is last) per engine run: one run, or one per chunk of a windowed edge."""
@@ -405,6 +461,9 @@ class StageServer:
         key = f"{work.submit.request_id}.{work.submit.role}.{work.seq}"
         handle = await self.connectors.put(edge.connector, edge.target, key, data)
         work.created.append(handle)
+        edge_labels = (self.pipeline.name, self.stage, edge.target, edge.connector)
+        M.edge_chunks.labels(*edge_labels).inc()
+        M.edge_bytes.labels(*edge_labels).inc(handle.nbytes)
         self._count_handles()
         item = P.Input(source=self.stage, role=work.submit.role, seq=work.seq, last=last, handle=handle)
         await self._send(work.peer, P.Output(id=work.id, seq=self._seq(work), handles=[item]))
@@ -482,47 +541,45 @@ class StageServer:
         M.handles_open.labels(*self._labels).set(n)
 
 
-class _EdgeBuffers:
-    """Per downstream edge: the output folded so far, cut into a handle every `window` items.
+@dataclass
+class _FinalAcc:
+    """A work's final output folded so far (non-streaming final stages) and its last engine output."""
 
-    A full chunk waits until the next piece with items arrives (or the work ends), so the last chunk
-    of an edge always goes out marked `last` and the target knows it without waiting for the router.
+    data: dict[str, Any] | None = None
+    last: EngineOutput | None = None
+
+
+class _EdgeBuffers:
+    """Per downstream edge: the output folded so far, put as a handle every `window` items.
+
+    A chunk goes out as soon as it holds `window` items (so a per-step edge hands each step on at
+    once); the piece that ends the work goes out marked `last`. When the last chunk went out before
+    the work ended, `flush` puts an empty one marked `last`, so the target always learns the end from
+    the producer. Window 0 puts the whole output once, at the end.
     """
 
     def __init__(self, edges: list[P.EdgeOut]) -> None:
         self.edges = edges
         self.acc: dict[str, dict[str, Any] | None] = {e.target: None for e in edges}
-        self.ready: dict[str, dict[str, Any] | None] = {e.target: None for e in edges}
-        self.puts = {e.target: 0 for e in edges}
+        self.closed: set[str] = set()
 
-    async def add(self, piece: dict[str, Any], put) -> None:
-        items = count_items(piece)
+    async def add(self, piece: dict[str, Any], put, *, finished: bool = False) -> None:
         for edge in self.edges:
             t = edge.target
-            if self.ready[t] is not None and items > 0:
-                await self._put(edge, self.ready[t], False, put)
-                self.ready[t] = None
-            if self.ready[t] is not None:
-                self.ready[t] = merge(self.ready[t], piece)
+            if t in self.closed:
                 continue
             self.acc[t] = merge(self.acc[t], piece)
-            if edge.window > 0 and count_items(self.acc[t]) >= edge.window:
-                self.ready[t], self.acc[t] = self.acc[t], None
+            if edge.window > 0 and (finished or count_items(self.acc[t]) >= edge.window):
+                data, self.acc[t] = self.acc[t], None
+                await put(edge, data, finished)
+                if finished:
+                    self.closed.add(t)
 
     async def flush(self, put) -> None:
-        """Put what is left, the last handle marked `last`; every edge gets at least one handle."""
+        """Put what is left, marked `last`; every edge gets at least one handle."""
         for edge in self.edges:
             t = edge.target
-            ready, acc = self.ready[t], self.acc[t]
-            if ready is not None and count_items(acc) > 0:
-                await self._put(edge, ready, False, put)
-                await self._put(edge, acc, True, put)
-            elif ready is not None:
-                await self._put(edge, merge(ready, acc or {}), True, put)
-            elif acc is not None or self.puts[t] == 0:
-                await self._put(edge, acc or {}, True, put)
-            self.ready[t] = self.acc[t] = None
-
-    async def _put(self, edge: P.EdgeOut, data: dict[str, Any], last: bool, put) -> None:
-        await put(edge, data, last)
-        self.puts[edge.target] += 1
+            if t not in self.closed:
+                await put(edge, self.acc[t] or {}, True)
+                self.closed.add(t)
+            self.acc[t] = None
