@@ -97,6 +97,85 @@ class EchoEngine(Engine):
         self.started = False
 
 
+class EchoTalker(EchoEngine):
+    """A stand-in talker for the fast protocol tests of streamed speech hand-off (same reason as
+    EchoEngine: framing, windows, voices and releases in milliseconds; the real talker runs in the
+    tests/test_serve_speech.py tier).
+
+    It takes its input in chunks (`streams_input`) and answers each upstream token id `t` with one
+    codec frame `[t, t, t, t]` (numpy int64, shape (1, 4)). `chunks_seen` records the token ids of each
+    chunk, `voices_seen` the `voice` parameter of each request. Param `frame_delay`: seconds per frame.
+    """
+
+    streams_input = True
+    VOICES = ["chelsie", "ethan"]
+
+    def __init__(self, pipeline, stage) -> None:
+        super().__init__(pipeline, stage)
+        self.chunks_seen: list[list[int]] = []
+        self.voices_seen: list[str | None] = []
+
+    def voices(self) -> list[str]:
+        return list(self.VOICES)
+
+    async def generate(self, request: EngineInput) -> AsyncIterator[EngineOutput]:
+        import numpy as np
+
+        self.seen.append(request)
+        self.voices_seen.append(request.params.get("voice"))
+        delay = float(request.params.get("frame_delay", 0))
+        frames = 0
+
+        async def chunks():
+            yield request.data
+            if request.chunks is not None:
+                async for chunk in request.chunks:
+                    yield chunk
+
+        async for chunk in chunks():
+            ids = [int(t) for t in chunk.get("token_ids") or []]
+            self.chunks_seen.append(ids)
+            for t in ids:
+                if delay:
+                    await asyncio.sleep(delay)
+                frames += 1
+                yield EngineOutput(request.request_id, {"codes": np.full((1, 4), t, dtype=np.int64)})
+        yield EngineOutput(request.request_id, {}, finished=True, finish_reason="stop",
+                           usage={"prompt_tokens": 0, "completion_tokens": frames})  # fmt: skip
+
+
+class EchoCodec(EchoTalker):
+    """A stand-in code-to-waveform stage for the same fast tests: each codec frame `[t, ...]` becomes
+    `SAMPLES` float32 samples of value `(t + 1) / 1000`, one audio output per chunk it is fed.
+    `chunks_seen` records the frame count of each chunk."""
+
+    SAMPLES = 240
+
+    def voices(self) -> list[str]:
+        return []
+
+    async def generate(self, request: EngineInput) -> AsyncIterator[EngineOutput]:
+        import numpy as np
+
+        self.seen.append(request)
+
+        async def chunks():
+            yield request.data
+            if request.chunks is not None:
+                async for chunk in request.chunks:
+                    yield chunk
+
+        async for chunk in chunks():
+            codes = chunk.get("codes")
+            if codes is None or len(codes) == 0:
+                continue
+            codes = np.asarray(codes)
+            self.chunks_seen.append([len(codes)])
+            audio = np.repeat((codes[:, 0].astype(np.float32) + 1) / 1000, self.SAMPLES)
+            yield EngineOutput(request.request_id, {"audio": audio, "sample_rate": 24000})
+        yield EngineOutput(request.request_id, {}, finished=True, finish_reason="stop")
+
+
 # -- omnikube serve -----------------------------------------------------------------------------
 
 
@@ -328,12 +407,15 @@ def echo_pipeline(topology, *, limits=None, name: str = "echo"):
 
 class echo_cluster:  # noqa: N801 (used as `async with echo_cluster(...)`)
     def __init__(
-        self, pipeline, replicas: dict[str, int] | None = None, *, ping_timeout_s: float = 3.0, api_key_file=None
-    ) -> None:
+        self, pipeline, replicas: dict[str, int] | None = None, *, ping_timeout_s: float = 3.0, api_key_file=None,
+        engines: dict[str, type] | None = None,
+    ) -> None:  # fmt: skip
+        """`engines`: the engine class per stage name (EchoEngine for the others)."""
         self.pipeline = pipeline
         self.replicas = replicas or {}
         self.ping_timeout_s = ping_timeout_s
         self.api_key_file = api_key_file
+        self.engine_classes = engines or {}
 
     async def __aenter__(self) -> EchoCluster:
         import socket
@@ -349,7 +431,7 @@ class echo_cluster:  # noqa: N801 (used as `async with echo_cluster(...)`)
         servers, engines = {}, {}
         for stage in self.pipeline.topology.stages:
             for i in range(self.replicas.get(stage.name, 1)):
-                engine = EchoEngine(self.pipeline, stage)
+                engine = self.engine_classes.get(stage.name, EchoEngine)(self.pipeline, stage)
                 server = StageServer(
                     self.pipeline, stage.name, engine=engine, port=0, http_port=0, replica=f"r{i}",
                     connectors=ConnectorSettings(owner=f"{stage.name}-r{i}", shm_pool_bytes=0),

@@ -24,6 +24,7 @@ from omni_runtime.router.serving.base import RouterContext
 from omni_runtime.router.serving.chat import ServingChat
 from omni_runtime.router.serving.images import ServingImages
 from omni_runtime.router.serving.models import ServingModels
+from omni_runtime.router.serving.speech import ServingSpeech
 from omni_runtime.spec import ResolvedPipeline
 
 __all__ = ["build_app"]
@@ -34,6 +35,7 @@ class _Serving:
     chat: ServingChat
     images: ServingImages
     models: ServingModels
+    speech: ServingSpeech
 
 
 def build_app(
@@ -72,7 +74,7 @@ def build_app(
     app = FastAPI(title=f"omnikube router: {pipeline.served_model_name}", lifespan=lifespan, docs_url=None,
                   redoc_url=None)  # fmt: skip
     app.state.context = ctx
-    app.state.serving = _Serving(ServingChat(ctx), ServingImages(ctx), ServingModels(ctx))
+    app.state.serving = _Serving(ServingChat(ctx), ServingImages(ctx), ServingModels(ctx), ServingSpeech(ctx))
     app.include_router(router)
 
     async def handle(request: Request, exc: Exception):

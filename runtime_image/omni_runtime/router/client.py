@@ -64,6 +64,8 @@ class ReplicaClient:
         """Discovery no longer lists it: no new work; closed once its works end."""
         self.outstanding = 0
         self.rtt_s = 0.0
+        self.voices: list[str] = []
+        """Speakers the replica's engine knows, from its latest pong."""
         self._sinks: dict[str, WorkSink] = {}
         self._nonce = itertools.count()
         self._last_pong = 0.0
@@ -188,6 +190,7 @@ class ReplicaClient:
         self._last_pong = now
         if pong.sent_at:
             self.rtt_s = max(0.0, now - pong.sent_at)
+        self.voices = list(pong.voices)
         if pong.ready and self.state is not ReplicaState.UP:
             log.info("stage %s replica %s is up", self.stage, self.address)
             self.state, self.reason = ReplicaState.UP, ""

@@ -68,6 +68,17 @@ class StagePool:
         """Usable replicas per stage."""
         return {name: len(s.usable()) for name, s in self.sets.items()}
 
+    def voices(self) -> dict[str, list[str]]:
+        """The speakers each speech stage's usable replicas know (stages that report none are left out)."""
+        out: dict[str, list[str]] = {}
+        for name, replica_set in self.sets.items():
+            names: dict[str, None] = {}
+            for client in replica_set.usable():
+                names.update(dict.fromkeys(getattr(client, "voices", [])))
+            if names:
+                out[name] = sorted(names)
+        return out
+
     async def wait_ready(self, timeout_s: float) -> None:
         """Until every stage has a usable replica (TimeoutError otherwise)."""
         async with asyncio.timeout(timeout_s):

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from omni_runtime.metrics import render
+from omni_runtime.router.protocol.audio import SpeechRequest, VoiceList
 from omni_runtime.router.protocol.chat import ChatCompletionRequest
 from omni_runtime.router.protocol.images import ImageGenerationRequest
 from omni_runtime.router.protocol.models import ModelList
@@ -14,8 +15,8 @@ __all__ = ["ROUTES", "router"]
 
 router = APIRouter()
 
-ROUTES = ("/v1/chat/completions", "/v1/images/generations", "/v1/images/edits", "/v1/models", "/health",
-          "/livez", "/metrics")  # fmt: skip
+ROUTES = ("/v1/chat/completions", "/v1/images/generations", "/v1/images/edits", "/v1/audio/speech",
+          "/v1/audio/voices", "/v1/models", "/health", "/livez", "/metrics")  # fmt: skip
 
 
 @router.post("/v1/chat/completions")
@@ -31,6 +32,16 @@ async def images_generations(body: ImageGenerationRequest, raw: Request) -> Resp
 @router.post("/v1/images/edits")
 async def images_edits(raw: Request) -> Response:
     return await raw.app.state.serving.images.edit(raw)
+
+
+@router.post("/v1/audio/speech")
+async def audio_speech(body: SpeechRequest, raw: Request) -> Response:
+    return await raw.app.state.serving.speech.create(body, raw)
+
+
+@router.get("/v1/audio/voices", response_model=VoiceList)
+async def audio_voices(raw: Request) -> VoiceList:
+    return raw.app.state.serving.speech.voices()
 
 
 @router.get("/v1/models", response_model=ModelList)

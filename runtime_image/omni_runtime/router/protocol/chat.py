@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "AUDIO_FORMATS",
+    "AudioParam",
     "ChatCompletionRequest",
     "ChatCompletionResponse",
     "ChatCompletionStreamResponse",
@@ -33,6 +35,19 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+AUDIO_FORMATS = ("wav", "pcm16")
+"""`audio.format` values: a WAV file, or raw 16-bit little-endian mono PCM at the model's rate."""
+
+
+class AudioParam(BaseModel):
+    """OpenAI's `audio` request field: which speaker and which encoding `message.audio.data` uses."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    voice: str | None = Field(None, description="A speaker of the model (GET /v1/audio/voices); unset: its default.")
+    format: str = Field("wav", description=f"One of {AUDIO_FORMATS}.")
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -46,6 +61,7 @@ class ChatCompletionRequest(BaseModel):
         None,
         description="Output modalities wanted (text, image, audio, video); default: all the pipeline makes.",
     )
+    audio: AudioParam | None = Field(None, description="Voice and format of the audio reply (with modality audio).")
     n: int = Field(1, ge=1, description="Choices; at most the pipeline's router.limits.maxN.")
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -1,9 +1,12 @@
 """Serving `POST /v1/chat/completions`.
 
-Each of the `n` choices runs the planned stages once. As in vLLM-Omni, every final-output stage of a
-choice becomes its own OpenAI choice (text first, then audio...): index = choice x stages + stage.
-Text is `message.content`; images are `image_url` parts (PNG data URLs) in `message.content`; audio
-is `message.audio.data` (base64 WAV).
+Each of the `n` choices runs the planned stages once and is one OpenAI choice: the outputs of all its
+final-output stages meet in one message, as OpenAI's audio replies do. Text is `message.content`;
+images are `image_url` parts (PNG data URLs) in `message.content`; audio is `message.audio.data`
+(base64 of a WAV file, or of raw 16-bit PCM with `audio.format: pcm16`). Streamed, each decoded audio
+window is one `delta.audio` chunk, sent as soon as it arrives, between the text deltas. `modalities`
+picks the final stages: `["text"]` on a speech model runs the thinker alone. Usage counts the tokens
+of the text-producing stages (the thinker), not the talker's codec frames.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from starlette.responses import JSONResponse, Response
 
 from omni_runtime.metrics import Router as M
 from omni_runtime.router.errors import BadRequest, OmniError, error_body
-from omni_runtime.router.media import audio_of, b64, image_url_part, images_of, wav_bytes
+from omni_runtime.router.media import audio_of, b64, encode_audio, image_url_part, images_of
 from omni_runtime.router.orchestrator import PipelineRequest, RunResult, StageEvent
 from omni_runtime.router.plan import Plan, plan_request
 from omni_runtime.router.protocol.chat import (
+    AUDIO_FORMATS,
     AssistantMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -35,7 +39,10 @@ from omni_runtime.router.protocol.chat import (
 )
 from omni_runtime.router.protocol.images import parse_size
 from omni_runtime.router.serving.base import ManagedStream, ServingBase
+from omni_runtime.router.serving.clock import RequestClock
 from omni_runtime.router.serving.inputs import AR_FIELDS, entry_inputs, normalize_messages, stage_params
+from omni_runtime.router.serving.voices import voice_params
+from omni_runtime.spec import Modality, PipelineSpec
 
 __all__ = ["ServingChat"]
 
@@ -44,12 +51,31 @@ __all__ = ["ServingChat"]
 class _Acc:
     """One OpenAI choice being assembled."""
 
-    modality: str
+    pending: set[str]
+    """Final stages of this choice that have not finished yet."""
     text: str = ""
     images: list[bytes] = field(default_factory=list)
     audio: list[np.ndarray] = field(default_factory=list)
     rate: int = 0
     finish_reason: str | None = None
+
+    def fold(self, event: StageEvent) -> None:
+        data = event.data or {}
+        if isinstance(data.get("text"), str):
+            self.text += data["text"]
+        self.images.extend(images_of(data))
+        audio = audio_of(data)
+        if audio is not None:
+            self.audio.append(audio[0])
+            self.rate = audio[1]
+        if event.finished:
+            self.pending.discard(event.stage)
+            if event.modality == "text" or self.finish_reason is None:
+                self.finish_reason = event.finish_reason or "stop"
+
+    @property
+    def done(self) -> bool:
+        return not self.pending
 
 
 class ServingChat(ServingBase):
@@ -58,30 +84,36 @@ class ServingChat(ServingBase):
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
         modalities = self.check_modalities(body.modalities)
+        audio_format = _audio_format(body)
         plan = plan_request(self.topology, modalities)
+        voice = body.audio.voice if body.audio else None
+        voices = voice_params(self.ctx.pool, plan, voice, "audio.voice")
         request_id = self.new_id("chatcmpl")
-        requests = self._requests(body, plan, request_id)
-        clock = _Clock(self.pipeline.name)
+        requests = self._requests(body, plan, request_id, voices)
+        clock = RequestClock(self.pipeline.name, self.endpoint)
         if body.stream:
-            return await self._stream(body, plan, request_id, requests, clock)
-        accs: dict[int, _Acc] = {}
+            return await self._stream(body, plan, request_id, requests, clock, audio_format)
+        accs = {r.choice: _Acc(set(plan.final)) for r in requests}
 
         def collect(event: StageEvent) -> None:
-            index = _index(plan, event)
-            acc = accs.setdefault(index, _Acc(event.modality))
-            _fold(acc, event)
+            accs[event.choice].fold(event)
             clock.saw(event)
 
         results = await self.run_to_end(raw, requests, collect)
-        usage = _usage(results)
+        usage = _usage(plan, self.topology, results)
         clock.done(usage.completion_tokens)
-        choices = [Choice(index=i, message=_message(a), finish_reason=a.finish_reason) for i, a in sorted(accs.items())]
+        choices = [
+            Choice(index=i, message=_message(a, audio_format), finish_reason=a.finish_reason)
+            for i, a in sorted(accs.items())
+        ]
         response = ChatCompletionResponse(id=request_id, model=body.model, choices=choices, usage=usage)
         return JSONResponse(response.model_dump(exclude_none=True))
 
     # -- building the request ------------------------------------------------------------------
 
-    def _requests(self, body: ChatCompletionRequest, plan: Plan, request_id: str) -> list[PipelineRequest]:
+    def _requests(
+        self, body: ChatCompletionRequest, plan: Plan, request_id: str, extra: dict[str, dict[str, Any]]
+    ) -> list[PipelineRequest]:
         self.check_n(body.n)
         self.check_max_tokens(body.max_tokens, "max_tokens")
         self.check_max_tokens(body.max_completion_tokens, "max_completion_tokens")
@@ -108,8 +140,14 @@ class ServingChat(ServingBase):
                 plan=plan,
                 entry=entry,
                 params=stage_params(
-                    self.topology, plan, ar=ar, image=image, per_stage=body.sampling_params_list, choice=i
-                ),
+                    self.topology,
+                    plan,
+                    ar=ar,
+                    image=image,
+                    per_stage=body.sampling_params_list,
+                    choice=i,
+                    extra=extra,
+                ),  # fmt: skip
                 negative_prompt=body.negative_prompt,
                 stream=body.stream,
                 choice=i,
@@ -120,11 +158,18 @@ class ServingChat(ServingBase):
     # -- streaming -----------------------------------------------------------------------------
 
     async def _stream(
-        self, body: ChatCompletionRequest, plan: Plan, request_id: str, requests: list, clock: _Clock
+        self,
+        body: ChatCompletionRequest,
+        plan: Plan,
+        request_id: str,
+        requests: list,
+        clock: RequestClock,
+        audio_format: str,
     ) -> Response:
         stream = await self.open_stream(requests)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         model = body.model
+        accs = {r.choice: _Acc(set(plan.final)) for r in requests}
 
         def chunk(index: int, delta: Delta, finish: str | None = None) -> str:
             c = ChatCompletionStreamResponse(
@@ -139,16 +184,18 @@ class ServingChat(ServingBase):
             try:
                 async for event in stream:
                     clock.saw(event)
-                    index = _index(plan, event)
+                    index = event.choice
                     if index not in opened:
                         opened.add(index)
                         yield chunk(index, Delta(role="assistant", content=""))
-                    delta = _delta(event)
+                    delta = _delta(event, audio_format)
                     if delta is not None:
                         yield chunk(index, delta)
-                    if event.finished:
-                        yield chunk(index, Delta(), event.finish_reason or "stop")
-                usage = _usage(stream.results)
+                    acc = accs[index]
+                    acc.fold(event)
+                    if event.finished and acc.done:
+                        yield chunk(index, Delta(), acc.finish_reason or "stop")
+                usage = _usage(plan, self.topology, stream.results)
                 clock.done(usage.completion_tokens)
                 if include_usage:
                     final = ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)
@@ -164,78 +211,53 @@ class ServingChat(ServingBase):
 _AR_EXTRA = {"bad_words", "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "top_k"}
 
 
-def _index(plan: Plan, event: StageEvent) -> int:
-    return event.choice * len(plan.final) + plan.final.index(event.stage)
+def _audio_format(body: ChatCompletionRequest) -> str:
+    fmt = body.audio.format if body.audio else "wav"
+    if fmt not in AUDIO_FORMATS:
+        raise BadRequest(
+            f"audio.format {fmt!r} is not supported; use one of {list(AUDIO_FORMATS)}", param="audio.format"
+        )
+    return fmt
 
 
-def _fold(acc: _Acc, event: StageEvent) -> None:
-    data = event.data or {}
-    if isinstance(data.get("text"), str):
-        acc.text += data["text"]
-    acc.images.extend(images_of(data))
-    audio = audio_of(data)
-    if audio is not None:
-        acc.audio.append(audio[0])
-        acc.rate = audio[1]
-    if event.finished:
-        acc.finish_reason = event.finish_reason or "stop"
-
-
-def _message(acc: _Acc) -> AssistantMessage:
+def _message(acc: _Acc, audio_format: str) -> AssistantMessage:
     if acc.images:
         return AssistantMessage(content=[image_url_part(p) for p in acc.images])
     if acc.audio:
         samples = np.concatenate([np.atleast_1d(a) for a in acc.audio], axis=-1)
-        return AssistantMessage(content=acc.text or None, audio=_audio(wav_bytes(samples, acc.rate)))
+        audio = _audio(encode_audio(samples, acc.rate, audio_format), audio_format, acc.text)
+        return AssistantMessage(content=acc.text or None, audio=audio)
     return AssistantMessage(content=acc.text)
 
 
-def _delta(event: StageEvent) -> Delta | None:
+def _delta(event: StageEvent, audio_format: str) -> Delta | None:
     data = event.data or {}
     images = images_of(data)
     if images:
         return Delta(content=[image_url_part(p) for p in images])
     audio = audio_of(data)
-    if audio is not None:
-        return Delta(audio=_audio(wav_bytes(*audio)))
+    if audio is not None and audio[0].size:
+        return Delta(audio=_audio(encode_audio(audio[0], audio[1], audio_format), audio_format))
     text = data.get("text")
     if isinstance(text, str) and text:
         return Delta(content=text)
     return None
 
 
-def _audio(wav: bytes) -> dict[str, Any]:
-    return {"id": f"audio-{int(time.time() * 1000)}", "data": b64(wav), "format": "wav",
-            "expires_at": int(time.time()) + 3600, "transcript": ""}  # fmt: skip
+def _audio(data: bytes, fmt: str, transcript: str = "") -> dict[str, Any]:
+    return {"id": f"audio-{int(time.time() * 1000)}", "data": b64(data), "format": fmt,
+            "expires_at": int(time.time()) + 3600, "transcript": transcript}  # fmt: skip
 
 
-def _usage(results: list[RunResult]) -> Usage:
-    """Prompt tokens of the first choice (the prompt is shared), completion tokens of all choices."""
-    prompt = sum(u.get("prompt_tokens", 0) for u in results[0].usage.values()) if results else 0
-    completion = sum(u.get("completion_tokens", 0) for r in results for u in r.usage.values())
+def _usage(plan: Plan, topology: PipelineSpec, results: list[RunResult]) -> Usage:
+    """Tokens of the stages that produce text (the thinker; a talker's codec frames are not tokens),
+    or of every stage when none does: prompt tokens of the first choice (the prompt is shared),
+    completion tokens of all choices."""
+    text = {n for n in plan.stages if topology.stage(n).output_modality is Modality.TEXT} or set(plan.stages)
+
+    def counted(result: RunResult) -> list[dict[str, int]]:
+        return [u for stage, u in result.usage.items() if stage in text]
+
+    prompt = sum(u.get("prompt_tokens", 0) for u in counted(results[0])) if results else 0
+    completion = sum(u.get("completion_tokens", 0) for r in results for u in counted(r))
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-class _Clock:
-    """TTFT, TTFP, TPOT for one request."""
-
-    def __init__(self, pipeline: str) -> None:
-        self.pipeline = pipeline
-        self.start = time.monotonic()
-        self.first_token: float | None = None
-        self.first_packet: set[str] = set()
-
-    def saw(self, event: StageEvent) -> None:
-        now = time.monotonic()
-        data = event.data or {}
-        if event.modality == "text":
-            if self.first_token is None and data.get("text"):
-                self.first_token = now
-                M.ttft.labels(self.pipeline).observe(now - self.start)
-        elif data and event.modality not in self.first_packet:
-            self.first_packet.add(event.modality)
-            M.ttfp.labels(self.pipeline, event.modality).observe(now - self.start)
-
-    def done(self, completion_tokens: int) -> None:
-        if self.first_token is not None and completion_tokens > 1:
-            M.tpot.labels(self.pipeline).observe((time.monotonic() - self.first_token) / (completion_tokens - 1))

@@ -80,8 +80,10 @@ def stage_params(
     image: dict[str, Any],
     per_stage: list[dict[str, Any]] | None = None,
     choice: int = 0,
+    extra: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Parameters of every planned stage for choice `choice`."""
+    """Parameters of every planned stage for choice `choice`; `extra` adds per-stage parameters the
+    router decided (a speech stage's `voice`), under `sampling_params_list`."""
     order = topology.topological_order()
     if per_stage is not None and len(per_stage) > len(order):
         raise BadRequest(
@@ -94,6 +96,7 @@ def stage_params(
         kind = topology.stage(name).kind
         base = ar if kind is StageKind.AR else image if kind is StageKind.DIFFUSION else {}
         params = {k: v for k, v in base.items() if v is not None}
+        params.update((extra or {}).get(name, {}))
         if per_stage is not None and order.index(name) < len(per_stage):
             params.update(per_stage[order.index(name)] or {})
         if choice and isinstance(params.get("seed"), int):
