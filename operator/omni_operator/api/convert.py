@@ -16,6 +16,7 @@ from omni_operator.api.omnipipeline import (
 from omni_runtime.spec import (
     ConnectorsSpec,
     EdgeOverride,
+    MediaLimits,
     PipelineSpec,
     ResolvedPipeline,
     RouterLimits,
@@ -105,6 +106,13 @@ def router_limits(limits: RouterLimitsConfig) -> RouterLimits:
         max_body_bytes=limits.max_body_bytes,
         max_n=limits.max_n,
         max_tokens=limits.max_tokens,
+        media=MediaLimits(
+            max_parts=limits.media.max_parts,
+            max_part_bytes=quantity_bytes(limits.media.max_part_bytes),
+            max_audio_seconds=float(limits.media.max_audio_seconds),
+            max_video_seconds=float(limits.media.max_video_seconds),
+            allowed_domains=list(limits.media.allowed_domains),
+        ),
     )
 
 

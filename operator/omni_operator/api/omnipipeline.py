@@ -54,6 +54,7 @@ __all__ = [
     "OmniPipelineStatus",
     "PipelineStage",
     "PipelineTopology",
+    "MediaLimitsConfig",
     "RouterLimitsConfig",
     "RouterService",
     "RouterSpec",
@@ -66,6 +67,7 @@ MIN_MOONCAKE_BYTES = 16 * 1024**2
 """Smallest Mooncake segment or buffer the runtime accepts (omni_runtime.spec.MooncakeSpec)."""
 
 _LIMIT_DEFAULTS = RouterLimits()
+_MEDIA_DEFAULTS = _LIMIT_DEFAULTS.media
 
 
 class ServiceType(str, Enum):
@@ -128,6 +130,28 @@ class RouterService(KubeModel):
     port: Int = Field(ROUTER_PORT, ge=1, le=65535, description="Service port clients connect to.")
 
 
+class MediaLimitsConfig(KubeModel):
+    """Bounds on the media parts (image_url, input_audio, audio_url, video_url) of one request; the
+    router answers 400 naming the part that breaks one."""
+
+    max_parts: Int = Field(_MEDIA_DEFAULTS.max_parts, ge=0, description="Media parts per request; 0 refuses media.")
+    max_part_bytes: Quantity = Field(
+        _MEDIA_DEFAULTS.max_part_bytes, description="Largest decoded size of one media part (e.g. 16Mi)."
+    )
+    max_audio_seconds: Int = Field(
+        int(_MEDIA_DEFAULTS.max_audio_seconds), ge=1, description="Longest audio part, in seconds."
+    )
+    max_video_seconds: Int = Field(
+        int(_MEDIA_DEFAULTS.max_video_seconds), ge=1, description="Longest video part, in seconds."
+    )
+    allowed_domains: list[Annotated[str, Field(max_length=253)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Hosts (and their subdomains) whose http(s) media URLs the router fetches; empty accepts "
+        "only data URLs, so no request can make the router fetch an arbitrary URL (SSRF).",
+    )
+
+
 class RouterLimitsConfig(KubeModel):
     """Admission limits that keep the router responsive under load."""
 
@@ -163,6 +187,9 @@ class RouterLimitsConfig(KubeModel):
         ge=1,
         description="Largest `max_tokens` (or `max_completion_tokens`) a request may ask for, also inside "
         "`sampling_params_list`; larger ones get 400. The model's context length still applies.",
+    )
+    media: MediaLimitsConfig = Field(
+        default_factory=MediaLimitsConfig, description="Count, size and duration bounds on media inputs."
     )
 
 

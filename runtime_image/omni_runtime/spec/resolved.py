@@ -16,6 +16,7 @@ from omni_runtime.spec.pipeline import PipelineSpec, SpecError
 
 __all__ = [
     "EdgeOverride",
+    "MediaLimits",
     "ResolvedPipeline",
     "RouterLimits",
     "StageDiscovery",
@@ -66,6 +67,23 @@ class StageDiscovery(BaseModel):
     port: int = STAGE_PORT
 
 
+class MediaLimits(BaseModel):
+    """Bounds on the media parts of one request (`image_url`, `input_audio`, `audio_url`, `video_url`),
+    checked by the router before any stage sees them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_parts: int = Field(8, ge=0, description="Media parts per request, all messages together; 0 refuses media.")
+    max_part_bytes: int = Field(16 * 1024**2, ge=1, description="Largest decoded size of one media part, in bytes.")
+    max_audio_seconds: float = Field(600.0, gt=0, description="Longest audio part, in seconds.")
+    max_video_seconds: float = Field(600.0, gt=0, description="Longest video part, in seconds.")
+    allowed_domains: list[str] = Field(
+        default_factory=list,
+        description="Hosts (and their subdomains) whose http(s) media URLs the router fetches; empty: only "
+        "data URLs are accepted, so nobody can make a pod fetch an arbitrary URL.",
+    )
+
+
 class RouterLimits(BaseModel):
     """Admission limits that keep the router responsive under load."""
 
@@ -79,6 +97,7 @@ class RouterLimits(BaseModel):
     max_tokens: int = Field(
         32768, ge=1, description="Largest `max_tokens` / `max_completion_tokens` a request may ask of an AR stage."
     )
+    media: MediaLimits = Field(default_factory=MediaLimits, description="Bounds on a request's media inputs.")
 
 
 class ResolvedPipeline(BaseModel):

@@ -5,12 +5,14 @@ final-output stages meet in one message, as OpenAI's audio replies do. Text is `
 images are `image_url` parts (PNG data URLs) in `message.content`; audio is `message.audio.data`
 (base64 of a WAV file, or of raw 16-bit PCM with `audio.format: pcm16`). Streamed, each decoded audio
 window is one `delta.audio` chunk, sent as soon as it arrives, between the text deltas. `modalities`
-picks the final stages: `["text"]` on a speech model runs the thinker alone. Usage counts the tokens
+picks the final stages: `["text"]` on a speech model runs the thinker alone. Media parts of the
+messages (images, audio, video) are checked first (`media_inputs`). Usage counts the tokens
 of the text-producing stages (the thinker), not the talker's codec frames.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -41,6 +43,7 @@ from omni_runtime.router.protocol.images import parse_size
 from omni_runtime.router.serving.base import ManagedStream, ServingBase
 from omni_runtime.router.serving.clock import RequestClock
 from omni_runtime.router.serving.inputs import AR_FIELDS, entry_inputs, normalize_messages, stage_params
+from omni_runtime.router.serving.media_inputs import check_media, media_parts
 from omni_runtime.router.serving.voices import voice_params
 from omni_runtime.spec import Modality, PipelineSpec
 
@@ -88,8 +91,12 @@ class ServingChat(ServingBase):
         plan = plan_request(self.topology, modalities)
         voice = body.audio.voice if body.audio else None
         voices = voice_params(self.ctx.pool, plan, voice, "audio.voice")
+        messages = normalize_messages(body.messages)
+        if media_parts(messages):
+            accepted = sorted({m.value for n in plan.entry for m in self.topology.stage(n).input_modalities})
+            await asyncio.to_thread(check_media, messages, self.limits.media, accepted)
         request_id = self.new_id("chatcmpl")
-        requests = self._requests(body, plan, request_id, voices)
+        requests = self._requests(body, messages, plan, request_id, voices)
         clock = RequestClock(self.pipeline.name, self.endpoint)
         if body.stream:
             return await self._stream(body, plan, request_id, requests, clock, audio_format)
@@ -112,13 +119,17 @@ class ServingChat(ServingBase):
     # -- building the request ------------------------------------------------------------------
 
     def _requests(
-        self, body: ChatCompletionRequest, plan: Plan, request_id: str, extra: dict[str, dict[str, Any]]
+        self,
+        body: ChatCompletionRequest,
+        messages: list[dict[str, Any]],
+        plan: Plan,
+        request_id: str,
+        extra: dict[str, dict[str, Any]],
     ) -> list[PipelineRequest]:
         self.check_n(body.n)
         self.check_max_tokens(body.max_tokens, "max_tokens")
         self.check_max_tokens(body.max_completion_tokens, "max_completion_tokens")
         self.check_stage_params(body.sampling_params_list)
-        messages = normalize_messages(body.messages)
         ar = {k: getattr(body, k) for k in AR_FIELDS}
         ar["max_tokens"] = body.max_completion_tokens or body.max_tokens
         ar.update({k: v for k, v in (body.model_extra or {}).items() if k in _AR_EXTRA})
