@@ -141,8 +141,19 @@ def test_thinker_to_talker_hands_over_hidden_states_and_tokens() -> None:
     with pytest.raises(ProcessorError, match="5 hidden states for 6 tokens"):
         bad = {**payload, "token_ids": [4, 5, 6]}
         apply_processor("thinker_to_talker", thinker, {"primary": bad}, ProcessorContext("r"))
-    with pytest.raises(ProcessorError, match="'hidden_states'"):
-        apply_processor("thinker_to_talker", thinker, {"primary": {"token_ids": [1]}}, ProcessorContext("r"))
+    with pytest.raises(ProcessorError, match="'token_ids'"):
+        apply_processor("thinker_to_talker", thinker, {"primary": {"text": "hi"}}, ProcessorContext("r"))
+
+
+def test_thinker_to_talker_hands_over_token_ids_per_chunk() -> None:
+    """Qwen3-Omni text prompts: ids only, the prompt's on the first chunk (the talker embeds them)."""
+    thinker = get_pipeline("qwen3-omni").stage("thinker")
+    first = {"prompt_token_ids": [1, 2, 3], "token_ids": [4], "text": "Hi"}
+    out = apply_processor("thinker_to_talker", thinker, {"primary": first}, ProcessorContext("r"))
+    assert out == {"thinker_prompt_ids": [1, 2, 3], "thinker_token_ids": [4], "thinker_text": "Hi"}
+    later = apply_processor("thinker_to_talker", thinker, {"primary": {"token_ids": [5, 6], "text": " there"}},
+                            ProcessorContext("r"))  # fmt: skip
+    assert later == {"thinker_token_ids": [5, 6], "thinker_text": " there"}
 
 
 def test_talker_to_code2wav_gives_codes_without_the_stop_token() -> None:
@@ -411,6 +422,22 @@ async def test_ar_chat_messages_use_the_chat_template(ar: AREngine, hf_tokenizer
     assert rendered["prompt_token_ids"] == expected_ids
     outs = await _collect(ar, EngineInput("t1", {"messages": messages}, _greedy(3)))
     assert outs[-1].usage == {"prompt_tokens": len(expected_ids), "completion_tokens": 3}
+
+
+@models
+@in_module_loop
+async def test_ar_streams_prompt_ids_then_one_token_per_step(ar: AREngine, hf_tokenizer) -> None:
+    """What a thinker streamed per step to a talker relies on (vLLM 0.32 DELTA outputs): the first piece
+    carries the rendered prompt ids, then every engine step gives exactly one new token id."""
+    messages = [{"role": "user", "content": "Say something"}]
+    expected = hf_tokenizer.encode(
+        hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
+    outs = await _collect(ar, EngineInput("p1", {"messages": messages}, _greedy(6)))
+    assert outs[0].data["prompt_token_ids"] == expected
+    assert all("prompt_token_ids" not in o.data for o in outs[1:])
+    assert [len(o.data["token_ids"]) for o in outs] == [1] * 6
 
 
 @models

