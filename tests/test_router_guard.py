@@ -124,6 +124,9 @@ def test_api_key_file_is_reread_only_when_it_changes(tmp_path: Path) -> None:
     path.unlink()
     now[0] = 3.0
     assert key.key() == b"two"  # gone: the previous key stays in force
+    write_key(path, "three")
+    now[0] = 4.5
+    assert key.key() == b"three"  # back: read again
 
 
 def test_router_command_refuses_an_unusable_key_file(tmp_path: Path, capsys) -> None:

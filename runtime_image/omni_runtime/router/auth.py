@@ -41,6 +41,7 @@ class ApiKeyFile:
         self._stamp = self._stat()
         self._key = self._read()
         self._checked = clock()
+        self._problem: str | None = None
 
     def _stat(self) -> tuple[int, int, int]:
         try:
@@ -74,11 +75,14 @@ class ApiKeyFile:
         try:
             stamp = self._stat()
             if stamp != self._stamp:
+                self._stamp = stamp  # first, so a bad file is read (and reported) once, not every second
                 self._key = self._read()
-                self._stamp = stamp
                 log.info("API key file %s changed; the new key is in force", self.path)
+            self._problem = None
         except ApiKeyError as err:
-            log.warning("%s; still accepting the previous key", err)
+            if str(err) != self._problem:
+                log.warning("%s; still accepting the previous key", err)
+            self._problem = str(err)
         return self._key
 
 
