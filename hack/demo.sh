@@ -18,15 +18,15 @@ step "control plane"
 if [ -f "$DIR/cluster/state.json" ]; then
   echo "reusing the running cluster in $DIR/cluster"
 else
-  $PY e2e/cluster/localcluster.py up --dir "$DIR/cluster"
+  "$PY" e2e/cluster/localcluster.py up --dir "$DIR/cluster"
 fi
 export KUBECONFIG=$DIR/cluster/kubeconfig
-BIN=$($PY -c "import json;print(json.load(open('$DIR/cluster/state.json'))['bin_dir'])")
+BIN=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['bin_dir'])" "$DIR/cluster/state.json")
 export PATH="$BIN:$PWD/.venv/bin:$PATH"
 kubectl get nodes -L nvidia.com/gpu.product,omnikube.io/accelerator
 on_error() {
   printf '\n\033[1mmake demo stopped on an error.\033[0m What runs stays up; look around with:\n'
-  printf '  export KUBECONFIG=%s PATH=%s:$PATH\n' "$KUBECONFIG" "$BIN"
+  printf '  export KUBECONFIG=%q PATH=%q:$PATH\n' "$KUBECONFIG" "$BIN"
   printf '  kubectl get pods -A -o wide; kubectl describe pod -n NAMESPACE POD; kubectl logs -n NAMESPACE POD\n'
   printf '  the pod runner'"'"'s own log: %s\n' "$DIR/podrunner.log"
   printf 'then `make demo` again (it reuses what runs) or `make demo-down`.\n'
@@ -38,7 +38,7 @@ if [ -f "$DIR/podrunner.pid" ] && kill -0 "$(cat "$DIR/podrunner.pid")" 2>/dev/n
   echo "already running (pid $(cat "$DIR/podrunner.pid"))"
 else
   mkdir -p "$DIR/podrunner"
-  setsid $PY e2e/podrunner/runner.py --kubeconfig "$KUBECONFIG" --node runner-node-0 \
+  setsid "$PY" e2e/podrunner/runner.py --kubeconfig "$KUBECONFIG" --node runner-node-0 \
     --state-dir "$DIR/podrunner" --capacity cpu=16 --capacity memory=64Gi \
     > "$DIR/podrunner.log" 2>&1 < /dev/null &
   echo $! > "$DIR/podrunner.pid"
@@ -55,8 +55,8 @@ helm upgrade --install omnikube charts/omnikube --namespace omnikube-system --cr
 kubectl get pods -n omnikube-system -o wide
 
 step "tiny models (random weights, built locally)"
-$PY -m omni_runtime.tiny_models tiny-qwen2-chat tiny-sd3
-MODELS=$($PY -c "from omni_runtime.tiny_models import default_cache_dir; print(default_cache_dir())")
+"$PY" -m omni_runtime.tiny_models tiny-qwen2-chat tiny-sd3
+MODELS=$("$PY" -c "from omni_runtime.tiny_models import default_cache_dir; print(default_cache_dir())")
 
 step "kubectl apply OmniPipelines"
 kubectl create namespace $NS --dry-run=client -o yaml | kubectl apply -f - >/dev/null
@@ -93,7 +93,7 @@ router_ip() {
   kubectl get pods -n $NS -l "omnikube.io/pipeline=$1,app.kubernetes.io/component=router" \
     -o jsonpath='{.items[0].status.podIP}'
 }
-NO_PROXY='*' $PY - "$(router_ip chat)" "$(router_ip draw)" "$DIR" <<'PYEOF'
+NO_PROXY='*' "$PY" - "$(router_ip chat)" "$(router_ip draw)" "$DIR" <<'PYEOF'
 import base64, sys
 from pathlib import Path
 from openai import OpenAI
@@ -124,7 +124,7 @@ For example:
     -d '{"model": "chat", "messages": [{"role": "user", "content": "Say hello!"}], "max_tokens": 16}'
 
 kubectl talks to the demo cluster with:
-  export KUBECONFIG=$KUBECONFIG PATH=$BIN:\$PATH
+  export KUBECONFIG=$(printf %q "$KUBECONFIG") PATH=$(printf %q "$BIN"):\$PATH
   kubectl get omnipipelines,omnistages,pods -n $NS -o wide
   kubectl logs -n $NS -f deploy/chat-router          # logs work for every pod on runner-node-0
   kubectl describe omnipipeline -n $NS chat
