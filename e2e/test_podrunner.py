@@ -24,6 +24,7 @@ from clusterlib import kubectl_json
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509 import NameAttribute
 from cryptography.x509.oid import NameOID
 from podrunner import NodeConfig, PodRunner
 from podrunner.fixtures import RUNNER_NODES, on_runner
@@ -788,10 +789,36 @@ def test_kubectl_logs_previous_shows_the_run_before_a_restart(cluster, namespace
     assert int(before.split()[1]) == int(now.split()[1]) - 1
 
 
-def test_the_kubelet_endpoint_serves_only_clients_the_api_server_authorizes(cluster, namespace, podrunner, tmp_path):
-    """Straight to the runner's endpoint: no client certificate, or one for a user without nodes/proxy, gets
-    nothing; the cluster admin's certificate (system:masters), as on a real kubelet, gets the log."""
+def _client_cert(pki: Path, out: Path, name: str, cn: str | None) -> tuple[Path, Path]:
+    """A client certificate signed by the cluster CA for user `cn` (None: a subject without a common name)."""
+    ca_cert = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
+    ca_key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.now(timezone.utc)
+    attr = NameAttribute(NameOID.COMMON_NAME, cn) if cn else NameAttribute(NameOID.ORGANIZATION_NAME, "no-cn")
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([attr]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=5))
+        .not_valid_after(now + timedelta(hours=1))
+        .add_extension(x509.ExtendedKeyUsage([x509.ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
+    )
+    crt, pem = out / f"{name}.crt", out / f"{name}.key"
+    crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    pem.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return crt, pem
 
+
+def test_the_kubelet_endpoint_serves_only_clients_the_api_server_authorizes(cluster, namespace, podrunner, tmp_path):
+    """Straight to the runner's endpoint: no client certificate, one without a user name, or one for a user
+    without nodes/proxy gets nothing; the cluster admin's (system:masters), as on a real kubelet, gets the log;
+    what is not a log request is refused."""
     apply(
         cluster,
         namespace,
@@ -802,40 +829,54 @@ def test_the_kubelet_endpoint_serves_only_clients_the_api_server_authorizes(clus
     address = next(a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP")
     port = node["status"]["daemonEndpoints"]["kubeletEndpoint"]["Port"]
     assert port > 0
-    url = f"https://{address}:{port}/containerLogs/{namespace}/secret-log/c"
+    base = f"https://{address}:{port}"
+    url = f"{base}/containerLogs/{namespace}/secret-log/c"
     pki = Path(cluster.workdir) / "pki"
 
-    def client_tls(cert: Path | None = None, key: Path | None = None) -> ssl.SSLContext:
+    def client(cert: tuple[Path, Path] | None = None) -> httpx.Client:
         ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))  # the endpoint's cert is the cluster's
-        if cert and key:
-            ctx.load_cert_chain(cert, key)
-        return ctx
+        if cert:
+            ctx.load_cert_chain(*cert)
+        return httpx.Client(verify=ctx, timeout=10, trust_env=False)
 
     with pytest.raises(httpx.HTTPError):  # the TLS handshake wants a client certificate
-        httpx.get(url, verify=client_tls(), timeout=10, trust_env=False).raise_for_status()
-
-    ca_cert = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
-    ca_key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), None)
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.now(timezone.utc)
-    nobody = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "nobody")]))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - timedelta(minutes=5))
-        .not_valid_after(now + timedelta(hours=1))
-        .add_extension(x509.ExtendedKeyUsage([x509.ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    (tmp_path / "nobody.crt").write_bytes(nobody.public_bytes(serialization.Encoding.PEM))
-    (tmp_path / "nobody.key").write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    denied = httpx.get(
-        url, verify=client_tls(tmp_path / "nobody.crt", tmp_path / "nobody.key"), timeout=10, trust_env=False
-    )
+        client().get(url).raise_for_status()
+    anonymous = client(_client_cert(pki, tmp_path, "anonymous", None)).get(url)
+    assert anonymous.status_code == 401 and "s3cr3t" not in anonymous.text
+    denied = client(_client_cert(pki, tmp_path, "nobody", "nobody")).get(url)
     assert denied.status_code == 403 and "s3cr3t" not in denied.text and "nodes/proxy" in denied.text
-    admin = httpx.get(url, verify=client_tls(pki / "admin.crt", pki / "admin.key"), timeout=10, trust_env=False)
-    assert admin.status_code == 200 and admin.text == "s3cr3t\n"
+
+    admin = client((pki / "admin.crt", pki / "admin.key"))
+    got = admin.get(url)
+    assert got.status_code == 200 and got.text == "s3cr3t\n"
+    assert admin.post(url).status_code == 405
+    missing = admin.get(f"{base}/containerLogs/{namespace}/no-such-pod/c")
+    assert missing.status_code == 404 and "does not run on this node" in missing.text
+    assert admin.get(f"{base}/exec/{namespace}/secret-log/c").json()["reason"] == "NotFound"
+    assert admin.get(url, headers={"X-Big": "x" * (20 << 10)}).status_code == 431  # the head is bounded
+
+
+def test_a_runner_without_a_cluster_ca_runs_pods_but_serves_no_logs(cluster, namespace, tmp_path, caplog):
+    """A kubeconfig that names no CA (TLS unverified) gives the runner nothing to check client certificates
+    against: it runs pods, advertises no kubelet port and says why in its log, rather than serve logs to anyone."""
+    kubeconfig = json.loads(Path(cluster.kubeconfig).read_text())
+    kubeconfig["clusters"][0]["cluster"] = {
+        "server": kubeconfig["clusters"][0]["cluster"]["server"],
+        "insecure-skip-tls-verify": True,
+    }
+    (tmp_path / "kubeconfig").write_text(json.dumps(kubeconfig))
+    node = "runner-noca-0"
+    with PodRunner(tmp_path / "kubeconfig", [NodeConfig(node)], tmp_path / "state") as runner:
+        assert kubectl_json(cluster, "get", "node", node)["status"]["daemonEndpoints"]["kubeletEndpoint"]["Port"] == 0
+        apply(
+            cluster,
+            namespace,
+            pod(
+                "noca",
+                [{"name": "c", "image": "x", "command": ["sh", "-c", "echo hi; exec sleep 1000"]}],
+                nodeSelector={"kubernetes.io/hostname": node},
+            ),
+        )
+        wait_for("noca wrote", lambda: "hi" in runner.logs(namespace, "noca", "c"))
+        assert _logs(cluster, namespace, "noca").returncode != 0
+    assert "the kubeconfig names no CA" in caplog.text
