@@ -2,23 +2,28 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 CLUSTER_DIR := .omnikube/cluster
+LINT_PATHS := operator runtime_image tests e2e bench hack
 
 .PHONY: install test test-fast lint crds demo demo-down cluster-up cluster-down
 
 install:
 	@bash hack/bootstrap.sh
 
-## Every test: unit, cluster (real control plane) and end to end.
-test: install
+## Lint and type checks first (a lint failure is cheap), then every test: unit, cluster (real control
+## plane) and end to end.
+test: lint
 	$(PY) -m pytest -q
 
 ## Unit tests only (no cluster, no model loads).
 test-fast: install
 	$(PY) -m pytest -q tests -m "not models"
 
+## ruff (lint and format), the import contracts and mypy (its settings: [tool.mypy] in pyproject.toml).
 lint: install
-	.venv/bin/ruff check operator runtime_image tests e2e bench
+	.venv/bin/ruff check $(LINT_PATHS)
+	.venv/bin/ruff format --check $(LINT_PATHS)
 	.venv/bin/lint-imports
+	.venv/bin/mypy
 
 ## Regenerate crds/ from the models in omni_operator.
 crds: install

@@ -6,6 +6,7 @@ Events say which object to look at, never what to do: the reconcile steps read t
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -36,6 +37,14 @@ def keys_for_child(labels: dict[str, str], namespace: str, name: str) -> list[Ke
     return [(PIPELINE, namespace, pipeline)]
 
 
+def _namespaced(namespace: str | None) -> str:
+    """kopf types `namespace` optional (cluster-scoped objects have none); every object watched here is
+    namespaced, so it is always set."""
+    if namespace is None:
+        raise kopf.PermanentError("a namespaced object came without a namespace")
+    return namespace
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Events only: kopf keeps no progress or diff-base on our objects, so it writes nothing to them
@@ -50,23 +59,24 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, "omnipipelines")
-def pipeline_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    memo.queue.add((PIPELINE, namespace, name))
+def pipeline_event(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+    memo.queue.add((PIPELINE, _namespaced(namespace), name))
 
 
 @kopf.on.event(GROUP, VERSION, "omnistages")
-def omnistage_event(namespace: str, name: str, spec: dict, memo: kopf.Memo, **_: Any) -> None:
-    memo.queue.add((STAGE, namespace, name))
+def omnistage_event(namespace: str | None, name: str, spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
+    ns = _namespaced(namespace)
+    memo.queue.add((STAGE, ns, name))
     if spec.get("pipeline"):  # the pipeline aggregates stage status, and restores a deleted stage
-        memo.queue.add((PIPELINE, namespace, spec["pipeline"]))
+        memo.queue.add((PIPELINE, ns, spec["pipeline"]))
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
 @kopf.on.event("", "v1", "pods", labels=MANAGED)
 @kopf.on.event("", "v1", "services", labels=MANAGED)
 @kopf.on.event("", "v1", "configmaps", labels=MANAGED)
-def child_event(namespace: str, name: str, labels: dict, memo: kopf.Memo, **_: Any) -> None:
-    for key in keys_for_child(dict(labels), namespace, name):
+def child_event(namespace: str | None, name: str, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
+    for key in keys_for_child(dict(labels), _namespaced(namespace), name):
         memo.queue.add(key)
 
 

@@ -201,6 +201,6 @@ class KubeClient:
 
 def _api_message(exc: ApiException) -> str:
     try:
-        return json.loads(exc.body).get("message") or str(exc.reason)
+        return json.loads(exc.body or b"").get("message") or str(exc.reason)
     except (TypeError, ValueError):
         return f"{exc.status} {exc.reason}"

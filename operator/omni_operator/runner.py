@@ -49,7 +49,8 @@ class OperatorConfig:
 
 async def _list_all(kube: KubeClient, namespaces: list[str]) -> list[Key]:
     keys: list[Key] = []
-    for ns in namespaces or [None]:
+    scopes: list[str | None] = [*namespaces] or [None]  # None: every namespace
+    for ns in scopes:
         for kind, tag in (("OmniPipeline", PIPELINE), ("OmniStage", STAGE)):
             for obj in await kube.list(API_VERSION, kind, ns):
                 keys.append((tag, obj["metadata"]["namespace"], obj["metadata"]["name"]))

@@ -9,18 +9,21 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Hashable
+from typing import Generic, TypeVar
 
 __all__ = ["WorkQueue"]
 
 log = logging.getLogger(__name__)
 
+K = TypeVar("K", bound=Hashable)
 
-class WorkQueue:
+
+class WorkQueue(Generic[K]):
     """Deduplicating, per-key serial, rate-limited queue feeding `workers` coroutines."""
 
     def __init__(
         self,
-        handler: Callable[[Hashable], Awaitable[None]],
+        handler: Callable[[K], Awaitable[None]],
         *,
         workers: int = 8,
         base_delay: float = 0.5,
@@ -30,15 +33,15 @@ class WorkQueue:
         self._workers = workers
         self._base_delay = base_delay
         self._max_delay = max_delay
-        self._queue: asyncio.Queue[Hashable] = asyncio.Queue()
-        self._queued: set[Hashable] = set()
-        self._active: set[Hashable] = set()
-        self._dirty: set[Hashable] = set()
-        self._failures: dict[Hashable, int] = {}
-        self._delayed: dict[Hashable, asyncio.TimerHandle] = {}
+        self._queue: asyncio.Queue[K] = asyncio.Queue()
+        self._queued: set[K] = set()
+        self._active: set[K] = set()
+        self._dirty: set[K] = set()
+        self._failures: dict[K, int] = {}
+        self._delayed: dict[K, asyncio.TimerHandle] = {}
         self._tasks: list[asyncio.Task] = []
 
-    def add(self, key: Hashable) -> None:
+    def add(self, key: K) -> None:
         """Queue `key` now (at most once; if it is being worked on, once more after)."""
         if key in self._active:
             self._dirty.add(key)
@@ -46,7 +49,7 @@ class WorkQueue:
             self._queued.add(key)
             self._queue.put_nowait(key)
 
-    def add_after(self, key: Hashable, delay: float) -> None:
+    def add_after(self, key: K, delay: float) -> None:
         if key in self._delayed:
             return
         loop = asyncio.get_running_loop()

@@ -288,11 +288,11 @@ class LocalRun:
         run = cls(resolved=resolved, run_dir=_run_dir(run_dir, name), host=host, shm_pool_bytes=shm_pool_bytes)
         run.api_key_file = Path(api_key_file).resolve() if api_key_file is not None else None
         run.router_port = port or free_port(host)
-        for stage in names:
-            ports = [(free_port(host), free_port(host)) for _ in range(counts[stage])]
-            run.stage_ports[stage] = ports
-            run.replicas[stage] = counts[stage]
-            resolved.discovery[stage] = StageDiscovery(static=[f"{host}:{p}" for p, _ in ports])
+        for stage_name in names:
+            ports = [(free_port(host), free_port(host)) for _ in range(counts[stage_name])]
+            run.stage_ports[stage_name] = ports
+            run.replicas[stage_name] = counts[stage_name]
+            resolved.discovery[stage_name] = StageDiscovery(static=[f"{host}:{p}" for p, _ in ports])
         (run.run_dir / "resolved.json").write_text(resolved.model_dump_json(indent=2, by_alias=True))
         return run
 

@@ -139,8 +139,9 @@ class Connector(ABC):
     kind: ClassVar[ConnectorKind]
 
     @abstractmethod
-    async def put(self, source_stage: str, target_stage: str, key: str, payload: Payload) -> Handle:
-        """Store `payload` for `target_stage`. On failure or cancellation nothing is left behind."""
+    async def put(self, source_stage: str, target_stage: str, key: str, payload: Payload) -> AnyHandle:
+        """Store `payload` for `target_stage`. On failure or cancellation nothing is left behind. The handle
+        is one of `AnyHandle`'s classes: the only ones the wire can carry."""
 
     @abstractmethod
     async def get(self, handle: Handle) -> dict[str, Any]:
@@ -152,6 +153,9 @@ class Connector(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Free what this connector owns (threads, mappings, store client)."""
+
+    def trim(self) -> None:  # noqa: B027 (optional hook)
+        """Give back idle pooled memory beyond the connector's limit (pooled kinds only)."""
 
     def _check_handle(self, handle: Handle, cls: type[T]) -> T:
         if not isinstance(handle, cls):

@@ -132,7 +132,7 @@ def _numpy_ext(array: np.ndarray, frames: list[memoryview], code: int) -> msgspe
     if array.dtype.hasobject or array.dtype.fields is not None:
         raise TypeError(f"numpy arrays of dtype {array.dtype} cannot travel; use plain numeric dtypes")
     a = array if array.flags.c_contiguous else array.copy(order="C")  # (ascontiguousarray makes 0-d 1-d)
-    frames.append(memoryview(a.reshape(-1).view(np.uint8)))
+    frames.append(a.reshape(-1).view(np.uint8).data)
     return msgspec.msgpack.Ext(code, _meta_encoder.encode((len(frames) - 1, a.dtype.str, list(a.shape))))
 
 

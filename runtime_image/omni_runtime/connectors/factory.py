@@ -23,17 +23,26 @@ def make_connector(kind: ConnectorKind | str, spec: ConnectorsSpec | None = None
     except ValueError:
         allowed = ", ".join(repr(k.value) for k in ConnectorKind)
         raise ValueError(f"connector kind {kind!r} is not known; use one of {allowed}") from None
+    cls: type[Connector]
     if kind is ConnectorKind.INLINE:
-        from omni_runtime.connectors.inline import InlineConnector as cls
+        from omni_runtime.connectors.inline import InlineConnector
+
+        cls = InlineConnector
     elif kind is ConnectorKind.SHM:
-        from omni_runtime.connectors.shm import ShmConnector as cls
+        from omni_runtime.connectors.shm import ShmConnector
+
+        cls = ShmConnector
     elif (spec or ConnectorsSpec()).mooncake.mode is MooncakeMode.STORE:
-        from omni_runtime.connectors.mooncake_store import MooncakeStoreConnector as cls
+        from omni_runtime.connectors.mooncake_store import MooncakeStoreConnector
+
+        cls = MooncakeStoreConnector
     else:
-        from omni_runtime.connectors.mooncake_p2p import MooncakePeerConnector as cls
+        from omni_runtime.connectors.mooncake_p2p import MooncakePeerConnector
+
+        cls = MooncakePeerConnector
     params = inspect.signature(cls.__init__).parameters
     unknown = sorted(set(runtime_info) - {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY})
     if unknown:
-        allowed = sorted(n for n, p in params.items() if p.kind is p.KEYWORD_ONLY)
-        raise TypeError(f"make_connector({kind.value!r}): unknown runtime_info {unknown}; allowed: {allowed or 'none'}")
+        known = sorted(n for n, p in params.items() if p.kind is p.KEYWORD_ONLY)
+        raise TypeError(f"make_connector({kind.value!r}): unknown runtime_info {unknown}; allowed: {known or 'none'}")
     return cls(spec or ConnectorsSpec(), **runtime_info)

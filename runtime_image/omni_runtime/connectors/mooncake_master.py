@@ -212,7 +212,7 @@ class MooncakeMaster:
         for proc in (self.master, self.metadata):
             if proc is not None and proc.poll() is not None:
                 raise MooncakeMasterError(
-                    f"{proc.args[0]} exited with code {proc.returncode} while starting (are ports "
+                    f"{_program(proc)} exited with code {proc.returncode} while starting (are ports "
                     f"{self.rpc_port}, {self.metadata_port}, {self.metrics_port} free?); {self._log_tail()}"
                 )
 
@@ -244,3 +244,9 @@ def _port_open(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def _program(proc: subprocess.Popen) -> str:
+    """The program a process runs, for messages (`args` may be a string or a list)."""
+    args = proc.args
+    return str(args[0] if isinstance(args, list | tuple) else args)

@@ -253,7 +253,7 @@ class MooncakePeerConnector(Connector):
         generation = block.generation
         claims.append((block, generation))
         copies = []
-        for offset, size, data in zip(offsets, layout, [header, *frames], strict=True):
+        for offset, size, data in zip(offsets, layout, [memoryview(header), *frames], strict=True):
             if size:
                 start = _HDR + offset
                 copies.append((block.array[start : start + size], np.frombuffer(data, np.uint8)))

@@ -145,7 +145,7 @@ class MooncakeStoreConnector(Connector):
         sizes: list[int] = []
         keep = []
         end = 0
-        for offset, size, data in zip(offsets, h.layout, [header, *frames], strict=True):
+        for offset, size, data in zip(offsets, h.layout, [memoryview(header), *frames], strict=True):
             if offset > end:
                 ptrs.append(_ZEROS.ctypes.data)
                 sizes.append(offset - end)
@@ -187,7 +187,7 @@ class MooncakeStoreConnector(Connector):
                 f"mooncake get {h.store_key}: expected {total} bytes, got "
                 + (_describe(rc) if rc < 0 else f"{rc} bytes")
             )
-        view = memoryview(buf)
+        view = buf.data
         parts = [view[o : o + n] for o, n in zip(offsets, h.layout, strict=True)]
         return decode_payload(parts[0], parts[1:])
 

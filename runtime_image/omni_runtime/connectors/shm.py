@@ -138,7 +138,7 @@ class ShmConnector(Connector):
         seg, gen = self._claim(total)
         claims.append((seg, gen))
         mm = seg.mm
-        for offset, size, data in zip(offsets, layout, [header, *frames], strict=True):
+        for offset, size, data in zip(offsets, layout, [memoryview(header), *frames], strict=True):
             if size:
                 start = _HDR + offset
                 np.copyto(np.frombuffer(mm, np.uint8, size, start), np.frombuffer(data, np.uint8))
@@ -241,7 +241,7 @@ class ShmConnector(Connector):
         if self.copy_out:
             buf = np.empty(total, np.uint8)
             np.copyto(buf, np.frombuffer(mm, np.uint8, total, _HDR))
-            view, base = memoryview(buf), 0
+            view, base = buf.data, 0
         else:
             view, base = memoryview(mm), _HDR
         parts = [view[base + o : base + o + n] for o, n in zip(offsets, h.layout, strict=True)]

@@ -21,7 +21,7 @@ import difflib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -132,22 +132,22 @@ def _cgroup_cpu_limit() -> int | None:
     return max(1, int(int(quota) // int(period)))
 
 
-def cpu_defaults(engine_args: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, Any]:
+def cpu_defaults(engine_args: dict[str, Any], environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
     """`engine_args` with the CPU defaults filled in; sets the CPU environment defaults in `environ`
     (the process environment unless given).
 
     Only call this on CPU. Keys the user set (or `VLLM_CPU_KVCACHE_SPACE` for the KV cache) win.
     """
-    environ = os.environ if environ is None else environ
+    env: MutableMapping[str, str] = os.environ if environ is None else environ
     args = dict(engine_args)
     for key, value in CPU_ENGINE_DEFAULTS.items():
-        if key == "kv_cache_memory_bytes" and environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        if key == "kv_cache_memory_bytes" and env.get("VLLM_CPU_KVCACHE_SPACE"):
             continue
         args.setdefault(key, value)
     for key, value in CPU_ENV_DEFAULTS.items():
-        environ.setdefault(key, value)
-    if "OMP_NUM_THREADS" not in environ and (limit := _cgroup_cpu_limit()) is not None:
-        environ["OMP_NUM_THREADS"] = str(limit)
+        env.setdefault(key, value)
+    if "OMP_NUM_THREADS" not in env and (limit := _cgroup_cpu_limit()) is not None:
+        env["OMP_NUM_THREADS"] = str(limit)
     return args
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from omni_runtime.router.errors import StageUnavailable
 
@@ -21,15 +21,18 @@ class Balanceable(Protocol):
     def describe(self) -> str: ...
 
 
-class ReplicaSet:
+R = TypeVar("R", bound=Balanceable)
+
+
+class ReplicaSet(Generic[R]):
     """The replicas of one stage, by address."""
 
     def __init__(self, stage: str) -> None:
         self.stage = stage
-        self.replicas: dict[str, Balanceable] = {}
+        self.replicas: dict[str, R] = {}
         self._turn = itertools.count()
 
-    def pick(self, exclude: Iterable[str] = ()) -> Balanceable:
+    def pick(self, exclude: Iterable[str] = ()) -> R:
         """The usable replica with the fewest outstanding works; ties rotate, so equal replicas share.
 
         Raises StageUnavailable describing every replica when none is usable."""
@@ -41,7 +44,7 @@ class ReplicaSet:
         tied = sorted((r for r in usable if r.outstanding == least), key=lambda r: r.address)
         return tied[next(self._turn) % len(tied)]
 
-    def usable(self) -> list[Balanceable]:
+    def usable(self) -> list[R]:
         return [r for r in self.replicas.values() if r.usable]
 
     def _why_none(self) -> str:

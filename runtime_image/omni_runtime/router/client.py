@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -142,7 +142,10 @@ class ReplicaClient:
         frames = P.encode(message, payload)
         # NOBLOCK on an asyncio socket: the send happens now and its future is already done; with
         # IMMEDIATE it fails (EAGAIN) when the replica is not connected.
-        future = self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames) == 1)
+        # (pyzmq types the result an Awaitable; zmq.asyncio returns an asyncio.Future.)
+        future = cast(
+            "asyncio.Future[Any]", self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames) == 1)
+        )
         err = future.exception() if future.done() else None
         if err is not None:
             reason = err.strerror if isinstance(err, zmq.ZMQError) else str(err)

@@ -171,7 +171,7 @@ class _Run:
             self._submit(stage, role, client, inline=roles[role], inputs=[])
 
     def _pick(self, stage: str) -> ReplicaClient:
-        return self.orch.pool[stage].pick()  # type: ignore[return-value]
+        return self.orch.pool[stage].pick()
 
     def _submit(
         self,

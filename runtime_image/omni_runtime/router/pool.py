@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any
 
@@ -31,7 +32,9 @@ class StagePool:
         ping_timeout_s: float = 10.0,
     ) -> None:
         self.pipeline = pipeline
-        self.sets = {name: ReplicaSet(name) for name in pipeline.topology.stage_names()}
+        self.sets: dict[str, ReplicaSet[ReplicaClient]] = {
+            name: ReplicaSet(name) for name in pipeline.topology.stage_names()
+        }
         self.ping_interval_s = ping_interval_s
         self.ping_timeout_s = ping_timeout_s
         self._discoveries = discoveries or {
@@ -42,17 +45,17 @@ class StagePool:
         self._tasks: list[asyncio.Task] = []
         self._reaper: asyncio.Task | None = None
 
-    def __getitem__(self, stage: str) -> ReplicaSet:
+    def __getitem__(self, stage: str) -> ReplicaSet[ReplicaClient]:
         return self.sets[stage]
 
     def clients(self) -> list[ReplicaClient]:
-        return [c for s in self.sets.values() for c in s.replicas.values()]  # type: ignore[misc]
+        return [c for s in self.sets.values() for c in s.replicas.values()]
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
         for name, discovery in self._discoveries.items():
             self._tasks.append(
-                asyncio.create_task(discovery.run(lambda addrs, n=name: self._update(n, addrs)), name=f"disc-{name}")
+                asyncio.create_task(discovery.run(functools.partial(self._update, name)), name=f"disc-{name}")
             )
         self._reaper = asyncio.create_task(self._reap(), name="pool-reaper")
 
@@ -97,11 +100,11 @@ class StagePool:
             replicas[address] = client
             log.info("stage %s: replica %s added", stage, address)
         for address in set(replicas) - addresses:
-            client = replicas[address]  # type: ignore[assignment]
+            client = replicas[address]
             client.draining = True
             log.info("stage %s: replica %s removed by discovery; draining", stage, address)
         for address in addresses:
-            replicas[address].draining = False  # type: ignore[attr-defined]
+            replicas[address].draining = False
 
     async def _reap(self) -> None:
         """Close draining replicas once no work of ours runs there."""
@@ -109,6 +112,6 @@ class StagePool:
             await asyncio.sleep(1.0)
             for replica_set in self.sets.values():
                 for address, client in list(replica_set.replicas.items()):
-                    if client.draining and client.outstanding == 0:  # type: ignore[attr-defined]
+                    if client.draining and client.outstanding == 0:
                         del replica_set.replicas[address]
-                        await client.close()  # type: ignore[attr-defined]
+                        await client.close()

@@ -6,6 +6,7 @@ server read it (`--config resolved.json`). It is the only configuration the runt
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -126,8 +127,8 @@ def resolve_pipeline(
     model: str,
     served_model_name: str | None = None,
     namespace: str = "",
-    stages: list[StageOverride] = (),  # type: ignore[assignment]
-    edges: list[EdgeOverride] = (),  # type: ignore[assignment]
+    stages: Sequence[StageOverride] = (),
+    edges: Sequence[EdgeOverride] = (),
     connectors: ConnectorsSpec | None = None,
     limits: RouterLimits | None = None,
 ) -> ResolvedPipeline:
@@ -166,18 +167,18 @@ def resolve_pipeline(
             seen.append(nxt)
         colocation[stage_name] = seen[-1]
 
-    for i, override in enumerate(edges):
-        matching = [e for e in spec.edges if e.source == override.source and e.target == override.target]
+    for i, edge_override in enumerate(edges):
+        matching = [e for e in spec.edges if e.source == edge_override.source and e.target == edge_override.target]
         if not matching:
             known = [f"{e.source}->{e.target}" for e in spec.edges]
             raise SpecError(
                 f"connectors.edges[{i}]: pipeline {topology.name!r} has no edge "
-                f"{override.source}->{override.target}; its edges are {known}"
+                f"{edge_override.source}->{edge_override.target}; its edges are {known}"
             )
-        if override.connector is not None:
-            matching[0].connector = override.connector
-        if override.window is not None:
-            matching[0].window = override.window
+        if edge_override.connector is not None:
+            matching[0].connector = edge_override.connector
+        if edge_override.window is not None:
+            matching[0].window = edge_override.window
 
     resolved = ResolvedPipeline(
         name=name,

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_runtime.connectors import Connector, Handle, make_connector
+from omni_runtime.connectors import AnyHandle, Connector, Handle, make_connector
 from omni_runtime.metrics import Stage as M
 from omni_runtime.spec import ConnectorKind, ResolvedPipeline
 
@@ -64,7 +64,7 @@ class ConnectorSet:
             }
         return {**info, **s.extra.get(kind.value, {})}
 
-    async def put(self, kind: str, target: str, key: str, payload: dict[str, Any]) -> Handle:
+    async def put(self, kind: str, target: str, key: str, payload: dict[str, Any]) -> AnyHandle:
         started = time.perf_counter()
         handle = await self.connector(kind).put(self.stage, target, key, payload)
         self._observe(kind, "put", handle.nbytes, started)
@@ -84,7 +84,7 @@ class ConnectorSet:
         processes; the owner notices on its next put, or here)."""
         shm = self._connectors.get(ConnectorKind.SHM)
         if shm is not None:
-            shm.trim()  # type: ignore[attr-defined]
+            shm.trim()
 
     def close(self) -> None:
         for conn in self._connectors.values():

@@ -8,6 +8,7 @@ import asyncio
 import collections
 import contextlib
 import socket
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -45,6 +46,16 @@ def build_app(server: StageServer) -> Starlette:
     return Starlette(routes=[Route("/healthz", healthz), Route("/readyz", readyz), Route("/metrics", metrics)])
 
 
+class _NoSignalServer(uvicorn.Server):
+    """uvicorn that leaves SIGTERM and SIGINT to the stage process. uvicorn's `serve` would otherwise
+    take them over (it has done so in `capture_signals` since 0.29; the old `install_signal_handlers`
+    hook is gone): the probe server would stop on the first signal, before the stage itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 class ProbeServer:
     """uvicorn serving the probe app on the running event loop."""
 
@@ -54,8 +65,7 @@ class ProbeServer:
         self.sock.bind((host, port))
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self.server = _NoSignalServer(config)
         self.task: asyncio.Task | None = None
 
     def start(self) -> None:

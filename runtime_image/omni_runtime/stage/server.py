@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,6 +149,13 @@ class StageServer:
             self.stage, self.replica, self.pipeline.name, self.host, self.port, self.host, self.http_port,
         )  # fmt: skip
 
+    @property
+    def _engine(self) -> Engine:
+        """The loaded engine; works are accepted only once it has loaded."""
+        if self.engine is None:
+            raise RuntimeError(f"stage {self.stage}: the engine is not loaded yet")
+        return self.engine
+
     async def _load(self) -> None:
         try:
             if self.engine is None:
@@ -243,7 +251,7 @@ class StageServer:
             raise P.ProtocolError(f"a stage does not accept {type(message).__name__} messages")
 
     async def _on_submit(self, peer: bytes, submit: P.Submit, rest: list[Any]) -> None:
-        handles = [i.handle for i in submit.inputs]
+        handles: list[Handle] = [i.handle for i in submit.inputs]
         if submit.id in self.works:
             await self._release_all(handles)
             await self._send(peer, P.Failed(id=submit.id, kind="protocol_error", message="duplicate work id"))
@@ -328,7 +336,7 @@ class StageServer:
         edges = _EdgeBuffers(s.edges)
         put = lambda e, d, last: self._put(work, e, d, last)  # noqa: E731
         acc = _FinalAcc()
-        if s.more_inputs and self.engine.streams_input:  # type: ignore[union-attr]
+        if s.more_inputs and self._engine.streams_input:
             await self._run_streamed(work, inline, params, edges, acc)
         else:
             await self._run_chunked(work, inline, params, edges, acc)
@@ -404,7 +412,7 @@ class StageServer:
         put = lambda e, d, last: self._put(work, e, d, last)  # noqa: E731
         work.running_engine_id = request.request_id
         work.phase = "engine"
-        async for out in self.engine.generate(request):  # type: ignore[union-attr]
+        async for out in self._engine.generate(request):
             acc.last = out
             self._count_audio(work, out.data)
             if s.final:
@@ -483,7 +491,7 @@ class StageServer:
             except Exception:
                 log.exception("stage %s: engine abort of %s failed", self.stage, engine_id)
 
-    async def _release_all(self, handles: list[Handle]) -> None:
+    async def _release_all(self, handles: Sequence[Handle]) -> None:
         for handle in list(handles):
             try:
                 await asyncio.shield(self.connectors.release(handle))
@@ -522,12 +530,12 @@ class StageServer:
                                 now - seen, work.id)  # fmt: skip
                     work.task.cancel()
             if self.engine is not None and self.ready:
-                self._engine_stats()
+                self._engine_stats(self.engine)
             self.connectors.trim()
 
-    def _engine_stats(self) -> None:
+    def _engine_stats(self, engine: Engine) -> None:
         try:
-            stats = self.engine.stats()  # type: ignore[union-attr]
+            stats = engine.stats()
         except Exception:
             return
         for name, value in stats.items():
@@ -539,6 +547,10 @@ class StageServer:
     def _count_handles(self) -> None:
         n = sum(len(w.held) + len(w.created) for w in self.works.values())
         M.handles_open.labels(*self._labels).set(n)
+
+
+_Put = Callable[[P.EdgeOut, dict[str, Any], bool], Awaitable[None]]
+"""Puts one edge's payload (`last` marks the edge's last handle) and tells the router."""
 
 
 @dataclass
@@ -563,19 +575,19 @@ class _EdgeBuffers:
         self.acc: dict[str, dict[str, Any] | None] = {e.target: None for e in edges}
         self.closed: set[str] = set()
 
-    async def add(self, piece: dict[str, Any], put, *, finished: bool = False) -> None:
+    async def add(self, piece: dict[str, Any], put: _Put, *, finished: bool = False) -> None:
         for edge in self.edges:
             t = edge.target
             if t in self.closed:
                 continue
-            self.acc[t] = merge(self.acc[t], piece)
-            if edge.window > 0 and (finished or count_items(self.acc[t]) >= edge.window):
-                data, self.acc[t] = self.acc[t], None
+            data = self.acc[t] = merge(self.acc[t], piece)
+            if edge.window > 0 and (finished or count_items(data) >= edge.window):
+                self.acc[t] = None
                 await put(edge, data, finished)
                 if finished:
                     self.closed.add(t)
 
-    async def flush(self, put) -> None:
+    async def flush(self, put: _Put) -> None:
         """Put what is left, marked `last`; every edge gets at least one handle."""
         for edge in self.edges:
             t = edge.target

@@ -122,11 +122,11 @@ class ServingImages(ServingBase):
         if upload is None or not hasattr(upload, "read"):
             raise BadRequest("the form has no 'image' file; send the image to edit as multipart 'image'",
                              param="image")  # fmt: skip
-        fields = {k: v for k, v in form.items() if isinstance(v, str)}
+        fields: dict[str, str | int] = {k: v for k, v in form.items() if isinstance(v, str)}
         for key in ("n", "seed", "num_inference_steps"):
             if key in fields:
                 try:
-                    fields[key] = int(fields[key])  # type: ignore[assignment]
+                    fields[key] = int(fields[key])
                 except ValueError:
                     raise BadRequest(f"{key} must be an integer, got {fields[key]!r}", param=key) from None
         body = ImageGenerationRequest.model_validate(fields)

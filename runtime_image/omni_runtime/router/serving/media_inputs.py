@@ -91,7 +91,9 @@ def _check_part(media: MediaPart, limits: MediaLimits) -> None:
         _check_audio(media, data, fmt, limits)
         return
     body = media.part.get(media.kind)
-    url = body.get("url") if isinstance(body, dict) else None
+    if not isinstance(body, dict):
+        body = {}
+    url = body.get("url")
     if not isinstance(url, str) or not url:
         raise BadRequest(f"{media.where}: {media.kind} needs {{url}}", param="messages")
     if url.startswith("data:"):
