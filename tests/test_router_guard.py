@@ -210,6 +210,18 @@ async def test_stage_readyz_counts_works_without_naming_them() -> None:
         assert not any(work_id in text or work_id.split(".")[0] in text for work_id in ids)
 
 
+def test_the_stage_frame_bound_covers_what_the_router_may_send() -> None:
+    from omni_runtime.spec import MediaLimits
+
+    plain = echo_pipeline(chat_topology(), limits=RouterLimits(max_body_bytes=4096))
+    inline = plain.topology.connectors.inline_max_bytes
+    assert 4096 + inline <= max_message_bytes(plain) <= 4096 + inline + 2 * 1024**2
+    # Media the router fetches itself is not part of the body, and reaches the stage as base64 data URLs.
+    media = MediaLimits(allowed_domains=["example.com"], max_parts=3, max_part_bytes=1024**2)
+    fetching = echo_pipeline(chat_topology(), limits=RouterLimits(max_body_bytes=4096, media=media))
+    assert max_message_bytes(fetching) >= max_message_bytes(plain) + 3 * (1024**2 * 4 // 3)
+
+
 async def test_stage_socket_drops_a_peer_that_sends_an_oversize_frame() -> None:
     limits = RouterLimits(max_body_bytes=4096)
     async with echo_cluster(echo_pipeline(chat_topology(), limits=limits)) as cluster:

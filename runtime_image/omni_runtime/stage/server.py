@@ -42,12 +42,16 @@ _HEADER_SLACK = 1024**2
 def max_message_bytes(pipeline: ResolvedPipeline) -> int:
     """The largest frame the stage socket accepts (ZMQ_MAXMSGSIZE: a peer that sends a larger one is
     disconnected before the frame is buffered whole). A frame holds a request's own input, which the
-    router took from a body of at most `limits.max_body_bytes`, or a header whose inline handles are each
-    at most `connectors.inline_max_bytes`, one per edge and role; the bound is their sum plus slack."""
-    topology = pipeline.topology
+    router took from a body of at most `limits.max_body_bytes` plus the media it fetched itself (only from
+    `limits.media.allowed_domains`, each part at most `max_part_bytes`, passed on base64-encoded), or a
+    header whose inline handles are each at most `connectors.inline_max_bytes`, one per edge and role; the
+    bound is the sum of these plus slack."""
+    limits, topology = pipeline.limits, pipeline.topology
     roles = 1 + max((len(s.companions) for s in topology.stages), default=0)
     inline = topology.connectors.inline_max_bytes * max(1, len(topology.edges)) * roles
-    return pipeline.limits.max_body_bytes + inline + _HEADER_SLACK
+    media = limits.media
+    fetched = media.max_parts * (media.max_part_bytes * 4 // 3 + 4) if media.allowed_domains else 0
+    return limits.max_body_bytes + fetched + inline + _HEADER_SLACK
 
 
 @dataclass(eq=False)
