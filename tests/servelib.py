@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -464,3 +465,27 @@ class echo_cluster:  # noqa: N801 (used as `async with echo_cluster(...)`)
         for servers in self.cluster.servers.values():
             for server in servers:
                 await server.stop()
+
+
+VLLM_TIMEOUT_S = 420
+"""vLLM loads in 35-50 s on an idle 2-core machine; much longer when it is shared."""
+
+
+def run_vllm_script(script: str, model: Path, tmp_path: Path, **env: str) -> dict:
+    """Run `script` (it prints one `RESULT <json>` line) with `python script.py <model>`; return the json."""
+    path = tmp_path / "run_vllm.py"
+    path.write_text(textwrap.dedent(script))
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
+    proc = subprocess.run(
+        [sys.executable, str(path), str(model)],
+        capture_output=True,
+        text=True,
+        timeout=VLLM_TIMEOUT_S,
+        env=full_env,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        f"vLLM subprocess failed (rc={proc.returncode}); env {env}\n"
+        f"--- stderr tail ---\n{proc.stderr[-6000:]}\n--- stdout tail ---\n{proc.stdout[-2000:]}"
+    )
+    return json.loads(lines[-1].removeprefix("RESULT "))

@@ -12,20 +12,17 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from servelib import run_vllm_script
 
 from omni_runtime.tiny_models import MODELS, build_all, default_cache_dir, ensure, read_stamp
 from omni_runtime.tiny_models._build import STAMP_FILE, build_atomically
 from omni_runtime.tiny_models.prompt_enhanced_t2i import MARKER_FILE
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-VLLM_TIMEOUT_S = 420
-
 
 # --- build mechanics (no model) -----------------------------------------------------------------
 
@@ -261,30 +258,11 @@ if __name__ == "__main__":
 """
 
 
-def _run_vllm(script: str, model: Path, tmp_path: Path, **env: str) -> dict:
-    path = tmp_path / "run_vllm.py"
-    path.write_text(textwrap.dedent(script))
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
-    proc = subprocess.run(
-        [sys.executable, str(path), str(model)],
-        capture_output=True,
-        text=True,
-        timeout=VLLM_TIMEOUT_S,
-        env=full_env,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (
-        f"vLLM subprocess failed (rc={proc.returncode}); env {env}\n"
-        f"--- stderr tail ---\n{proc.stderr[-6000:]}\n--- stdout tail ---\n{proc.stdout[-2000:]}"
-    )
-    return json.loads(lines[-1].removeprefix("RESULT "))
-
-
 @pytest.mark.models
 def test_vllm_offline_llm_generates(chat_model: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    result = _run_vllm(_VLLM_LLM_SCRIPT, chat_model, tmp_path, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    result = run_vllm_script(_VLLM_LLM_SCRIPT, chat_model, tmp_path, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     print(
         f"\n[vllm LLM, in-process] import {result['import_s']:.1f}s, load {result['load_s']:.1f}s, "
         f"batch of 8 x 64 tokens: {result['batch_tokens_per_s']:.0f} tokens/s"
@@ -299,7 +277,7 @@ def test_vllm_offline_llm_generates(chat_model: Path, tmp_path: Path) -> None:
 
 @pytest.mark.models
 def test_vllm_async_llm_streams_with_a_separate_engine_process(chat_model: Path, tmp_path: Path) -> None:
-    result = _run_vllm(_VLLM_ASYNC_SCRIPT, chat_model, tmp_path, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    result = run_vllm_script(_VLLM_ASYNC_SCRIPT, chat_model, tmp_path, VLLM_ENABLE_V1_MULTIPROCESSING="1")
     print(
         f"\n[vllm AsyncLLM, engine core + worker processes] load {result['load_s']:.1f}s, "
         f"4 concurrent x 16 tokens: {result['tokens_per_s']:.0f} tokens/s"

@@ -8,6 +8,9 @@
   image), for `/v1/images/edits`.
 - `tiny-prompt-enhanced-t2i`: `enhancer/` (the chat model) + `dit/` (the SD3 pipeline) +
   `omnikube_pipeline.json` naming the registry pipeline `prompt-enhanced-t2i`.
+- `tiny-qwen3-omni`: Qwen3OmniMoeForConditionalGeneration (MoE thinker, talker with code predictor,
+  code2wav) in the real layout and token ids; loads in transformers (whole model, speaks) and in
+  vLLM (thinker).
 
 `ensure(name)` returns `<cache_dir>/<name>`, building it first unless a build of the current version
 is there; `build_all()` ensures every model. Builds are deterministic (fixed seeds, tokenizers trained
@@ -56,7 +59,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_runtime.tiny_models import prompt_enhanced_t2i, qwen2_chat, sd3, sd3_img2img
+from omni_runtime.tiny_models import prompt_enhanced_t2i, qwen2_chat, qwen3_omni, sd3, sd3_img2img
 from omni_runtime.tiny_models._build import build_atomically, default_cache_dir, read_stamp
 
 __all__ = ["MODELS", "TinyModel", "build_all", "default_cache_dir", "ensure", "read_stamp"]
@@ -110,6 +113,12 @@ MODELS: dict[str, TinyModel] = {
             _build_prompt_enhanced,
             "prompt-enhanced-t2i: enhancer/ (chat) + dit/ (SD3) + omnikube_pipeline.json",
             depends_on=(qwen2_chat.NAME, sd3.NAME),
+        ),
+        TinyModel(
+            qwen3_omni.NAME,
+            qwen3_omni.VERSION,
+            lambda out, _cache: qwen3_omni.build(out),
+            "Qwen3OmniMoeForConditionalGeneration: thinker + talker + code2wav (speech out)",
         ),
     )
 }

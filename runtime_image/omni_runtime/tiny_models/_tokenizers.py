@@ -34,8 +34,11 @@ def _model_json(tok: Tokenizer) -> dict:
     return json.loads(tok.to_str())["model"]
 
 
-def train_byte_bpe(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """A Qwen2-style byte-level BPE: every byte is in the vocab, so any text encodes without <unk>."""
+def train_byte_bpe(vocab_size: int, extra_lines: tuple[str, ...] = ()) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A Qwen2-style byte-level BPE: every byte is in the vocab, so any text encodes without <unk>.
+
+    `extra_lines` join the corpus (a model that needs certain words as single pieces repeats them there).
+    """
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -50,7 +53,7 @@ def train_byte_bpe(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus_lines(), trainer)
+    tok.train_from_iterator([*corpus_lines(), *extra_lines], trainer)
     model = _model_json(tok)
     return dict(model["vocab"]), [tuple(m) for m in model["merges"]]
 
