@@ -209,7 +209,8 @@ def test_plan_runs_only_what_the_modalities_need_and_streams_windowed_edges() ->
     assert list(both.stages) == ["thinker", "talker", "code2wav"]
     assert both.final == ("thinker", "code2wav")
     assert both.stages["talker"].edges[0].window == 25 and both.stages["code2wav"].streamed_input
-    assert not both.stages["talker"].streamed_input
+    assert both.stages["talker"].streamed_input  # thinker -> talker per step (window 1)
+    assert both.stages["talker"].edges[0].first_window == 4
 
 
 def test_companion_inputs_replace_the_last_user_message() -> None:

@@ -27,7 +27,7 @@ ENGINES = {"talker": EchoTalker, "code2wav": EchoCodec}
 WORDS = "one two three four five six seven"
 
 
-def speech_topology(connector: str, window: int, name: str) -> PipelineSpec:
+def speech_topology(connector: str, window: int, name: str, first_window: int = 0) -> PipelineSpec:
     return PipelineSpec(
         name=name,
         stages=[
@@ -43,13 +43,14 @@ def speech_topology(connector: str, window: int, name: str) -> PipelineSpec:
         ],
         edges=[
             EdgeSpec(**{"from": "thinker", "to": "talker", "connector": connector, "window": 1 if window else 0}),
-            EdgeSpec(**{"from": "talker", "to": "code2wav", "connector": connector, "window": window}),
+            EdgeSpec(**{"from": "talker", "to": "code2wav", "connector": connector, "window": window,
+                        "first_window": first_window}),  # fmt: skip
         ],
     )
 
 
-def speech_pipeline(connector: str = "shm", window: int = 2, name: str = "speech"):
-    return echo_pipeline(speech_topology(connector, window, name), name=name)
+def speech_pipeline(connector: str = "shm", window: int = 2, name: str = "speech", first_window: int = 0):
+    return echo_pipeline(speech_topology(connector, window, name, first_window), name=name)
 
 
 def client(base: str) -> openai.AsyncOpenAI:
@@ -110,6 +111,16 @@ async def test_pcm16_format_and_whole_output_edges() -> None:
         # window 0: each stage gets its upstream's whole output once
         assert cluster.engines["talker"][0].chunks_seen == [list(range(7))]
         assert cluster.engines["code2wav"][0].chunks_seen == [[7]]
+
+
+async def test_a_small_first_window_starts_the_decoder_sooner() -> None:
+    pipeline = speech_pipeline("shm", window=3, first_window=1, name="speech-first")
+    async with echo_cluster(pipeline, engines=ENGINES) as cluster, client(cluster.base) as api:
+        reply = await api.chat.completions.create(model=pipeline.name, messages=user(WORDS), modalities=["audio"])
+        samples, _ = wav_samples(base64.b64decode(reply.choices[0].message.audio.data))
+        assert np.array_equal(samples, expected_pcm(7))
+        assert reply.choices[0].message.content is None  # audio only: the thinker's text is not returned
+        assert cluster.engines["code2wav"][0].chunks_seen == [[1], [3], [3]]
 
 
 async def test_text_only_sends_no_work_to_the_speech_stages() -> None:

@@ -90,7 +90,10 @@ def plan_request(topology: PipelineSpec, modalities: list[str]) -> Plan:
                 continue
             target_ups = [u for u in edges if u.target == e.target]
             window = e.window if (len(target_ups) == 1 and roles[name] == (PRIMARY,)) else 0
-            outs.append(EdgeOut(target=e.target, connector=topology.edge_connector(e).value, window=window))
+            first = min(e.first_window, window) if window else 0
+            outs.append(
+                EdgeOut(target=e.target, connector=topology.edge_connector(e).value, window=window, first_window=first)
+            )
         stages[name] = StagePlan(
             name=name,
             kind=spec.kind,

@@ -87,6 +87,13 @@ class EdgeSpec(BaseModel):
         ge=0,
         description="Stream the edge in chunks of this many items (tokens/codes); 0 sends the whole output.",
     )
+    first_window: int = Field(
+        0,
+        ge=0,
+        description="Items in the first chunk of a streamed edge, when fewer than `window` (0: `window`): a "
+        "small first chunk starts the target sooner (Qwen3-Omni decodes its first audio packet from 4 codec "
+        "frames, then windows of 25).",
+    )
     input_processor: str = Field(
         "identity",
         description=f"Transform applied before the target sees the data: {sorted(INPUT_PROCESSORS)}.",

@@ -69,6 +69,8 @@ class EdgeOut(msgspec.Struct, frozen=True, kw_only=True):
     """Connector kind: inline, shm or mooncake."""
     window: int = 0
     """Items per chunk handle; 0 puts one handle with the whole output at the end."""
+    first_window: int = 0
+    """Items in the first chunk handle when > 0 (and a window applies); later ones hold `window`."""
 
 
 class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):

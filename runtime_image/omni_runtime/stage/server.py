@@ -568,15 +568,16 @@ class _FinalAcc:
 class _EdgeBuffers:
     """Per downstream edge: the output folded so far, put as a handle every `window` items.
 
-    A chunk goes out as soon as it holds `window` items (so a per-step edge hands each step on at
-    once); the piece that ends the work goes out marked `last`. When the last chunk went out before
-    the work ended, `flush` puts an empty one marked `last`, so the target always learns the end from
-    the producer. Window 0 puts the whole output once, at the end.
+    A chunk goes out as soon as it holds `window` items (`first_window` for the first one, when set),
+    so a per-step edge hands each step on at once; the piece that ends the work goes out marked `last`.
+    When the last chunk went out before the work ended, `flush` puts an empty one marked `last`, so
+    the target always learns the end from the producer. Window 0 puts the whole output once, at the end.
     """
 
     def __init__(self, edges: list[P.EdgeOut]) -> None:
         self.edges = edges
         self.acc: dict[str, dict[str, Any] | None] = {e.target: None for e in edges}
+        self.puts = {e.target: 0 for e in edges}
         self.closed: set[str] = set()
 
     async def add(self, piece: dict[str, Any], put: _Put, *, finished: bool = False) -> None:
@@ -585,9 +586,11 @@ class _EdgeBuffers:
             if t in self.closed:
                 continue
             data = self.acc[t] = merge(self.acc[t], piece)
-            if edge.window > 0 and (finished or count_items(data) >= edge.window):
+            size = edge.first_window if edge.first_window and not self.puts[t] else edge.window
+            if edge.window > 0 and (finished or count_items(data) >= size):
                 self.acc[t] = None
                 await put(edge, data, finished)
+                self.puts[t] += 1
                 if finished:
                     self.closed.add(t)
 
