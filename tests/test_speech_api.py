@@ -43,8 +43,7 @@ def speech_topology(connector: str, window: int, name: str, first_window: int = 
         ],
         edges=[
             EdgeSpec(**{"from": "thinker", "to": "talker", "connector": connector, "window": 1 if window else 0}),
-            EdgeSpec(**{"from": "talker", "to": "code2wav", "connector": connector, "window": window,
-                        "first_window": first_window}),  # fmt: skip
+            EdgeSpec(source="talker", target="code2wav", connector=connector, window=window, first_window=first_window),
         ],
     )
 
