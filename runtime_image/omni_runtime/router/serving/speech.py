@@ -42,6 +42,7 @@ class ServingSpeech(ServingBase):
     async def create(self, body: SpeechRequest, raw: Request) -> Response:
         self.check_model(body.model, required=False)
         self._check(body)
+        self.check_stage_params(body.sampling_params_list)
         plan = plan_request(self.topology, ["audio"])
         voices = voice_params(self.ctx.pool, plan, body.voice, "voice")
         entry = entry_inputs(self.topology, plan, messages=[{"role": "user", "content": body.input}])
