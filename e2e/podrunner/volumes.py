@@ -67,40 +67,41 @@ def _replace_file(root: Path, rel: str, data: bytes, mode: int | None) -> bool:
     return True
 
 
-class _Files(dict):
-    """Relative path -> (data, mode): what a volume should hold."""
-
-    def write(self, root: Path, rel: str, data: bytes, mode: int | None) -> None:
-        self[rel] = (data, mode)
+Files = dict[str, tuple[bytes, "int | None"]]
+"""Relative path -> (data, mode): what a configMap or secret volume should hold."""
 
 
 async def _key_files(
-    cache: ObjectCache, kind: str, name: str, items: list | None, optional: bool, root: Path | _Files,
-    default_mode: int | None,
-) -> None:  # fmt: skip
+    cache: ObjectCache, kind: str, name: str, items: list | None, optional: bool, default_mode: int | None
+) -> Files | None:
+    """The files of a configMap or secret volume (source); None when the object is absent and optional."""
     obj = await cache.get(kind, name)
     label = "configmap" if kind == "configmaps" else "secret"
     if obj is None:
         if optional:
-            return
+            return None
         raise VolumeError(f'{label} "{name}" not found')
-    write = root.write if isinstance(root, _Files) else _write_file
     data: dict[str, bytes] = {}
     if kind == "secrets":
         data = {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
     else:
         data = {k: v.encode() for k, v in (obj.get("data") or {}).items()}
         data.update({k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()})
-    if items:
-        for item in items:
-            if item["key"] not in data:
-                if optional:
-                    continue
-                raise VolumeError(f'{label} "{name}" has no key {item["key"]!r}')
-            write(root, item["path"], data[item["key"]], item.get("mode", default_mode))  # type: ignore[arg-type]
-    else:
-        for key, value in data.items():
-            write(root, key, value, default_mode)  # type: ignore[arg-type]
+    if not items:
+        return {key: (value, default_mode) for key, value in data.items()}
+    files: Files = {}
+    for item in items:
+        if item["key"] not in data:
+            if optional:
+                continue
+            raise VolumeError(f'{label} "{name}" has no key {item["key"]!r}')
+        files[item["path"]] = (data[item["key"]], item.get("mode", default_mode))
+    return files
+
+
+def _write_files(root: Path, files: Files | None) -> None:
+    for rel, (data, mode) in (files or {}).items():
+        _write_file(root, rel, data, mode)
 
 
 def _downward_files(
@@ -174,15 +175,15 @@ async def prepare_volumes(
         if "configMap" in vol or "secret" in vol:
             kind = "configmaps" if "configMap" in vol else "secrets"
             spec = vol.get("configMap") or vol.get("secret")
-            await _key_files(
+            files = await _key_files(
                 cache,
                 kind,
                 spec.get("name") or spec.get("secretName", ""),
                 spec.get("items"),
                 bool(spec.get("optional")),
-                root,
                 spec.get("defaultMode"),
             )
+            _write_files(root, files)
         elif "downwardAPI" in vol:
             spec = vol["downwardAPI"]
             _downward_files(
@@ -198,7 +199,9 @@ async def prepare_volumes(
                 elif "configMap" in source or "secret" in source:
                     kind = "configmaps" if "configMap" in source else "secrets"
                     s = source.get("configMap") or source.get("secret")
-                    await _key_files(cache, kind, s["name"], s.get("items"), bool(s.get("optional")), root, mode)
+                    _write_files(
+                        root, await _key_files(cache, kind, s["name"], s.get("items"), bool(s.get("optional")), mode)
+                    )
                 elif "downwardAPI" in source:
                     _downward_files(
                         pod,
@@ -226,7 +229,7 @@ async def prepare_volumes(
 
 async def refresh_volumes(cache: ObjectCache, pod: dict, volumes: dict[str, Volume]) -> list[str]:
     """Bring the pod's configMap and secret volumes up to date with their objects; returns the files
-    changed (`<volume>/<path>`). A missing object or key keeps the files as they are (the kubelet keeps the
+    changed (`<volume>/<path>`). A missing object keeps the files as they are (the kubelet keeps the
     last content too); a key removed from the object removes its file."""
     changed = []
     for vol in pod["spec"].get("volumes") or []:
@@ -235,15 +238,14 @@ async def refresh_volumes(cache: ObjectCache, pod: dict, volumes: dict[str, Volu
         if spec is None or mounted is None:
             continue
         kind = "configmaps" if "configMap" in vol else "secrets"
-        want = _Files()
         try:
-            await _key_files(
-                cache, kind, spec.get("name") or spec.get("secretName", ""), spec.get("items"), True, want,
+            want = await _key_files(
+                cache, kind, spec.get("name") or spec.get("secretName", ""), spec.get("items"), True,
                 spec.get("defaultMode"),
             )  # fmt: skip
         except VolumeError:
             continue
-        if not want and await cache.get(kind, spec.get("name") or spec.get("secretName", "")) is None:
+        if want is None:  # the object is gone: keep the last content
             continue
         root = Path(mounted.path)
         for rel, (data, mode) in want.items():
