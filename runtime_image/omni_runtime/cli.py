@@ -37,7 +37,7 @@ def _list_pipelines(args: argparse.Namespace) -> int:
 
 
 def _stage_command(sub: argparse._SubParsersAction) -> None:
-    from omni_runtime.spec import STAGE_HTTP_PORT, STAGE_PORT
+    from omni_runtime.spec import DRAIN_TIMEOUT_S, STAGE_HTTP_PORT, STAGE_PORT
 
     parser = sub.add_parser("stage", help="run one stage server (engine + protocol socket + probes)")
     parser.add_argument("--config", required=True, help="resolved pipeline JSON")
@@ -61,6 +61,13 @@ def _stage_command(sub: argparse._SubParsersAction) -> None:
         default=64 * 1024**2,
         help="idle shm bytes kept for reuse (0: unlink when released)",
     )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DRAIN_TIMEOUT_S,
+        help="seconds a SIGTERM lets running works finish before they fail with a retriable error "
+        f"(default {DRAIN_TIMEOUT_S:g}; the operator derives it from terminationGracePeriodSeconds)",
+    )
     parser.set_defaults(func=_run_stage)
 
 
@@ -79,12 +86,12 @@ def _run_stage(args: argparse.Namespace) -> int:
     )
     return run(
         args.config, args.stage, host=args.host, port=args.port, http_port=args.http_port, replica=replica,
-        connectors=settings,
+        connectors=settings, drain_timeout_s=args.drain_timeout,
     )  # fmt: skip
 
 
 def _router_command(sub: argparse._SubParsersAction) -> None:
-    from omni_runtime.spec import ROUTER_PORT
+    from omni_runtime.spec import DRAIN_TIMEOUT_S, ROUTER_PORT
 
     parser = sub.add_parser("router", help="run the OpenAI-compatible router (holds no model)")
     parser.add_argument("--config", required=True, help="resolved pipeline JSON")
@@ -105,6 +112,13 @@ def _router_command(sub: argparse._SubParsersAction) -> None:
         help="file holding the key every /v1 request must send as 'Authorization: Bearer <key>'; re-read "
         "when it changes (a mounted Secret), so a rotated key needs no restart (default: no key)",
     )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DRAIN_TIMEOUT_S,
+        help="seconds a SIGTERM lets running requests finish before they fail with a retriable 503 "
+        f"(default {DRAIN_TIMEOUT_S:g}; the operator derives it from terminationGracePeriodSeconds)",
+    )
     parser.set_defaults(func=_run_router)
 
 
@@ -122,6 +136,7 @@ def _run_router(args: argparse.Namespace) -> int:
             log_level=level,
             ping_timeout_s=args.ping_timeout,
             api_key_file=args.api_key_file,
+            drain_timeout_s=args.drain_timeout,
         )
     except ApiKeyError as err:
         print(f"omnikube router: {err}", file=sys.stderr)

@@ -4,6 +4,9 @@ A replica is *up* while it answers pings and says it is ready. It goes *down* wh
 (socket monitor) or when nothing came from it for `ping_timeout_s` (a hung process): every work
 running on it is then told (`on_lost`), so the request fails at once instead of waiting for its
 timeout. It comes back up by itself when it answers again (ZeroMQ reconnects).
+
+A replica that says it is draining (a `Draining` message or `Pong.draining`: it got SIGTERM) gets no new
+work, while the works it runs go on to their end.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class ReplicaClient:
         self.reason = "not answered yet"
         self.draining = False
         """Discovery no longer lists it: no new work; closed once its works end."""
+        self.stage_draining = False
+        """The replica said it is shutting down: no new work; its running works go on."""
         self.outstanding = 0
         self.rtt_s = 0.0
         self.voices: list[str] = []
@@ -89,12 +94,17 @@ class ReplicaClient:
 
     def describe(self) -> str:
         """`address state (reason)`, for error messages."""
-        text = f"{self.address} {'draining' if self.draining else self.state.value}"
+        text = f"{self.address} {'draining' if self.draining or self.stage_draining else self.state.value}"
         return f"{text} ({self.reason})" if self.reason else text
 
     @property
+    def answered(self) -> bool:
+        """Anything came from the replica yet."""
+        return self._last_pong != 0.0
+
+    @property
     def usable(self) -> bool:
-        return self.state is ReplicaState.UP and not self.draining and not self._closed
+        return self.state is ReplicaState.UP and not self.draining and not self.stage_draining and not self._closed
 
     def start(self) -> None:
         self._tasks = [
@@ -139,6 +149,8 @@ class ReplicaClient:
             M.stage_outstanding.labels(*self._labels).set(self.outstanding)
 
     def send(self, message: P.Message, payload: dict[str, Any] | None = None) -> None:
+        if self._closed:
+            raise ConnectionError(f"stage {self.stage!r} replica {self.address} is no longer used by this router")
         frames = P.encode(message, payload)
         # NOBLOCK on an asyncio socket: the send happens now and its future is already done; with
         # IMMEDIATE it fails (EAGAIN) when the replica is not connected.
@@ -172,6 +184,9 @@ class ReplicaClient:
             if isinstance(message, P.Pong):
                 self._on_pong(message)
                 continue
+            if isinstance(message, P.Draining):
+                self._on_draining(message.grace_s)
+                continue
             sink = self._sinks.get(getattr(message, "id", ""))
             if sink is None:
                 self._orphan(message)
@@ -188,7 +203,18 @@ class ReplicaClient:
         if isinstance(message, P.Output) and message.handles:
             self.try_send(P.Release(handles=[i.handle for i in message.handles]))
 
+    def _on_draining(self, grace_s: float | None) -> None:
+        if not self.stage_draining:
+            within = f", for up to {grace_s:g}s" if grace_s else ""
+            log.info("stage %s replica %s is draining (%d work(s) of ours running%s): no new work goes there",
+                     self.stage, self.address, self.outstanding, within)  # fmt: skip
+        self.stage_draining = True
+
     def _on_pong(self, pong: P.Pong) -> None:
+        if pong.draining:
+            self._on_draining(None)
+        else:  # a new process answers at the same address
+            self.stage_draining = False
         now = time.monotonic()
         self._last_pong = now
         if pong.sent_at:

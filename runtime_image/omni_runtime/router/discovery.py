@@ -3,7 +3,9 @@
 A discovery calls `on_change(addresses)` with the full set of `host:port` replica addresses whenever it
 changes. Kubernetes discovery watches `discovery.k8s.io/v1` EndpointSlices labelled
 `kubernetes.io/service-name=<service>` through the API server (no DNS, no ClusterIP) and lists only
-endpoints whose `conditions.ready` is true (or unset, which the API defines as ready).
+endpoints that may take new work: `conditions.ready` true (or unset, which the API defines as ready),
+and neither `terminating` nor `serving: false`. A terminating pod drains: the works it runs finish
+(the pool keeps its connection until they end), it only gets no new ones.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ class StaticDiscovery:
 
 
 def ready_addresses(slices: Iterable[Any], port: int) -> set[str]:
-    """`host:port` of every ready endpoint in V1EndpointSlice objects (or their dict form).
+    """`host:port` of every ready endpoint in V1EndpointSlice objects (or their dict form); terminating
+    endpoints are left out even where a slice reports them ready (an API server before 1.26 does).
 
     The port is the slice's port numbered `port` when present, its only port when it has one, else
     `port` itself."""
@@ -58,8 +61,9 @@ def ready_addresses(slices: Iterable[Any], port: int) -> set[str]:
         use = port if port in ports or len(ports) != 1 else ports[0]
         for endpoint in _get(item, "endpoints") or []:
             conditions = _get(endpoint, "conditions")
-            ready = _get(conditions, "ready") if conditions is not None else None
-            if ready is False:
+            if _get(conditions, "ready") is False or _get(conditions, "serving") is False:
+                continue
+            if _get(conditions, "terminating") is True:
                 continue
             for address in _get(endpoint, "addresses") or []:
                 host = f"[{address}]" if ":" in address else address

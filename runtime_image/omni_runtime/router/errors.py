@@ -25,6 +25,7 @@ __all__ = [
     "Overloaded",
     "RequestTimedOut",
     "RequestTooLarge",
+    "RouterDraining",
     "StageLost",
     "StageUnavailable",
     "Unauthorized",
@@ -93,6 +94,15 @@ class StageLost(OmniError):
 
 class StageUnavailable(OmniError):
     """No ready replica of a stage (or it is still loading): retry later."""
+
+    status, type = 503, "ServiceUnavailableError"
+
+    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after)})
+
+
+class RouterDraining(OmniError):
+    """The router is shutting down and its drain period ended before the request did: retry it."""
 
     status, type = 503, "ServiceUnavailableError"
 

@@ -1,20 +1,45 @@
-"""`omnikube router`: load the resolved pipeline and serve the OpenAI API with uvicorn."""
+"""`omnikube router`: load the resolved pipeline and serve the OpenAI API with uvicorn.
+
+SIGTERM drains: uvicorn stops accepting connections and waits for the running requests, which get
+`drain_timeout_s` to finish; then those still running fail with a retriable 503 (see `lifecycle`).
+A second SIGINT stops at once.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import uvicorn
 
 from omni_runtime.router.app import build_app
-from omni_runtime.spec import ROUTER_PORT, ResolvedPipeline
+from omni_runtime.router.lifecycle import Lifecycle
+from omni_runtime.spec import DRAIN_TIMEOUT_S, ROUTER_PORT, ResolvedPipeline
 
 __all__ = ["load_resolved", "make_api_client", "serve"]
 
 log = logging.getLogger(__name__)
+
+FLUSH_S = 5.0
+"""After the drain period, the time uvicorn still gives the 503s to reach their clients."""
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn that starts the app's drain period when it is asked to exit."""
+
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.lifecycle = lifecycle
+        self.drain_timeout_s = drain_timeout_s
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.loop is not None:  # a signal handler: hand over to the loop
+            self.loop.call_soon_threadsafe(self.lifecycle.begin_drain, self.drain_timeout_s)
+        super().handle_exit(sig, frame)
 
 
 def load_resolved(path: str | Path) -> ResolvedPipeline:
@@ -45,6 +70,7 @@ async def serve(
     log_level: str = "info",
     ping_timeout_s: float = 10.0,
     api_key_file: str | Path | None = None,
+    drain_timeout_s: float = DRAIN_TIMEOUT_S,
 ) -> None:
     pipeline = load_resolved(config)
     api_client = await make_api_client(kubeconfig) if _needs_kubernetes(pipeline) else None
@@ -55,9 +81,11 @@ async def serve(
             await api_client.close()
         raise
     config_ = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
-    )
-    server = uvicorn.Server(config_)
+        app, host=host, port=port, log_level=log_level, access_log=False,
+        timeout_graceful_shutdown=int(drain_timeout_s + FLUSH_S),
+    )  # fmt: skip
+    server = _DrainingServer(config_, app.state.context.lifecycle, drain_timeout_s)
+    server.loop = asyncio.get_running_loop()
     log.info("router for %s (model %s) on http://%s:%d/v1%s", pipeline.name, pipeline.served_model_name, host, port,
              f", API key from {api_key_file}" if api_key_file else ", no API key")  # fmt: skip
     try:

@@ -104,7 +104,7 @@ class _Run:
     async def run(self) -> RunResult:
         try:
             for stage in self.plan.entry:
-                self._start_entry(stage)
+                await self._start_entry(stage)
             while not self._all_done():
                 work, message, rest, lost = await self.queue.get()
                 if lost is not None:
@@ -134,7 +134,7 @@ class _Run:
             self.result.info[key] = dict(message.info)
         for i, item in enumerate(message.handles):
             try:
-                self._on_handle(work, item)
+                await self._on_handle(work, item)
             except BaseException:  # the run ends here: the handles not looked at yet must not be lost
                 self._release([(later, work.client) for later in message.handles[i + 1 :]])
                 raise
@@ -156,13 +156,13 @@ class _Run:
             work.done = True
             if work.role == PRIMARY and message.usage:
                 self.result.usage[work.stage] = dict(message.usage)
-            self._after_finish(work)
+            await self._after_finish(work)
 
     # -- starting works ------------------------------------------------------------------------
 
-    def _start_entry(self, stage: str) -> None:
+    async def _start_entry(self, stage: str) -> None:
         sp = self.plan.stages[stage]
-        client = self._pick(stage)
+        client = await self._pick(stage)
         entry = self.req.entry.get(stage, {})
         roles = {PRIMARY: entry}
         if len(sp.roles) > 1:
@@ -170,8 +170,9 @@ class _Run:
         for role in sp.roles:
             self._submit(stage, role, client, inline=roles[role], inputs=[])
 
-    def _pick(self, stage: str) -> ReplicaClient:
-        return self.orch.pool[stage].pick()
+    async def _pick(self, stage: str) -> ReplicaClient:
+        """A replica for new work: never a draining one (it only finishes what it runs)."""
+        return await self.orch.pool.pick(stage)
 
     def _submit(
         self,
@@ -213,7 +214,7 @@ class _Run:
 
     # -- handles -------------------------------------------------------------------------------
 
-    def _on_handle(self, work: _Work, item: P.Input) -> None:
+    async def _on_handle(self, work: _Work, item: P.Input) -> None:
         target = item.handle.target
         sp = self.plan.stages.get(target)
         if sp is None:  # an edge this request does not use: nobody will read it
@@ -223,7 +224,7 @@ class _Run:
             started = self.works.get(target, {}).get(PRIMARY)
             if started is None:
                 try:
-                    client = self._pick(target)
+                    client = await self._pick(target)
                 except StageUnavailable:  # keep the handle where cleanup finds it
                     self.pending[target].append((item, work.client))
                     self._transit(+1)
@@ -238,7 +239,7 @@ class _Run:
             self.pending[target].append((item, work.client))
             self._transit(+1)
 
-    def _after_finish(self, work: _Work) -> None:
+    async def _after_finish(self, work: _Work) -> None:
         """Start or close the downstream stages this work's end unblocks."""
         sp = self.plan.stages[work.stage]
         for edge in sp.edges:
@@ -247,7 +248,7 @@ class _Run:
                 started = self.works.get(edge.target, {}).get(PRIMARY)
                 if started is None:  # the producer sent no chunk: run the target on nothing
                     started = self._submit(
-                        edge.target, PRIMARY, self._pick(edge.target), inline=None, inputs=[], more=True
+                        edge.target, PRIMARY, await self._pick(edge.target), inline=None, inputs=[], more=True
                     )
                 if not started.fed_last:
                     started.fed_last = True
@@ -259,7 +260,7 @@ class _Run:
                 s in self.works and all(w.done for w in self.works[s].values()) for s in target.upstream
             )
             if upstream_done:
-                client = self._pick(edge.target)  # first: if none is usable, the handles stay pending
+                client = await self._pick(edge.target)  # first: if none is usable, the handles stay pending
                 inputs, self.pending[edge.target] = self.pending[edge.target], []
                 self._transit(-len(inputs))
                 self._submit(edge.target, PRIMARY, client, inline=None, inputs=inputs)

@@ -1,4 +1,9 @@
-"""Every stage's replicas, kept in step with discovery: one ReplicaClient per address."""
+"""Every stage's replicas, kept in step with discovery: one ReplicaClient per address.
+
+During a roll the old replica drains (it says so, or discovery drops it) while the new one may not be
+known yet: the EndpointSlice update that lists it and the SIGTERM of the old pod race. `pick` then
+waits a little for the new replica instead of failing the request.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +15,18 @@ from typing import Any
 import zmq.asyncio
 
 from omni_runtime.router.balancer import ReplicaSet
-from omni_runtime.router.client import ReplicaClient
+from omni_runtime.router.client import ReplicaClient, ReplicaState
 from omni_runtime.router.discovery import Discovery, make_discovery
+from omni_runtime.router.errors import StageUnavailable
 from omni_runtime.spec import ResolvedPipeline, StageDiscovery
 
 __all__ = ["StagePool"]
 
 log = logging.getLogger(__name__)
+
+ROLL_WAIT_S = 10.0
+"""How long `pick` waits for a usable replica while a stage is between replicas (one draining, or one
+discovered and not answering yet), before the request fails with 503."""
 
 
 class StagePool:
@@ -30,8 +40,10 @@ class StagePool:
         discoveries: dict[str, Discovery] | None = None,
         ping_interval_s: float = 0.5,
         ping_timeout_s: float = 10.0,
+        roll_wait_s: float = ROLL_WAIT_S,
     ) -> None:
         self.pipeline = pipeline
+        self.roll_wait_s = roll_wait_s
         self.sets: dict[str, ReplicaSet[ReplicaClient]] = {
             name: ReplicaSet(name) for name in pipeline.topology.stage_names()
         }
@@ -66,6 +78,32 @@ class StagePool:
         await asyncio.gather(*(c.close() for c in self.clients()), return_exceptions=True)
         if self._ctx is not None:
             self._ctx.term()
+
+    async def pick(self, stage: str) -> ReplicaClient:
+        """A usable replica of `stage` for new work (least outstanding first).
+
+        While none is usable but the stage is between replicas (one draining, or one just discovered
+        and not answering yet), waits up to `roll_wait_s` for one; otherwise, or after that, raises
+        StageUnavailable describing every replica."""
+        replicas = self.sets[stage]
+        deadline: float | None = None
+        while True:
+            try:
+                return replicas.pick()
+            except StageUnavailable:
+                now = asyncio.get_running_loop().time()
+                deadline = deadline if deadline is not None else now + self.roll_wait_s
+                if now >= deadline or not self._between_replicas(stage):
+                    raise
+            await asyncio.sleep(0.02)
+
+    def _between_replicas(self, stage: str) -> bool:
+        for client in self.sets[stage].replicas.values():
+            if client.draining or client.stage_draining:
+                return True
+            if client.state is ReplicaState.CONNECTING and not client.answered:
+                return True
+        return False
 
     def ready(self) -> dict[str, int]:
         """Usable replicas per stage."""

@@ -14,6 +14,7 @@ from omni_runtime.spec.enums import (
 )
 from omni_runtime.spec.pipeline import CompanionSpec, EdgeSpec, ModelMatch, PipelineSpec, SpecError, StageSpec
 from omni_runtime.spec.resolved import (
+    DRAIN_TIMEOUT_S,
     ROUTER_PORT,
     STAGE_HTTP_PORT,
     STAGE_PORT,
@@ -27,6 +28,7 @@ from omni_runtime.spec.resolved import (
 )
 
 __all__ = [
+    "DRAIN_TIMEOUT_S",
     "INPUT_PROCESSORS",
     "ROUTER_PORT",
     "STAGE_HTTP_PORT",

@@ -31,6 +31,9 @@ STAGE_HTTP_PORT = 8101
 """Port of the stage server's /healthz, /readyz and /metrics."""
 ROUTER_PORT = 8000
 """Port of the router's OpenAI-compatible HTTP API."""
+DRAIN_TIMEOUT_S = 15.0
+"""Seconds a stage or router given SIGTERM lets its running work finish, unless told otherwise (the
+operator derives it from the pod's terminationGracePeriodSeconds); fits in the local launcher's stop."""
 
 
 class StageOverride(BaseModel):

@@ -79,6 +79,18 @@ class ConnectorSet:
     async def release(self, handle: Handle) -> None:
         await self.connector(handle.kind).release(handle)
 
+    def unreleased(self) -> int:
+        """Payloads this process `put` that nobody has released yet (consumers may still read them).
+
+        Counted by the connectors that keep their payloads in this process (shm, mooncake p2p);
+        inline payloads travel in the messages, and mooncake store objects live in the store."""
+        total = 0
+        for conn in self._connectors.values():
+            stats = getattr(conn, "stats", None)
+            if stats is not None:
+                total += int(stats().get("busy", 0))
+        return total
+
     def trim(self) -> None:
         """Let the shm pool unlink idle segments beyond its limit (consumers release in other
         processes; the owner notices on its next put, or here)."""

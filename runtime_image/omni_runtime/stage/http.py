@@ -1,4 +1,4 @@
-"""The stage server's HTTP side: /healthz (alive), /readyz (engine loaded), /metrics (Prometheus).
+"""The stage server's HTTP side: /healthz (alive), /readyz (engine loaded, not draining), /metrics (Prometheus).
 
 Nothing here is authenticated (probes and scrapers call it), so it tells counts, never work ids."""
 
@@ -30,6 +30,8 @@ def build_app(server: StageServer) -> Starlette:
         return JSONResponse({"status": "alive", "stage": server.stage})
 
     async def readyz(_: Request) -> Response:
+        if server.draining:  # shutting down: the pod leaves the Service's ready endpoints at once
+            return JSONResponse({"status": "draining", "stage": server.stage, "running": len(server.works)}, 503)
         if server.ready:
             # Counts only: this port is unauthenticated, and a work id is what abort/feed messages name.
             phases = collections.Counter(w.phase for w in list(server.works.values()))

@@ -1,4 +1,8 @@
-"""`omnikube stage`: run one stage server until SIGTERM/SIGINT."""
+"""`omnikube stage`: run one stage server until SIGTERM/SIGINT, then drain it and stop.
+
+The first signal starts a drain (no new work, running works finish, bounded by `drain_timeout_s`: see
+`StageServer.drain`); a second signal stops at once, failing what still runs with a retriable error.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import logging
 import signal
 from pathlib import Path
 
-from omni_runtime.spec import ResolvedPipeline
+from omni_runtime.spec import DRAIN_TIMEOUT_S, ResolvedPipeline
 from omni_runtime.stage.connectors import ConnectorSettings
 from omni_runtime.stage.server import StageServer
 
@@ -25,15 +29,23 @@ async def serve(
     http_port: int,
     replica: str,
     connectors: ConnectorSettings,
+    drain_timeout_s: float = DRAIN_TIMEOUT_S,
 ) -> int:
     pipeline = ResolvedPipeline.model_validate_json(Path(config).read_text(encoding="utf-8"))
     server = StageServer(
         pipeline, stage, host=host, port=port, http_port=http_port, replica=replica, connectors=connectors
     )
     stop = asyncio.Event()
+    force = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            force.set()
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     await server.start()
     waiter = asyncio.create_task(stop.wait())
     serving = asyncio.create_task(server.serve_forever())
@@ -42,6 +54,15 @@ async def serve(
     if serving.done() and serving.exception() is not None:
         log.error("%s", serving.exception())
         code = 1
+    elif stop.is_set():
+        drain = asyncio.create_task(server.drain(drain_timeout_s))
+        forced = asyncio.create_task(force.wait())
+        await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
+        if not drain.done():
+            log.warning("stage %s: a second signal: stopping without waiting for running works", stage)
+            drain.cancel()
+        forced.cancel()
+        await asyncio.gather(drain, forced, return_exceptions=True)
     waiter.cancel()
     serving.cancel()
     log.info("stage %s: stopping", stage)

@@ -20,6 +20,7 @@ from omni_runtime.connectors.codec import decode_payload, encode_payload
 __all__ = [
     "PROTOCOL_VERSION",
     "Abort",
+    "Draining",
     "EdgeOut",
     "ErrorKind",
     "Failed",
@@ -140,6 +141,21 @@ class Pong(msgspec.Struct, frozen=True, kw_only=True, tag="pong"):
     version: int = PROTOCOL_VERSION
     voices: list[str] = []
     """Speakers its engine knows (speech stages, once loaded); `voice` in a request must be one."""
+    draining: bool = False
+    """The replica is shutting down: it finishes the works it has but must get no new ones. `ready`
+    stays true meanwhile, so a router that does not know this field keeps its works running."""
+
+
+class Draining(msgspec.Struct, frozen=True, kw_only=True, tag="draining"):
+    """Stage -> router, once, when the replica begins to shut down (SIGTERM): send it no new work.
+
+    Sent at once to every router heard from lately, so they stop choosing this replica before the
+    EndpointSlice update reaches them; works already running (and their feeds, aborts and releases)
+    go on until they end or `grace_s` runs out."""
+
+    stage: str = ""
+    grace_s: float = 0.0
+    """Seconds the replica keeps running its works; what is still running then fails `unavailable`."""
 
 
 class Output(msgspec.Struct, frozen=True, kw_only=True, tag="output"):
@@ -167,7 +183,7 @@ class Failed(msgspec.Struct, frozen=True, kw_only=True, tag="failed"):
     message: str
 
 
-Message = Submit | Feed | Abort | Release | Ping | Pong | Output | Failed
+Message = Submit | Feed | Abort | Release | Ping | Pong | Draining | Output | Failed
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

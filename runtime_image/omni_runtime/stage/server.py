@@ -4,6 +4,11 @@ Every `Submit` becomes a task that gets its input handles, runs the edge's input
 engine, sends final outputs inline and downstream outputs as handles it `put`s, and releases every
 input handle it was given, whatever happens. `Abort` cancels that task; the handles the work created
 and the router has not seen taken are released too. See PROTOCOL.md.
+
+Shutting down is a drain (`drain()`, on SIGTERM): the replica tells its routers it is draining, keeps
+running the works it has (their feeds included) until they end and the payloads it put are released,
+then stops; what still runs when the grace period ends fails `unavailable`, which the client sees as a
+retriable 503.
 """
 
 from __future__ import annotations
@@ -35,6 +40,12 @@ log = logging.getLogger(__name__)
 
 PEER_TIMEOUT_S = 15.0
 """Works of a router that has sent nothing (not even a ping) for this long are aborted."""
+DRAIN_POLL_S = 0.05
+DRAIN_SETTLE_S = 0.25
+"""A drain ends only after the replica stayed idle this long: a submit a router sent before it heard
+of the drain is still on the wire for about one round trip."""
+LINGER_MS = 2000
+"""How long closing the socket may take to deliver the last messages (the final outputs of a drain)."""
 
 _HEADER_SLACK = 1024**2
 
@@ -107,6 +118,8 @@ class StageServer:
         self.peer_timeout_s = peer_timeout_s
         self.connectors = ConnectorSet(pipeline, stage, connectors or ConnectorSettings(owner=f"{stage}-{replica}"))
         self.ready = False
+        self.draining = False
+        """Shutting down: routers are told to send no new work; running works go on."""
         self.works: dict[str, _Work] = {}
         self._labels = (pipeline.name, stage, replica)
         self._ctx: zmq.asyncio.Context | None = None
@@ -184,8 +197,64 @@ class StageServer:
         if self._load_error is not None:
             raise RuntimeError(f"stage {self.stage}: engine failed to load: {self._load_error}")
 
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop taking new work and finish what runs, within `timeout_s` seconds.
+
+        Readiness turns false and every router heard from lately gets a `Draining` message, so it sends
+        no new work here; works already running go on (feeds, aborts and releases for them are served)
+        until they end and nobody holds a payload this replica put any more (a consumer may still read
+        it). Works still running at the deadline fail `unavailable` (a retriable 503 for the client).
+        True when everything ended in time. Call `stop()` afterwards."""
+        if not self.draining:
+            self.draining = True
+            M.ready.labels(*self._labels).set(0)
+            now = time.monotonic()
+            routers = [p for p, seen in self._peers.items() if now - seen <= self.peer_timeout_s]
+            log.info(
+                "stage %s: draining (up to %.0fs): %d work(s) running, %d payload(s) unreleased, telling %d router(s)",
+                self.stage, timeout_s, len(self.works), self.connectors.unreleased(), len(routers),
+            )  # fmt: skip
+            for peer in routers:
+                await self._send(peer, P.Draining(stage=self.stage, grace_s=timeout_s))
+        deadline = time.monotonic() + timeout_s
+        idle_since: float | None = None
+        while True:
+            now = time.monotonic()
+            idle = not self.works and self.connectors.unreleased() == 0
+            idle_since = (idle_since or now) if idle else None
+            if idle_since is not None and now - idle_since >= min(DRAIN_SETTLE_S, timeout_s):
+                log.info("stage %s: drained: every work finished and every payload was released", self.stage)
+                return True
+            if now >= deadline:
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        left, payloads = len(self.works), self.connectors.unreleased()
+        log.warning(
+            "stage %s: the drain period of %.0fs ended with %d work(s) running and %d payload(s) unreleased",
+            self.stage, timeout_s, left, payloads,
+        )  # fmt: skip
+        await self._fail_running(
+            f"stage {self.stage} replica {self.replica} shut down before this work finished: its drain period "
+            f"of {timeout_s:g}s ended (terminationGracePeriodSeconds of the stage); retry the request, other "
+            "replicas take it"
+        )
+        return False
+
+    async def _fail_running(self, message: str) -> None:
+        """Fail every running work `unavailable` (the client gets a retriable 503), then stop it."""
+        tasks: list[asyncio.Task] = []
+        for work in list(self.works.values()):
+            if work.task is None:
+                continue
+            tasks.append(work.task)
+            if not work.closing:
+                await self._fail(work, "unavailable", message)
+                work.task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def stop(self) -> None:
-        """Abort every work, stop the engine, close connectors (unlinking this process's shm)."""
+        """Abort every work, stop the engine, close connectors (unlinking this process's shm). The
+        routers see the replica go away (502 for its works); `drain()` first lets the works finish."""
         if self._closing:
             return
         self._closing = True
@@ -205,7 +274,8 @@ class StageServer:
                 await self.engine.stop()
         self.connectors.close()
         if self._sock is not None:
-            self._sock.close(0)
+            # Linger: the last outputs and failures sent above must reach the routers.
+            self._sock.close(linger=LINGER_MS)
         if self._ctx is not None:
             self._ctx.term()
 
@@ -231,7 +301,7 @@ class StageServer:
             voices = self.engine.voices() if self.ready and self.engine is not None else []
             pong = P.Pong(
                 nonce=message.nonce, sent_at=message.sent_at, ready=self.ready, stage=self.stage,
-                running=running, voices=voices,
+                running=running, voices=voices, draining=self.draining,
             )  # fmt: skip
             await self._send(peer, pong)
         elif isinstance(message, P.Submit):
@@ -265,6 +335,8 @@ class StageServer:
             msg = f"stage {self.stage} replica {self.replica} is still loading its engine; retry shortly"
             await self._send(peer, P.Failed(id=submit.id, kind="unavailable", message=msg))
             return
+        if self.draining:  # sent before that router heard of the drain: run it, the drain waits for it
+            log.info("stage %s: draining, but running %s (its router had not heard yet)", self.stage, submit.id)
         work = _Work(submit=submit, peer=peer, held=handles)
         try:
             inline = P.payload_of(submit, rest)

@@ -8,7 +8,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 from omni_runtime.metrics import Router as M
 from omni_runtime.router.admission import Admission
 from omni_runtime.router.errors import BadRequest, ClientGone, NotFound, RequestTimedOut
+from omni_runtime.router.lifecycle import Lifecycle
 from omni_runtime.router.orchestrator import Orchestrator, PipelineRequest, RunResult, StageEvent
 from omni_runtime.router.plan import producible_modalities
 from omni_runtime.router.pool import StagePool
@@ -34,6 +35,8 @@ class RouterContext:
     pool: StagePool
     orchestrator: Orchestrator
     admission: Admission
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    """Draining on SIGTERM: running requests get until the drain period ends."""
 
     @property
     def model_name(self) -> str:
@@ -113,10 +116,11 @@ class ServingBase:
     async def run_choices(
         self, requests: list[PipelineRequest], emit: Callable[[StageEvent], Awaitable[None] | None]
     ) -> list[RunResult]:
-        """Run every choice concurrently; the first failure cancels the others (each cleans up)."""
+        """Run every choice concurrently; the first failure cancels the others (each cleans up). The end
+        of a shutdown's drain period cancels them all (RouterDraining, a retriable 503)."""
         tasks = [asyncio.create_task(self.ctx.orchestrator.run(r, emit)) for r in requests]
         try:
-            return list(await asyncio.gather(*tasks))
+            return list(await self.ctx.lifecycle.bounded(asyncio.gather(*tasks)))
         finally:
             for task in tasks:
                 task.cancel()
@@ -140,7 +144,7 @@ class ServingBase:
         started = time.monotonic()
         try:
             async with asyncio.timeout(self.limits.request_timeout_s):
-                slot = await self.ctx.admission.acquire()
+                slot = await self.ctx.lifecycle.bounded(self.ctx.admission.acquire())
                 try:
                     return await _until_disconnected(raw, self.run_choices(requests, emit))
                 finally:
@@ -156,7 +160,7 @@ class ServingBase:
         deadline = asyncio.get_running_loop().time() + self.limits.request_timeout_s
         try:
             async with asyncio.timeout_at(deadline):
-                slot = await self.ctx.admission.acquire()
+                slot = await self.ctx.lifecycle.bounded(self.ctx.admission.acquire())
         except TimeoutError:
             raise self.timed_out() from None
         stream = EventStream(self, requests, slot, deadline)

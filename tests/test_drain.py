@@ -1,0 +1,261 @@
+"""Graceful drain, fast: stage servers with the EchoEngine (see its docstring for why) behind the real
+router app on uvicorn, driven by the real OpenAI client and httpx.
+
+A stage that drains (what SIGTERM starts) tells its routers at once, gets no new work, finishes what it
+runs (streams and the payloads its consumers still read included), and fails only what outlives its
+drain period, with a retriable 503. The router drains the same way. `test_serve_drain.py` sends the
+real SIGTERM to real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import msgspec
+import openai
+import pytest
+from servelib import echo_cluster, echo_pipeline
+
+from omni_runtime.router.discovery import ready_addresses
+from omni_runtime.spec import EdgeSpec, PipelineSpec, StageSpec
+from omni_runtime.stage import protocol as P
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def chat_topology() -> PipelineSpec:
+    return PipelineSpec(name="echo", stages=[StageSpec(name="llm", kind="ar", final_output=True)])
+
+
+def windowed_topology(connector: str) -> PipelineSpec:
+    return PipelineSpec(
+        name="echo3",
+        stages=[StageSpec(name="a", kind="ar"), StageSpec(name="b", kind="ar", final_output=True)],
+        edges=[EdgeSpec(**{"from": "a", "to": "b", "connector": connector, "window": 2})],
+    )
+
+
+def client(base: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def slow(delay: float) -> dict:
+    return {"sampling_params_list": [{"delay": delay}]}
+
+
+async def until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+def replica(cluster, stage: str, index: int):
+    return cluster.pool[stage].replicas[f"127.0.0.1:{cluster.servers[stage][index].port}"]
+
+
+async def sse_events(response: httpx.Response) -> list[dict]:
+    events = []
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line.removeprefix("data: ")))
+    return events
+
+
+def streamed_text(events: list[dict]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in events if c.get("choices"))
+
+
+# -- the stage -------------------------------------------------------------------------------------
+
+
+async def test_a_draining_stage_finishes_the_stream_it_runs_and_tells_the_router_at_once() -> None:
+    async with echo_cluster(echo_pipeline(chat_topology())) as cluster:
+        server, seen_by_router = cluster.servers["llm"][0], replica(cluster, "llm", 0)
+        body = {"model": "echo", "messages": user("w " * 30), "stream": True, **slow(0.03)}
+        async with httpx.AsyncClient(base_url=cluster.base, timeout=30) as http:
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                lines = response.aiter_lines()
+                first = [await anext(lines)]
+                while "w " not in first[-1]:
+                    first.append(await anext(lines))
+                drain = asyncio.create_task(server.drain(20))
+                # The Draining message reaches the router long before its next ping would.
+                await until(lambda: seen_by_router.stage_draining)
+                assert not seen_by_router.usable and "draining" in seen_by_router.describe()
+                probe = await http.get(f"http://127.0.0.1:{server.http_port}/readyz")
+                assert probe.status_code == 503 and probe.json()["status"] == "draining"
+                assert len(server.works) == 1, "the stream still runs while the stage drains"
+                rest = [line async for line in lines]
+        events = [json.loads(x.removeprefix("data: ")) for x in first + rest if x.startswith("data: {")]
+        assert streamed_text(events) == "w " * 30
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+        assert "data: [DONE]" in rest
+        assert await drain is True
+        assert cluster.engines["llm"][0].aborted == []
+
+
+async def test_a_draining_replica_gets_no_new_work_while_its_running_work_finishes() -> None:
+    async with echo_cluster(echo_pipeline(chat_topology()), {"llm": 2}) as cluster, client(cluster.base) as api:
+        long = asyncio.create_task(
+            api.chat.completions.create(model="echo", messages=user("w " * 20), extra_body=slow(0.05))
+        )
+        await until(lambda: any(s.works for s in cluster.servers["llm"]))
+        index = 0 if cluster.servers["llm"][0].works else 1
+        draining, other = cluster.engines["llm"][index], cluster.engines["llm"][1 - index]
+        drain = asyncio.create_task(cluster.servers["llm"][index].drain(20))
+        await until(lambda: replica(cluster, "llm", index).stage_draining)
+        before = len(draining.seen)
+        replies = await asyncio.gather(
+            *(api.chat.completions.create(model="echo", messages=user(f"quick {i}")) for i in range(6))
+        )
+        assert [r.choices[0].message.content for r in replies] == [f"quick {i} " for i in range(6)]
+        assert len(draining.seen) == before, "a draining replica got new work"
+        assert len(other.seen) == 6
+        assert (await long).choices[0].message.content == "w " * 20
+        assert await drain is True
+
+
+async def test_a_drain_that_outlives_its_period_fails_the_request_with_a_retriable_503() -> None:
+    async with echo_cluster(echo_pipeline(chat_topology())) as cluster, client(cluster.base) as api:
+        server = cluster.servers["llm"][0]
+        call = asyncio.create_task(
+            api.chat.completions.create(model="echo", messages=user("w " * 200), extra_body=slow(0.05))
+        )
+        await until(lambda: server.works)
+        assert await server.drain(0.3) is False
+        with pytest.raises(openai.APIStatusError) as err:
+            await asyncio.wait_for(call, 10)
+        assert err.value.status_code == 503
+        message = err.value.body["message"]
+        assert f"replica {server.replica} shut down before this work finished" in message
+        assert "drain period of 0.3s ended" in message and "retry the request" in message
+        assert err.value.response.headers["retry-after"] == "1"
+        await until(lambda: not server.works)
+        assert len(cluster.engines["llm"][0].aborted) == 1, "the engine stopped the work"
+
+
+async def test_a_stream_cut_by_the_end_of_a_drain_ends_with_an_error_event() -> None:
+    async with echo_cluster(echo_pipeline(chat_topology())) as cluster:
+        server = cluster.servers["llm"][0]
+        body = {"model": "echo", "messages": user("w " * 200), "stream": True, **slow(0.05)}
+        async with httpx.AsyncClient(base_url=cluster.base, timeout=30) as http:
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                await until(lambda: server.works)
+                drained = asyncio.create_task(server.drain(0.3))
+                events = await sse_events(response)
+        assert await drained is False
+        assert events[-1]["error"]["code"] == 503
+        assert "drain period of 0.3s ended" in events[-1]["error"]["message"]
+
+
+@pytest.mark.parametrize("connector", ["shm", "inline"])
+async def test_an_upstream_stage_that_drains_mid_request_still_feeds_its_consumer(connector: str) -> None:
+    """Stage a streams chunks to b; a drains while it runs: the request completes, and a's drain ends
+    only once b has released every payload a put (b reads them from a's memory)."""
+    async with echo_cluster(echo_pipeline(windowed_topology(connector))) as cluster, client(cluster.base) as api:
+        producer = cluster.servers["a"][0]
+        call = asyncio.create_task(
+            api.chat.completions.create(
+                model="echo", messages=user("w " * 12), extra_body={"sampling_params_list": [{"delay": 0.05}, {}]}
+            )
+        )
+        await until(lambda: producer.works and cluster.servers["b"][0].works)
+        drain = asyncio.create_task(producer.drain(20))
+        reply = await call
+        assert reply.choices[0].message.content == "w " * 12
+        assert await drain is True
+        assert producer.connectors.unreleased() == 0
+
+
+async def test_while_a_stage_is_between_replicas_a_request_waits_for_the_new_one() -> None:
+    """A roll: the old replica drains before discovery lists the new one (the SIGTERM of the old pod and
+    the EndpointSlice update race). The request waits for the new replica instead of failing."""
+    async with echo_cluster(echo_pipeline(chat_topology()), {"llm": 2}) as cluster, client(cluster.base) as api:
+        pool = cluster.pool
+        old, new = (f"127.0.0.1:{s.port}" for s in cluster.servers["llm"])
+        pool._update("llm", {old})  # discovery's callback: the new replica is not listed yet
+        await until(lambda: new not in pool["llm"].replicas)  # dropped (idle): as if never seen
+        drain = asyncio.create_task(cluster.servers["llm"][0].drain(20))
+        await until(lambda: pool["llm"].replicas[old].stage_draining)
+        call = asyncio.create_task(api.chat.completions.create(model="echo", messages=user("during the roll")))
+        await asyncio.sleep(0.3)
+        assert not call.done(), "the request waits for a usable replica"
+        pool._update("llm", {old, new})  # the new replica's EndpointSlice update arrives
+        reply = await asyncio.wait_for(call, 10)
+        assert reply.choices[0].message.content == "during the roll "
+        assert len(cluster.engines["llm"][1].seen) == 1 and cluster.engines["llm"][0].seen == []
+        assert await drain is True
+
+
+def test_pong_and_draining_messages_round_trip_and_old_pongs_still_decode() -> None:
+    message, _ = P.decode(P.encode(P.Draining(stage="llm", grace_s=25.0)))
+    assert message == P.Draining(stage="llm", grace_s=25.0)
+    message, _ = P.decode(P.encode(P.Pong(nonce=1, ready=True, draining=True)))
+    assert isinstance(message, P.Pong) and message.draining and message.ready
+    old = msgspec.msgpack.encode({"type": "pong", "nonce": 1, "ready": True})  # a stage without the field
+    message, _ = P.decode([old])
+    assert isinstance(message, P.Pong) and message.ready and not message.draining
+
+
+# -- the router ------------------------------------------------------------------------------------
+
+
+async def test_the_router_drain_lets_a_running_request_finish() -> None:
+    async with echo_cluster(echo_pipeline(chat_topology())) as cluster, client(cluster.base) as api:
+        call = asyncio.create_task(
+            api.chat.completions.create(model="echo", messages=user("w " * 10), extra_body=slow(0.03))
+        )
+        await until(lambda: cluster.servers["llm"][0].works)
+        cluster.app.state.context.lifecycle.begin_drain(20)
+        assert (await call).choices[0].message.content == "w " * 10
+
+
+async def test_the_end_of_the_router_drain_fails_running_requests_with_a_retriable_503() -> None:
+    async with echo_cluster(echo_pipeline(chat_topology())) as cluster, client(cluster.base) as api:
+        call = asyncio.create_task(
+            api.chat.completions.create(model="echo", messages=user("w " * 200), extra_body=slow(0.05))
+        )
+        body = {"model": "echo", "messages": user("w " * 200), "stream": True, **slow(0.05)}
+        async with httpx.AsyncClient(base_url=cluster.base, timeout=30) as http:
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                await until(lambda: len(cluster.servers["llm"][0].works) == 2)
+                cluster.app.state.context.lifecycle.begin_drain(0.3)
+                events = await sse_events(response)
+        with pytest.raises(openai.APIStatusError) as err:
+            await asyncio.wait_for(call, 10)
+        assert err.value.status_code == 503
+        assert "the router shut down before this request finished" in err.value.body["message"]
+        assert events[-1]["error"]["code"] == 503
+        assert "drain period of 0.3s ended" in events[-1]["error"]["message"]
+        await until(lambda: not cluster.servers["llm"][0].works)
+        assert len(cluster.engines["llm"][0].aborted) == 2, "both works were stopped in the stage"
+
+
+# -- discovery -------------------------------------------------------------------------------------
+
+
+def test_terminating_or_not_serving_endpoints_get_no_new_work() -> None:
+    slices = [
+        {
+            "ports": [{"port": 8100}],
+            "endpoints": [
+                {"addresses": ["10.0.0.1"], "conditions": {"ready": True, "serving": True, "terminating": False}},
+                # a terminating pod still passing its readiness probe (as the API reports it since 1.26)
+                {"addresses": ["10.0.0.2"], "conditions": {"ready": False, "serving": True, "terminating": True}},
+                # an older API server reporting a terminating pod as ready
+                {"addresses": ["10.0.0.3"], "conditions": {"ready": True, "terminating": True}},
+                {"addresses": ["10.0.0.4"], "conditions": {"serving": False}},
+            ],
+        }
+    ]
+    assert ready_addresses(slices, 8100) == {"10.0.0.1:8100"}
