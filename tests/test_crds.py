@@ -464,6 +464,16 @@ INVALID = {
         "spec.stages[0]",
         "move autoscaling",
     ),
+    "grace period on a colocated stage": (
+        _stage(colocateWith="b", terminationGracePeriodSeconds=60),
+        "spec.stages[0]",
+        "set it on the stage named by colocateWith",
+    ),
+    "zero grace period": (
+        _pipeline(router={"terminationGracePeriodSeconds": 0}),
+        "spec.router.terminationGracePeriodSeconds",
+        "greater than or equal to 1",
+    ),
     "bad quantity": (
         _stage(resources={"requests": {"memory": "2 GiB"}}),
         "spec.stages[0].resources.requests.memory",
@@ -521,6 +531,7 @@ def test_offline_messages_match_the_cel_messages(crds: list[dict[str, Any]]) -> 
         "edge to itself",
         "toleration Exists with value",
         "colocated with itself",
+        "grace period on a colocated stage",
     ):
         with pytest.raises(ValidationError) as caught:
             OmniPipeline.model_validate(copy.deepcopy(INVALID[case][0]))

@@ -11,7 +11,9 @@ from omni_operator.api.base import Bool, Int, KubeModel, Quantity, Rule, list_ma
 from omni_runtime.spec.pipeline import NAME_PATTERN
 
 __all__ = [
+    "DEFAULT_GRACE_SECONDS",
     "DEFAULT_IMAGE",
+    "MAX_GRACE_SECONDS",
     "DNS_SUBDOMAIN_PATTERN",
     "MAX_STAGES",
     "NAME_MAX_LENGTH",
@@ -35,6 +37,7 @@ __all__ = [
     "Toleration",
     "TolerationOperator",
     "env_field",
+    "grace_field",
     "unique_env_rule",
 ]
 
@@ -277,6 +280,25 @@ class Condition(KubeModel):
     )
     observed_generation: Int | None = Field(
         None, ge=0, description="metadata.generation the condition was computed from."
+    )
+
+
+DEFAULT_GRACE_SECONDS = 120
+"""Default terminationGracePeriodSeconds of stage and router pods: long enough for the requests of
+most pipelines to finish during a roll; raise it for long generations."""
+MAX_GRACE_SECONDS = 3600
+
+
+def grace_field(default: int | None, who: str, more: str = "") -> Any:
+    """The `terminationGracePeriodSeconds` field of stage and router pods, with one description."""
+    unset = f" Unset: {DEFAULT_GRACE_SECONDS}." if default is None else ""
+    return Field(
+        default,
+        ge=1,
+        le=MAX_GRACE_SECONDS,
+        description=f"Seconds {who} pods get to drain when they are stopped (a roll, a scale-down, an "
+        "eviction): they take no new work at once, finish what they run, then exit; what still runs "
+        "when the time is up fails with a retriable 503. Set it above your longest request." + more + unset,
     )
 
 

@@ -25,6 +25,7 @@ from omni_operator.api.base import (
     unique_rule,
 )
 from omni_operator.api.common import (
+    DEFAULT_GRACE_SECONDS,
     DEFAULT_IMAGE,
     MAX_STAGES,
     NAME_MAX_LENGTH,
@@ -41,6 +42,7 @@ from omni_operator.api.common import (
     StageName,
     Toleration,
     env_field,
+    grace_field,
     unique_env_rule,
 )
 from omni_runtime.spec import ROUTER_PORT, ConnectorKind, MooncakeMode, MooncakeProtocol, RouterLimits
@@ -221,6 +223,12 @@ class RouterSpec(KubeModel):
         default_factory=dict,
         description="Router pod affinity, as in a Pod spec; passed through unchanged.",
     )
+    termination_grace_period_seconds: Int = grace_field(
+        DEFAULT_GRACE_SECONDS,
+        "router",
+        " The first seconds (5 at most, a preStop sleep) it still takes new requests, while its Service's "
+        "endpoints drop it.",
+    )
 
 
 class MooncakeConfig(KubeModel):
@@ -341,8 +349,15 @@ class PipelineStage(Placement):
     shm_size: Quantity | None = Field(
         None, description="Size of /dev/shm in this stage's pods; unset uses runtime.shmSize."
     )
+    termination_grace_period_seconds: Int | None = grace_field(None, "this stage's")
 
     validation_rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="!has(self.colocateWith) || !has(self.terminationGracePeriodSeconds)",
+            message="terminationGracePeriodSeconds: a stage with colocateWith stops with the pods it shares; "
+            "set it on the stage named by colocateWith",
+            check=lambda m: m.colocate_with is None or m.termination_grace_period_seconds is None,
+        ),
         Rule(
             cel="!has(self.colocateWith) || self.colocateWith != self.name",
             message="colocateWith: a stage cannot be colocated with itself; name another stage",

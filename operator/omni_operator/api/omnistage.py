@@ -22,6 +22,7 @@ from omni_operator.api.base import (
     list_set,
 )
 from omni_operator.api.common import (
+    DEFAULT_GRACE_SECONDS,
     MAX_STAGES,
     Autoscaling,
     Condition,
@@ -33,6 +34,7 @@ from omni_operator.api.common import (
     SecretKeyRef,
     StageName,
     env_field,
+    grace_field,
     unique_env_rule,
 )
 from omni_runtime.spec import StageKind
@@ -84,6 +86,7 @@ class OmniStageSpec(Placement):
     model_cache: ModelCache | None = Field(None, description="Volume holding model weights.")
     env: list[EnvVar] = env_field()
     hf_token_secret: SecretKeyRef | None = Field(None, description="Secret key exposed to the stage as HF_TOKEN.")
+    termination_grace_period_seconds: Int = grace_field(DEFAULT_GRACE_SECONDS, "the stage's")
 
     validation_rules: ClassVar[tuple[Rule, ...]] = (
         unique_env_rule(),

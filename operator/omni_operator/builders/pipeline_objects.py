@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from omni_operator.api import API_VERSION, OmniPipeline, PipelineStage
+from omni_operator.api.common import DEFAULT_GRACE_SECONDS
 from omni_operator.builders.meta import (
     child_name,
     content_hash,
@@ -102,6 +103,7 @@ def build_omnistages(owner: dict[str, Any], pipeline: OmniPipeline, resolved: Re
             "model": resolved.model,
             "configMap": configmap_name(name),
             "shmSize": override.shm_size or runtime.shm_size,
+            "terminationGracePeriodSeconds": override.termination_grace_period_seconds or DEFAULT_GRACE_SECONDS,
             "engineArgs": stage.engine_args,
             "samplingParams": stage.sampling_params,
         }

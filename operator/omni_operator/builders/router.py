@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from omni_operator.api import OmniPipeline
+from omni_operator.builders.drain import drain_timeout, router_pre_stop
 from omni_operator.builders.meta import (
     TEMPLATE_HASH_ANNOTATION,
     content_hash,
@@ -108,6 +109,8 @@ def build_router_objects(
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": rname},
         "subjects": [{"kind": "ServiceAccount", "name": rname, "namespace": namespace}],
     }
+    grace = router.termination_grace_period_seconds
+    pre_stop = router_pre_stop(grace)
     env = pod_container_env([e.to_dict() for e in runtime.env], None)
     volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": configmap_name(name)}}]
     mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
@@ -133,6 +136,8 @@ def build_router_objects(
             "--port",
             str(ROUTER_PORT),
             *key_args,
+            "--drain-timeout",
+            str(drain_timeout(grace, pre_stop)),
         ],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "env": env,
@@ -143,6 +148,8 @@ def build_router_objects(
         "volumeMounts": mounts,
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
+    if pre_stop:  # keep serving while the Service's endpoints drop the pod (see builders.drain)
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": pre_stop}}}
     resources = {k: v for k, v in router.resources.to_dict().items() if v}
     if resources:
         container["resources"] = resources
@@ -173,6 +180,7 @@ def build_router_objects(
                         "seccompProfile": {"type": "RuntimeDefault"},
                     },
                     "enableServiceLinks": False,
+                    "terminationGracePeriodSeconds": grace,
                 },
             },
         },

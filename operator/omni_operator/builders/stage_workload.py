@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from omni_operator.api import AcceleratorType, OmniStage
+from omni_operator.builders.drain import drain_timeout
 from omni_operator.builders.meta import (
     TEMPLATE_HASH_ANNOTATION,
     content_hash,
@@ -98,6 +99,8 @@ def _container(
             str(port),
             "--http-port",
             str(http_port),
+            "--drain-timeout",
+            str(drain_timeout(spec.termination_grace_period_seconds)),
         ],
         "ports": [
             {"name": "stage" if index == 0 else f"stage-{index}", "containerPort": port, "protocol": "TCP"},
@@ -150,7 +153,8 @@ def build_stage_deployment(owner: dict[str, Any]) -> dict[str, Any]:
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 30,
+        # SIGTERM drains (see builders.drain): the grace period bounds it.
+        "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
     }
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
