@@ -58,6 +58,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from omni_runtime.spec import (
+    DRAIN_TIMEOUT_S,
     ConnectorKind,
     ConnectorsSpec,
     EdgeOverride,
@@ -205,6 +206,8 @@ class LocalRun:
     shm_pool_bytes: int = 64 * 1024**2
     api_key_file: Path | None = None
     """Given to the router: every /v1 request must send this file's key as a Bearer token."""
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
+    """Given to every process: on stop, running requests get this long to finish (`stop` waits for it)."""
 
     @property
     def endpoint(self) -> str:
@@ -223,6 +226,7 @@ class LocalRun:
         served_model_name: str | None = None,
         shm_pool_bytes: int = 64 * 1024**2,
         api_key_file: str | Path | None = None,
+        drain_timeout_s: float = DRAIN_TIMEOUT_S,
     ) -> LocalRun:
         """Resolve the pipeline, pick ports and write `resolved.json`; starts nothing."""
         topology = topology_for(spec)
@@ -287,6 +291,7 @@ class LocalRun:
                 raise SpecError(f"--api-key-file: {err}") from None
         run = cls(resolved=resolved, run_dir=_run_dir(run_dir, name), host=host, shm_pool_bytes=shm_pool_bytes)
         run.api_key_file = Path(api_key_file).resolve() if api_key_file is not None else None
+        run.drain_timeout_s = drain_timeout_s
         run.router_port = port or free_port(host)
         for stage_name in names:
             ports = [(free_port(host), free_port(host)) for _ in range(counts[stage_name])]
@@ -329,6 +334,8 @@ class LocalRun:
                     self.host,
                     "--shm-pool-bytes",
                     str(self.shm_pool_bytes),
+                    "--drain-timeout",
+                    str(self.drain_timeout_s),
                 ]
                 procs.append(
                     _Proc(
@@ -348,6 +355,8 @@ class LocalRun:
             "--port",
             str(self.router_port),
             *(["--api-key-file", str(self.api_key_file)] if self.api_key_file else []),
+            "--drain-timeout",
+            str(self.drain_timeout_s),
         ]
         procs.append(
             _Proc("router", router, self.run_dir / "router.log", f"http://{self.host}:{self.router_port}/health")
@@ -476,9 +485,11 @@ class LocalRun:
     def pids(self) -> dict[str, int]:
         return {p.name: p.popen.pid for p in self.procs if p.popen is not None}
 
-    def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM every process (the router first), SIGKILL its process group after `timeout_s`,
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM every process (the router first), SIGKILL its process group after `timeout_s` (default:
+        the drain timeout plus 5 s: running requests finish first),
         stop the Mooncake master, and sweep this pipeline's shm segments."""
+        timeout_s = self.drain_timeout_s + 5.0 if timeout_s is None else timeout_s
         ordered = sorted(self.procs, key=lambda p: p.name != "router")
         for proc in ordered:  # the process itself: it stops its own children (vLLM engine core) in order
             if proc.popen is not None and proc.popen.poll() is None:
@@ -578,6 +589,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="file holding the API key clients must send as 'Authorization: Bearer <key>' (re-read when it "
         "changes; default: no key)",
     )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DRAIN_TIMEOUT_S,
+        help=f"seconds running requests get to finish when serve stops (default {DRAIN_TIMEOUT_S:g})",
+    )
     parser.add_argument("--run-dir", default=None, help="folder for resolved.json and logs (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
     parser.add_argument(
@@ -608,6 +625,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             shm_pool_bytes=args.shm_pool_bytes,
             api_key_file=args.api_key_file,
+            drain_timeout_s=args.drain_timeout,
         )
     except SpecError as err:
         print(f"omnikube serve: {err}", file=sys.stderr)
