@@ -76,9 +76,25 @@ def stage_count(stage: str, status: str = "ok") -> float:
     return sum(metric_values(text, "omnikube_stage_requests", stage=stage, status=status))
 
 
-@pytest.mark.parametrize("connector", ["inline", "shm"])
-async def test_text_and_audio_in_one_message(connector: str) -> None:
+@pytest.fixture(scope="module")
+def mooncake_master(tmp_path_factory):
+    from omni_runtime.connectors.mooncake_master import MooncakeMaster, free_port
+
+    master = MooncakeMaster(
+        rpc_port=free_port(), metadata_port=free_port(), log_dir=str(tmp_path_factory.mktemp("mooncake"))
+    )
+    with master:
+        yield master
+
+
+@pytest.mark.parametrize("connector", ["inline", "shm", "mooncake"])
+async def test_text_and_audio_in_one_message(connector: str, request) -> None:
     pipeline = speech_pipeline(connector, name=f"speech-{connector}")
+    if connector == "mooncake":  # p2p: every stage's transfer engine registers with the metadata server
+        master = request.getfixturevalue("mooncake_master")
+        pipeline.topology.connectors.mooncake.master_port = master.rpc_port
+        pipeline.topology.connectors.mooncake.metadata_port = master.metadata_port
+        pipeline.topology.connectors.mooncake.global_segment_size = 64 * 1024**2
     async with echo_cluster(pipeline, engines=ENGINES) as cluster, client(cluster.base) as api:
         reply = await api.chat.completions.create(
             model=pipeline.name, messages=user(WORDS), modalities=["text", "audio"],
@@ -96,6 +112,10 @@ async def test_text_and_audio_in_one_message(connector: str) -> None:
         # thinker -> talker streams per step (window 1); talker -> code2wav in windows of 2 frames
         assert talker.chunks_seen == [[i] for i in range(7)]
         assert cluster.engines["code2wav"][0].chunks_seen == [[2], [2], [2], [1]]
+        moved = metric_values(render()[0].decode(), "omnikube_edge_chunks_total", pipeline=pipeline.name)
+        assert moved and sum(moved) == 7 + 4  # every chunk went through `connector`
+        labels = metric_values(render()[0].decode(), "omnikube_edge_chunks_total", connector=connector)
+        assert sum(labels) >= 11
         assert busy_shm_segments(pipeline.name) == []
 
 
