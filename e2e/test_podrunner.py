@@ -6,6 +6,7 @@ requests); the pod runner stands in for the kubelet of `runner-node-0` and `runn
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import ssl
@@ -677,8 +678,12 @@ def test_a_tmp_empty_dir_hides_neither_etc_hosts_nor_a_checkout_under_tmp(cluste
             assert done["status"]["phase"] == "Succeeded", (container_status(done), out)
             ip = done["status"]["podIP"]
             assert f"HOSTS {ip}\ttmpdir" in out  # the pod's own /etc/hosts, not the host's
-            # /tmp is the emptyDir: empty but for the path down to the checkout, which is the host's.
-            assert f"TMP ['{tmp_path.relative_to('/tmp').parts[0]}']" in out
+            # /tmp is the emptyDir: empty but for the paths down to the image folders under /tmp (the checkout
+            # here; this repository too when it lives under /tmp), which are the host's.
+            image_tops = {Path(p).relative_to("/tmp").parts[0] for p in runner.image_paths() if p.startswith("/tmp/")}
+            listed = next(line for line in out.splitlines() if line.startswith("TMP "))
+            assert sorted(image_tops) == ast.literal_eval(listed[4:])
+            assert tmp_path.relative_to("/tmp").parts[0] in image_tops and host_only.name not in listed
             assert f"EXE {venv_bin}" in out
             assert not Path("/tmp/written-in-pod").exists() and host_only.exists()
     finally:

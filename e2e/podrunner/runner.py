@@ -204,7 +204,7 @@ class PodRunner:
                 allocatable={n.name: dict(n.capacity) for n in self.nodes},
                 api_proxy=proxy,
                 api_address=kube.server_address,
-                image_paths=self._image_paths(),
+                image_paths=self.image_paths(),
                 volume_sync_s=self.volume_sync_s,
             )
             kubelet_port = await self._start_kubelet(kubelet, kube, str(network.gateway))
@@ -285,7 +285,7 @@ class PodRunner:
                     raise TimeoutError(f"nodes {pending} still carry node.kubernetes.io taints after {timeout}s")
                 await asyncio.sleep(0.5)
 
-    def _image_paths(self) -> list[str]:
+    def image_paths(self) -> list[str]:
         """The host folders a container's command comes from: this repository, its venv and the interpreter.
         Volumes must not hide them (see `keep_image_visible`), wherever the checkout lives."""
         paths = {REPO, Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}
