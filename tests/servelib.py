@@ -379,6 +379,7 @@ class EchoCluster:
         self.base = base
         self._task = server_task
         self._uvicorn = uvicorn_server
+        self.key = None  # the PipelineKey the servers and the router share
 
     @property
     def app(self):
@@ -426,15 +427,17 @@ class echo_cluster:  # noqa: N801 (used as `async with echo_cluster(...)`)
         from omni_runtime.router.app import build_app
         from omni_runtime.router.pool import StagePool
         from omni_runtime.spec import StageDiscovery
+        from omni_runtime.stage.auth import PipelineKey
         from omni_runtime.stage.connectors import ConnectorSettings
         from omni_runtime.stage.server import StageServer
 
+        key = PipelineKey.generate()
         servers, engines = {}, {}
         for stage in self.pipeline.topology.stages:
             for i in range(self.replicas.get(stage.name, 1)):
                 engine = self.engine_classes.get(stage.name, EchoEngine)(self.pipeline, stage)
                 server = StageServer(
-                    self.pipeline, stage.name, engine=engine, port=0, http_port=0, replica=f"r{i}",
+                    self.pipeline, stage.name, key=key, engine=engine, port=0, http_port=0, replica=f"r{i}",
                     connectors=ConnectorSettings(owner=f"{stage.name}-r{i}", shm_pool_bytes=0),
                 )  # fmt: skip
                 await server.start()
@@ -443,7 +446,7 @@ class echo_cluster:  # noqa: N801 (used as `async with echo_cluster(...)`)
             self.pipeline.discovery[stage.name] = StageDiscovery(
                 static=[f"127.0.0.1:{s.port}" for s in servers[stage.name]]
             )
-        pool = StagePool(self.pipeline, ping_interval_s=0.1, ping_timeout_s=self.ping_timeout_s)
+        pool = StagePool(self.pipeline, key=key, ping_interval_s=0.1, ping_timeout_s=self.ping_timeout_s)
         app = build_app(self.pipeline, pool, api_key_file=self.api_key_file)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -454,6 +457,7 @@ class echo_cluster:  # noqa: N801 (used as `async with echo_cluster(...)`)
         while not server.started:
             await asyncio.sleep(0.01)
         self.cluster = EchoCluster(self.pipeline, servers, engines, f"http://127.0.0.1:{port}", task, server)
+        self.cluster.key = key
         self._sock = sock
         await self.cluster.wait_ready()
         return self.cluster

@@ -446,6 +446,42 @@ async def test_shm_stale_release_does_not_free_a_reused_segment():
         producer.close()
 
 
+async def test_shm_refuses_handles_naming_files_outside_the_pipeline(tmp_path):
+    """A Release (or a get) names its segment by a string off the network: a hostile name reaches no file."""
+    import msgspec
+
+    victim_dir = tmp_path / "shm"
+    victim_dir.mkdir()
+    # A file whose state word looks like a busy payload of generation 1: an unchecked release would free it.
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"OMNISHM1" + (3).to_bytes(8, "little") + bytes(48))
+    other = victim_dir / f"{segment_prefix('another-pipeline', 'x')}p1-{'a' * 16}"
+    other.write_bytes(victim.read_bytes())
+    conn = ShmConnector(pipeline=PIPE, owner="guard", shm_dir=str(victim_dir))
+    real = await conn.put("a", "b", "real", {"x": torch.arange(4)})
+    hostile = [
+        "../victim",
+        str(victim),
+        other.name,  # a well-formed name of another pipeline
+        f"{segment_prefix(PIPE, 'x')}p1-{'a' * 16}/../../victim",
+        f"{segment_prefix(PIPE, 'x')}p1-{'A' * 16}",
+        "",
+    ]
+    try:
+        for name in hostile:
+            handle = msgspec.structs.replace(real, segment=name)
+            with pytest.raises(ConnectorError, match="not one of this pipeline's"):
+                await conn.release(handle)
+            with pytest.raises(ConnectorError, match="not one of this pipeline's"):
+                await conn.get(handle)
+        assert victim.read_bytes()[8:16] == (3).to_bytes(8, "little")  # untouched
+        assert other.read_bytes()[8:16] == (3).to_bytes(8, "little")
+        assert torch.equal((await conn.get(real))["x"], torch.arange(4))  # its own names still work
+        await conn.release(real)
+    finally:
+        conn.close()
+
+
 def test_sweep_orphans_removes_dead_owners_only():
     dead_pid = 4_000_000  # above pid_max: never alive
     pipeline = f"sweep{RUN}"

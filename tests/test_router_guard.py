@@ -23,6 +23,7 @@ from zmq.utils.monitor import recv_monitor_message
 from omni_runtime.router.auth import ApiKeyError, ApiKeyFile
 from omni_runtime.spec import PipelineSpec, RouterLimits, StageDiscovery, StageSpec
 from omni_runtime.stage import protocol as P
+from omni_runtime.stage.auth import PipelineKey
 from omni_runtime.stage.server import max_message_bytes
 
 pytestmark = pytest.mark.timeout(60)
@@ -134,9 +135,28 @@ def test_router_command_refuses_an_unusable_key_file(tmp_path: Path, capsys) -> 
 
     config = tmp_path / "resolved.json"
     config.write_text(echo_pipeline(chat_topology()).model_dump_json(by_alias=True))
-    code = main(["router", "--config", str(config), "--port", "0", "--api-key-file", str(tmp_path / "missing")])
+    PipelineKey.write_new(tmp_path / "pipeline.key")
+    pipeline_key = ["--pipeline-key-file", str(tmp_path / "pipeline.key")]
+    code = main(
+        ["router", "--config", str(config), "--port", "0", "--api-key-file", str(tmp_path / "missing"), *pipeline_key]
+    )
     assert code == 2
     assert "API key file" in capsys.readouterr().err
+
+
+def test_router_command_refuses_a_missing_or_short_pipeline_key(tmp_path: Path, capsys) -> None:
+    from omni_runtime.cli import main
+
+    config = tmp_path / "resolved.json"
+    config.write_text(echo_pipeline(chat_topology()).model_dump_json(by_alias=True))
+    (tmp_path / "short.key").write_bytes(b"x" * 8)
+    for key_file, words in (
+        (tmp_path / "missing.key", "cannot read the pipeline key file"),
+        (tmp_path / "short.key", "holds 8 bytes"),
+    ):
+        code = main(["router", "--config", str(config), "--port", "0", "--pipeline-key-file", str(key_file)])
+        assert code == 2
+        assert words in capsys.readouterr().err
 
 
 # -- liveness is not readiness -------------------------------------------------------------------
@@ -147,7 +167,7 @@ async def test_livez_answers_while_health_says_no_stage_is_ready() -> None:
 
     pipeline = echo_pipeline(chat_topology())
     pipeline.discovery["llm"] = StageDiscovery(static=["127.0.0.1:9"])  # nothing listens there
-    app = build_app(pipeline)
+    app = build_app(pipeline, key=PipelineKey.generate())
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as http:
         assert (await http.get("/livez")).status_code == 200
         health = await http.get("/health")

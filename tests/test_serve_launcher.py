@@ -14,6 +14,7 @@ from omni_runtime.launcher import LocalRun, load_local_spec
 from omni_runtime.router.discovery import KubernetesDiscovery, StaticDiscovery, make_discovery, ready_addresses
 from omni_runtime.router.pool import StagePool
 from omni_runtime.spec import ResolvedPipeline, SpecError, StageDiscovery
+from omni_runtime.stage.auth import PipelineKey
 
 
 def write(path, data) -> str:
@@ -79,6 +80,18 @@ def test_a_pipeline_file_sets_replicas_overrides_edges_and_limits(t2i_folder, tm
     assert run.router_port == 18123
     commands = [p.cmd for p in run._commands()]
     assert sum("stage" in c for c in commands) == 3 and sum("router" in c for c in commands) == 1
+
+
+def test_each_run_gets_its_own_key_and_every_process_reads_it(t2i_folder, tmp_path) -> None:
+    runs = [LocalRun.prepare(load_local_spec(t2i_folder), run_dir=tmp_path / f"run{i}") for i in range(2)]
+    for run in runs:
+        assert run.key_path.stat().st_mode & 0o777 == 0o600 and len(run.key_path.read_bytes()) == 32
+        for proc in run._commands():
+            i = proc.cmd.index("--pipeline-key-file")
+            assert proc.cmd[i + 1] == str(run.key_path), proc.name
+            args = build_parser().parse_args(proc.cmd[proc.cmd.index("omni_runtime.cli") + 1 :])
+            assert args.pipeline_key_file == str(run.key_path)
+    assert runs[0].key_path.read_bytes() != runs[1].key_path.read_bytes()
 
 
 def test_serve_arguments_override_the_file(t2i_folder, tmp_path) -> None:
@@ -170,7 +183,7 @@ class ListedDiscovery:
 async def test_pool_follows_discovery_and_drains_removed_replicas(t2i_folder, tmp_path) -> None:
     run = LocalRun.prepare(load_local_spec(t2i_folder), run_dir=tmp_path / "run")
     found = {"enhancer": ListedDiscovery(), "dit": ListedDiscovery()}
-    pool = StagePool(run.resolved, discoveries=found)
+    pool = StagePool(run.resolved, key=PipelineKey.from_file(run.key_path), discoveries=found)
     await pool.start()
     try:
         await asyncio.sleep(0)

@@ -56,6 +56,11 @@ def _stage_command(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--advertise-host", default="127.0.0.1", help="this pod's address for Mooncake transfers")
     parser.add_argument("--mooncake-master-host", default="127.0.0.1", help="host of the Mooncake master (router pod)")
     parser.add_argument(
+        "--pipeline-key-file",
+        required=True,
+        help="the pipeline's key (32+ random bytes): only a router holding the same key is answered",
+    )
+    parser.add_argument(
         "--shm-pool-bytes",
         type=int,
         default=64 * 1024**2,
@@ -74,9 +79,15 @@ def _stage_command(sub: argparse._SubParsersAction) -> None:
 def _run_stage(args: argparse.Namespace) -> int:
     import socket
 
+    from omni_runtime.stage.auth import PipelineKey
     from omni_runtime.stage.connectors import ConnectorSettings
     from omni_runtime.stage.main import run
 
+    try:
+        key = PipelineKey.from_file(args.pipeline_key_file)
+    except ValueError as err:
+        print(f"omnikube stage: --pipeline-key-file: {err}", file=sys.stderr)
+        return 2
     replica = args.replica or socket.gethostname()
     settings = ConnectorSettings(
         owner=f"{args.stage}-{replica}",
@@ -86,7 +97,7 @@ def _run_stage(args: argparse.Namespace) -> int:
     )
     return run(
         args.config, args.stage, host=args.host, port=args.port, http_port=args.http_port, replica=replica,
-        connectors=settings, drain_timeout_s=args.drain_timeout,
+        connectors=settings, drain_timeout_s=args.drain_timeout, key=key,
     )  # fmt: skip
 
 
@@ -119,13 +130,24 @@ def _router_command(sub: argparse._SubParsersAction) -> None:
         help="seconds a SIGTERM lets running requests finish before they fail with a retriable 503 "
         f"(default {DRAIN_TIMEOUT_S:g}; the operator derives it from terminationGracePeriodSeconds)",
     )
+    parser.add_argument(
+        "--pipeline-key-file",
+        required=True,
+        help="the pipeline's key (32+ random bytes) the stages hold; every stage message is authenticated with it",
+    )
     parser.set_defaults(func=_run_router)
 
 
 def _run_router(args: argparse.Namespace) -> int:
     from omni_runtime.router.auth import ApiKeyError
     from omni_runtime.router.main import run
+    from omni_runtime.stage.auth import PipelineKey
 
+    try:
+        key = PipelineKey.from_file(args.pipeline_key_file)
+    except ValueError as err:
+        print(f"omnikube router: --pipeline-key-file: {err}", file=sys.stderr)
+        return 2
     level = "debug" if args.verbose else "info"
     try:
         return run(
@@ -137,6 +159,7 @@ def _run_router(args: argparse.Namespace) -> int:
             ping_timeout_s=args.ping_timeout,
             api_key_file=args.api_key_file,
             drain_timeout_s=args.drain_timeout,
+            key=key,
         )
     except ApiKeyError as err:
         print(f"omnikube router: {err}", file=sys.stderr)

@@ -9,7 +9,9 @@ process per stage replica (each on two free ports), the Mooncake master when an 
 prints `OpenAI endpoint: http://127.0.0.1:PORT/v1`; restarts a process that dies (as a Deployment
 restarts a crashed pod; a crash loop stops everything); and on Ctrl-C / SIGTERM stops everything,
 then sweeps the pipeline's /dev/shm/omnikube-* segments, so no process and no segment is left.
-`processes.json` in the run folder lists every process with its pid, probe URL and log.
+`processes.json` in the run folder lists every process with its pid, probe URL and log. Each run
+generates its own pipeline key (`pipeline.key` in the run folder, mode 0600), which the router and the
+stages use to authenticate every protocol message, so no other local process can drive the stages.
 
 A model folder selects its pipeline from `--pipeline`, else from an `omnikube_pipeline.json`
 marker (`{"pipeline": name}`), else from its `config.json` / `model_index.json` (the registry).
@@ -70,6 +72,7 @@ from omni_runtime.spec import (
     StageOverride,
     resolve_pipeline,
 )
+from omni_runtime.stage.auth import PipelineKey
 
 __all__ = [
     "LocalPipelineFile",
@@ -83,6 +86,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MARKER_FILE = "omnikube_pipeline.json"
+KEY_FILE = "pipeline.key"
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 300.0
@@ -299,11 +303,16 @@ class LocalRun:
             run.replicas[stage_name] = counts[stage_name]
             resolved.discovery[stage_name] = StageDiscovery(static=[f"{host}:{p}" for p, _ in ports])
         (run.run_dir / "resolved.json").write_text(resolved.model_dump_json(indent=2, by_alias=True))
+        PipelineKey.write_new(run.key_path)  # a new key per run: nothing outside this run can speak to it
         return run
 
     @property
     def config_path(self) -> Path:
         return self.run_dir / "resolved.json"
+
+    @property
+    def key_path(self) -> Path:
+        return self.run_dir / KEY_FILE
 
     # -- processes -----------------------------------------------------------------------------
 
@@ -336,6 +345,8 @@ class LocalRun:
                     str(self.shm_pool_bytes),
                     "--drain-timeout",
                     str(self.drain_timeout_s),
+                    "--pipeline-key-file",
+                    str(self.key_path),
                 ]
                 procs.append(
                     _Proc(
@@ -357,6 +368,8 @@ class LocalRun:
             *(["--api-key-file", str(self.api_key_file)] if self.api_key_file else []),
             "--drain-timeout",
             str(self.drain_timeout_s),
+            "--pipeline-key-file",
+            str(self.key_path),
         ]
         procs.append(
             _Proc("router", router, self.run_dir / "router.log", f"http://{self.host}:{self.router_port}/health")

@@ -74,6 +74,11 @@ class Router:
     audio_seconds = Counter(
         "omnikube_audio_seconds", "Seconds of audio sent to clients.", ["pipeline", "endpoint"], registry=REGISTRY,
     )  # fmt: skip
+    rejected = Counter(
+        "omnikube_protocol_messages_rejected", "Stage-protocol messages the router dropped unanswered: no "
+        "valid auth frame, a bad MAC (another key), an unknown session or a replayed counter.",
+        ["pipeline", "stage", "replica", "reason"], registry=REGISTRY,
+    )  # fmt: skip
     handles_in_transit = Gauge(
         "omnikube_handles_in_transit", "Connector handles the router holds that no stage has taken yet.",
         ["pipeline"], registry=REGISTRY,
@@ -110,6 +115,11 @@ class Stage:
     handles_open = Gauge(
         "omnikube_stage_handles_open", "Handles this stage holds: inputs not released and outputs it "
         "created for works still running.", ["pipeline", "stage", "replica"], registry=REGISTRY,
+    )  # fmt: skip
+    rejected = Counter(
+        "omnikube_stage_protocol_messages_rejected", "Stage-protocol messages this stage dropped unanswered: "
+        "no valid auth frame, a bad MAC (a peer without this pipeline's key), an unknown session or a "
+        "replayed message.", ["pipeline", "stage", "replica", "reason"], registry=REGISTRY,
     )  # fmt: skip
     connector_bytes = Counter(
         "omnikube_connector_bytes", "Payload bytes moved through connectors, by kind and operation.",

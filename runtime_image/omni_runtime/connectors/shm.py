@@ -17,6 +17,10 @@ Files are plain `/dev/shm` files opened with `os.open` and `mmap`, not
 `multiprocessing.shared_memory`, so Python's resource tracker never unlinks or warns about them.
 `close()` unlinks every segment the connector created (payloads not yet read included); segments
 left by a crashed process are removed by `sweep_orphans`.
+
+A handle's segment name comes off the network, so `get` and `release` accept only names this connector
+could have made for its pipeline (`omnikube-<pipeline>-<owner>-p<pid>-<16 hex>`, no path separators):
+a handle naming any other file is refused before the name is joined to a path.
 """
 
 from __future__ import annotations
@@ -99,6 +103,9 @@ class ShmConnector(Connector):
         self.spec = spec
         self.shm_dir = shm_dir
         self.prefix = f"{segment_prefix(pipeline, owner)}p{os.getpid()}-"
+        self._valid_name = re.compile(
+            rf"{re.escape(segment_prefix(pipeline))}[A-Za-z0-9_.]{{1,48}}-p[0-9]{{1,10}}-[0-9a-f]{{16}}"
+        )
         self.pool_max_bytes = pool_max_bytes
         self.copy_out = copy_out
         self.thread_min_bytes = thread_min_bytes
@@ -232,7 +239,15 @@ class ShmConnector(Connector):
         cf.add_done_callback(lambda f: self._inflight.get(ident, set()).discard(f))
         return await asyncio.shield(asyncio.wrap_future(cf))
 
+    def _check_segment(self, h: ShmHandle) -> None:
+        if not self._valid_name.fullmatch(h.segment):
+            raise ConnectorError(
+                f"shm handle {h.key!r} ({h.source}->{h.target}) names segment {h.segment[:120]!r}, which is not "
+                f"one of this pipeline's (expected {self._valid_name.pattern}); refusing it"
+            )
+
     def _get_sync(self, h: ShmHandle) -> dict[str, Any]:
+        self._check_segment(h)
         mm = self._map(h)
         offsets, total = frame_offsets(h.layout)
         busy = h.generation << 1 | 1
@@ -289,6 +304,7 @@ class ShmConnector(Connector):
 
     async def release(self, handle: Handle) -> None:
         h = self._check_handle(handle, ShmHandle)
+        self._check_segment(h)
         pending = self._inflight.pop((h.segment, h.generation), None)
         if pending:
             await wait_settled(list(pending))

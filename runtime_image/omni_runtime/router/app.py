@@ -26,6 +26,7 @@ from omni_runtime.router.serving.images import ServingImages
 from omni_runtime.router.serving.models import ServingModels
 from omni_runtime.router.serving.speech import ServingSpeech
 from omni_runtime.spec import ResolvedPipeline
+from omni_runtime.stage.auth import PipelineKey
 
 __all__ = ["build_app"]
 
@@ -42,16 +43,20 @@ def build_app(
     pipeline: ResolvedPipeline,
     pool: StagePool | None = None,
     *,
+    key: PipelineKey | None = None,
     api_client: Any = None,
     ping_timeout_s: float = 10.0,
     api_key_file: str | Path | None = None,
 ) -> FastAPI:
-    """The router app for `pipeline`. The pool (made from the pipeline's discovery unless given) starts
-    and stops with the app's lifespan; `ping_timeout_s`: silence after which a replica counts as hung;
-    `api_key_file`: where the key every `/v1/*` request must send as a Bearer token is (None: no key).
-    Raises ApiKeyError when that file cannot be used."""
+    """The router app for `pipeline`. The pool (made from the pipeline's discovery and `key` unless
+    given) starts and stops with the app's lifespan; `ping_timeout_s`: silence after which a replica
+    counts as hung; `api_key_file`: where the key every `/v1/*` request must send as a Bearer token is
+    (None: no key). Raises ApiKeyError when that file cannot be used."""
     api_key = ApiKeyFile(api_key_file) if api_key_file is not None else None
-    pool = pool or StagePool(pipeline, api_client=api_client, ping_timeout_s=ping_timeout_s)
+    if pool is None:
+        if key is None:
+            raise ValueError("the router needs the pipeline key to talk to its stages; pass key= or a pool")
+        pool = StagePool(pipeline, key=key, api_client=api_client, ping_timeout_s=ping_timeout_s)
     name = pipeline.name
 
     def gauges(in_flight: int, queued: int) -> None:

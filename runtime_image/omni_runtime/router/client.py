@@ -7,6 +7,10 @@ timeout. It comes back up by itself when it answers again (ZeroMQ reconnects).
 
 A replica that says it is draining (a `Draining` message or `Pong.draining`: it got SIGTERM) gets no new
 work, while the works it runs go on to their end.
+
+Every connection is authenticated (`stage.auth`): the client opens it with a `Hello`, keeps to the
+sessions of the stage's `Welcome`, seals what it sends and drops (and counts) any message from the
+stage that does not verify. A new connection (after a drop) starts a new session.
 """
 
 from __future__ import annotations
@@ -26,10 +30,14 @@ from zmq.utils.monitor import parse_monitor_message
 
 from omni_runtime.metrics import Router as M
 from omni_runtime.stage import protocol as P
+from omni_runtime.stage.auth import AuthError, Channel, PipelineKey
 
 __all__ = ["ReplicaClient", "ReplicaState", "WorkSink"]
 
 log = logging.getLogger(__name__)
+
+HELLO_RETRY_S = 5.0
+"""A `Hello` unanswered this long is sent again, from a new session (the stage may have restarted)."""
 
 WorkSink = Callable[[P.Message | None, list[Any], str | None], None]
 """Called with (message, payload frames, None) for each message of a work, or (None, [], reason) once
@@ -53,6 +61,7 @@ class ReplicaClient:
         stage: str,
         address: str,
         *,
+        key: PipelineKey,
         ping_interval_s: float = 0.5,
         ping_timeout_s: float = 10.0,
     ) -> None:
@@ -74,6 +83,10 @@ class ReplicaClient:
         self._sinks: dict[str, WorkSink] = {}
         self._nonce = itertools.count()
         self._last_pong = 0.0
+        self._key = key
+        self._channel = Channel(key, "router")
+        self._hello_at: float | None = None
+        """When this connection's `Hello` went out (None: not yet, or the connection was reset)."""
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue messages for a replica not connected
@@ -151,12 +164,18 @@ class ReplicaClient:
     def send(self, message: P.Message, payload: dict[str, Any] | None = None) -> None:
         if self._closed:
             raise ConnectionError(f"stage {self.stage!r} replica {self.address} is no longer used by this router")
-        frames = P.encode(message, payload)
+        if not self._channel.established:
+            raise ConnectionError(
+                f"cannot reach stage {self.stage!r} replica {self.address}: its connection is not authenticated yet"
+            )
+        self._send_frames(self._channel.seal(P.encode(message, payload)))
+
+    def _send_frames(self, frames: list[Any]) -> None:
         # NOBLOCK on an asyncio socket: the send happens now and its future is already done; with
         # IMMEDIATE it fails (EAGAIN) when the replica is not connected.
         # (pyzmq types the result an Awaitable; zmq.asyncio returns an asyncio.Future.)
         future = cast(
-            "asyncio.Future[Any]", self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames) == 1)
+            "asyncio.Future[Any]", self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames) == 2)
         )
         err = future.exception() if future.done() else None
         if err is not None:
@@ -175,11 +194,20 @@ class ReplicaClient:
     async def _recv_loop(self) -> None:
         while True:
             frames = await self._sock.recv_multipart(copy=False)
-            self._last_pong = time.monotonic()  # any message shows the replica is alive
             try:
-                message, rest = P.decode(frames)
+                message, rest = P.decode(self._channel.open(frames))
+            except AuthError as err:
+                M.rejected.labels(*self._labels, err.reason).inc()
+                log.debug("replica %s/%s: dropped a message (%s: %s)", self.stage, self.address, err.reason, err)
+                continue
             except P.ProtocolError as err:
                 log.warning("replica %s/%s: %s", self.stage, self.address, err)
+                continue
+            self._last_pong = time.monotonic()  # any authenticated message shows the replica is alive
+            if isinstance(message, P.Welcome):
+                log.debug("replica %s/%s: connection authenticated", self.stage, self.address)
+                if self.state is ReplicaState.CONNECTING:
+                    self.reason = "its engine has not said it is ready yet"
                 continue
             if isinstance(message, P.Pong):
                 self._on_pong(message)
@@ -227,9 +255,27 @@ class ReplicaClient:
         elif not pong.ready and self.state is not ReplicaState.CONNECTING:
             self._mark(ReplicaState.CONNECTING, "its engine is loading")
 
+    def _greet(self) -> None:
+        """Open the connection's session with a `Hello` (a new session each time)."""
+        self._channel = Channel(self._key, "router")
+        try:
+            self._send_frames(self._channel.seal(P.encode(P.Hello())))
+        except ConnectionError:
+            self._hello_at = None  # not connected yet: the next tick tries again
+            return
+        self._hello_at = time.monotonic()
+
     async def _ping_loop(self) -> None:
         while True:
-            self.try_send(P.Ping(nonce=next(self._nonce), sent_at=time.monotonic()))
+            if self._channel.established:
+                self.try_send(P.Ping(nonce=next(self._nonce), sent_at=time.monotonic()))
+            elif self._hello_at is None or time.monotonic() - self._hello_at > HELLO_RETRY_S:
+                if self._hello_at is not None:
+                    self.reason = (
+                        f"no authenticated answer to its hello for {HELLO_RETRY_S:.0f}s; does the stage hold "
+                        "this pipeline's key?"
+                    )
+                self._greet()
             # Until it first answers, ping often: during a roll the old replica leaves discovery moments
             # after the new one joins, and the new one is only used once it has answered.
             unheard = self._last_pong == 0.0
@@ -242,6 +288,9 @@ class ReplicaClient:
         while True:
             frames = await self._monitor.recv_multipart()
             event = parse_monitor_message(frames)["event"]
+            if event == zmq.EVENT_DISCONNECTED:  # the stage forgot that connection's session: a new one follows
+                self._channel = Channel(self._key, "router")
+                self._hello_at = None
             if event == zmq.EVENT_DISCONNECTED and self.state is not ReplicaState.DOWN:
                 self._mark(ReplicaState.DOWN, "its connection was lost")
             elif event == zmq.EVENT_DISCONNECTED:

@@ -18,6 +18,7 @@ import uvicorn
 from omni_runtime.router.app import build_app
 from omni_runtime.router.lifecycle import Lifecycle
 from omni_runtime.spec import DRAIN_TIMEOUT_S, ROUTER_PORT, ResolvedPipeline
+from omni_runtime.stage.auth import PipelineKey
 
 __all__ = ["load_resolved", "make_api_client", "serve"]
 
@@ -64,6 +65,7 @@ def _needs_kubernetes(pipeline: ResolvedPipeline) -> bool:
 async def serve(
     config: str | Path,
     *,
+    key: PipelineKey,
     host: str = "0.0.0.0",
     port: int = ROUTER_PORT,
     kubeconfig: str | None = None,
@@ -75,7 +77,9 @@ async def serve(
     pipeline = load_resolved(config)
     api_client = await make_api_client(kubeconfig) if _needs_kubernetes(pipeline) else None
     try:
-        app = build_app(pipeline, api_client=api_client, ping_timeout_s=ping_timeout_s, api_key_file=api_key_file)
+        app = build_app(
+            pipeline, key=key, api_client=api_client, ping_timeout_s=ping_timeout_s, api_key_file=api_key_file
+        )
     except BaseException:
         if api_client is not None:
             await api_client.close()
@@ -86,8 +90,9 @@ async def serve(
     )  # fmt: skip
     server = _DrainingServer(config_, app.state.context.lifecycle, drain_timeout_s)
     server.loop = asyncio.get_running_loop()
-    log.info("router for %s (model %s) on http://%s:%d/v1%s", pipeline.name, pipeline.served_model_name, host, port,
-             f", API key from {api_key_file}" if api_key_file else ", no API key")  # fmt: skip
+    log.info("router for %s (model %s) on http://%s:%d/v1%s (pipeline key %s)", pipeline.name,
+             pipeline.served_model_name, host, port,
+             f", API key from {api_key_file}" if api_key_file else ", no API key", key.fingerprint)  # fmt: skip
     try:
         await server.serve()
     finally:

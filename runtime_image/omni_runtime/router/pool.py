@@ -19,6 +19,7 @@ from omni_runtime.router.client import ReplicaClient, ReplicaState
 from omni_runtime.router.discovery import Discovery, make_discovery
 from omni_runtime.router.errors import StageUnavailable
 from omni_runtime.spec import ResolvedPipeline, StageDiscovery
+from omni_runtime.stage.auth import PipelineKey
 
 __all__ = ["StagePool"]
 
@@ -36,6 +37,7 @@ class StagePool:
         self,
         pipeline: ResolvedPipeline,
         *,
+        key: PipelineKey,
         api_client: Any | None = None,
         discoveries: dict[str, Discovery] | None = None,
         ping_interval_s: float = 0.5,
@@ -44,6 +46,7 @@ class StagePool:
     ) -> None:
         self.pipeline = pipeline
         self.roll_wait_s = roll_wait_s
+        self.key = key
         self.sets: dict[str, ReplicaSet[ReplicaClient]] = {
             name: ReplicaSet(name) for name in pipeline.topology.stage_names()
         }
@@ -131,7 +134,7 @@ class StagePool:
         replicas = self.sets[stage].replicas
         for address in addresses - set(replicas):
             client = ReplicaClient(
-                self._ctx, self.pipeline.name, stage, address,
+                self._ctx, self.pipeline.name, stage, address, key=self.key,
                 ping_interval_s=self.ping_interval_s, ping_timeout_s=self.ping_timeout_s,
             )  # fmt: skip
             client.start()

@@ -12,6 +12,7 @@ import signal
 from pathlib import Path
 
 from omni_runtime.spec import DRAIN_TIMEOUT_S, ResolvedPipeline
+from omni_runtime.stage.auth import PipelineKey
 from omni_runtime.stage.connectors import ConnectorSettings
 from omni_runtime.stage.server import StageServer
 
@@ -30,10 +31,11 @@ async def serve(
     replica: str,
     connectors: ConnectorSettings,
     drain_timeout_s: float = DRAIN_TIMEOUT_S,
+    key: PipelineKey,
 ) -> int:
     pipeline = ResolvedPipeline.model_validate_json(Path(config).read_text(encoding="utf-8"))
     server = StageServer(
-        pipeline, stage, host=host, port=port, http_port=http_port, replica=replica, connectors=connectors
+        pipeline, stage, key=key, host=host, port=port, http_port=http_port, replica=replica, connectors=connectors
     )
     stop = asyncio.Event()
     force = asyncio.Event()

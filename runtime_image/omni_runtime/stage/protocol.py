@@ -1,7 +1,9 @@
 """The router <-> stage protocol: msgspec msgpack messages over ZeroMQ, payload tensors as raw frames.
 
-One ZeroMQ multipart message is `[header, *frames]` (a ROUTER socket adds the peer identity in front).
-`header` is one of the tagged structs below, msgpack-encoded; `frames` are the raw frames of the one
+One ZeroMQ multipart message is `[auth, header, *frames]` (a ROUTER socket adds the peer identity in
+front). `auth` proves the message comes from this pipeline's router or stage (`stage.auth`: HMAC-SHA256
+with the pipeline key, per-connection sessions and counters); `encode`/`decode` here handle what follows
+it. `header` is one of the tagged structs below, msgpack-encoded; `frames` are the raw frames of the one
 payload the message carries (`Submit.data`, `Output.data`), produced by `connectors.codec`. Handles
 travel inside the header: an `InlineHandle` carries its bytes there, `shm`/`mooncake` handles a few
 hundred bytes of addressing. PROTOCOL.md next to this file is the prose version.
@@ -25,6 +27,7 @@ __all__ = [
     "ErrorKind",
     "Failed",
     "Feed",
+    "Hello",
     "Input",
     "Message",
     "Output",
@@ -33,12 +36,14 @@ __all__ = [
     "ProtocolError",
     "Release",
     "Submit",
+    "Welcome",
     "decode",
     "encode",
     "payload_of",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: every message starts with an auth frame (`stage.auth`); Hello/Welcome open a connection."""
 
 ErrorKind = Literal["invalid_request", "engine_error", "connector_error", "unavailable", "protocol_error"]
 """`invalid_request` maps to 4xx (the client must change the request); every other kind to 5xx."""
@@ -124,6 +129,19 @@ class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
     handles: list[AnyHandle]
 
 
+class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello"):
+    """Router -> stage: the first message of a connection; its auth frame names the router's session."""
+
+    version: int = PROTOCOL_VERSION
+
+
+class Welcome(msgspec.Struct, frozen=True, kw_only=True, tag="welcome"):
+    """Stage -> router: answer to a valid `Hello`; its auth frame names the stage's session."""
+
+    stage: str = ""
+    version: int = PROTOCOL_VERSION
+
+
 class Ping(msgspec.Struct, frozen=True, kw_only=True, tag="ping"):
     nonce: int
     sent_at: float = 0.0
@@ -183,7 +201,7 @@ class Failed(msgspec.Struct, frozen=True, kw_only=True, tag="failed"):
     message: str
 
 
-Message = Submit | Feed | Abort | Release | Ping | Pong | Draining | Output | Failed
+Message = Submit | Feed | Abort | Release | Hello | Welcome | Ping | Pong | Draining | Output | Failed
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

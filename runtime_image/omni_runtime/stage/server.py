@@ -9,6 +9,9 @@ Shutting down is a drain (`drain()`, on SIGTERM): the replica tells its routers 
 running the works it has (their feeds included) until they end and the payloads it put are released,
 then stops; what still runs when the grace period ends fails `unavailable`, which the client sees as a
 retriable 503.
+
+Only the pipeline's own router is heard: every message must carry a valid auth frame (`stage.auth`);
+anything else is dropped unanswered and counted in `omnikube_stage_protocol_messages_rejected`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from omni_runtime.metrics import Stage as M
 from omni_runtime.processors import ProcessorError
 from omni_runtime.spec import ResolvedPipeline
 from omni_runtime.stage import protocol as P
+from omni_runtime.stage.auth import NO_SESSION, AuthError, Channel, HelloLedger, PipelineKey, open_hello
 from omni_runtime.stage.connectors import ConnectorSet, ConnectorSettings
 from omni_runtime.stage.inputs import owned, process_inputs
 from omni_runtime.stage.outputs import audio_seconds, count_items, merge, summarize
@@ -46,6 +50,8 @@ DRAIN_SETTLE_S = 0.25
 of the drain is still on the wire for about one round trip."""
 LINGER_MS = 2000
 """How long closing the socket may take to deliver the last messages (the final outputs of a drain)."""
+MAX_CHANNELS = 256
+"""Authenticated router connections kept at once; past it the longest-silent one without works goes."""
 
 _HEADER_SLACK = 1024**2
 
@@ -97,6 +103,7 @@ class StageServer:
         pipeline: ResolvedPipeline,
         stage: str,
         *,
+        key: PipelineKey,
         engine: Engine | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -105,12 +112,14 @@ class StageServer:
         connectors: ConnectorSettings | None = None,
         peer_timeout_s: float = PEER_TIMEOUT_S,
     ) -> None:
-        """`engine=None` loads the stage's engine with `engines.factory.make_engine`. `port=0` binds a
-        free port (see `self.port` after `start`); `http_port=None` serves no HTTP."""
+        """`key`: the pipeline's key; only routers holding it are heard. `engine=None` loads the stage's
+        engine with `engines.factory.make_engine`. `port=0` binds a free port (see `self.port` after
+        `start`); `http_port=None` serves no HTTP."""
         self.pipeline = pipeline
         self.spec = pipeline.topology.stage(stage)
         self.stage = stage
         self.engine = engine
+        self.key = key
         self.host = host
         self.port = port
         self.http_port = http_port
@@ -129,6 +138,10 @@ class StageServer:
         self._closers: set[asyncio.Task] = set()
         """Cleanups of works aborted before they started (see `_after_task`)."""
         self._peers: dict[bytes, float] = {}
+        """When each authenticated router connection was last heard from."""
+        self._channels: dict[bytes, Channel] = {}
+        self._hellos = HelloLedger()
+        self._rejections = _RejectionLog(stage)
         self._http: Any = None
         self._stopped = asyncio.Event()
         self._load_error: BaseException | None = None
@@ -162,8 +175,9 @@ class StageServer:
             asyncio.create_task(self._load(), name="stage-load"),
         ]
         log.info(
-            "stage %s (replica %s) of %s: protocol on tcp://%s:%d, probes on http://%s:%s",
-            self.stage, self.replica, self.pipeline.name, self.host, self.port, self.host, self.http_port,
+            "stage %s (replica %s) of %s: protocol on tcp://%s:%d (pipeline key %s), probes on http://%s:%s",
+            self.stage, self.replica, self.pipeline.name, self.host, self.port, self.key.fingerprint, self.host,
+            self.http_port,
         )  # fmt: skip
 
     @property
@@ -286,17 +300,54 @@ class StageServer:
         while True:
             frames = await self._sock.recv_multipart(copy=False)
             peer, body = frames[0].bytes, frames[1:]
-            self._peers[peer] = time.monotonic()
             try:
-                message, rest = P.decode(body)
+                opened = self._open(peer, body)
+                if opened is None:
+                    continue
+                message, rest = opened
+                self._peers[peer] = time.monotonic()
                 await self._dispatch(peer, message, rest)
             except P.ProtocolError as err:
                 log.warning("stage %s: dropping a message: %s", self.stage, err)
             except Exception:
                 log.exception("stage %s: handling a message failed", self.stage)
 
+    def _open(self, peer: bytes, body: list[Any]) -> tuple[P.Message, list[Any]] | None:
+        """The message when it is authenticated for its connection; None (dropped, counted) otherwise.
+        A connection's first message must be a `Hello` from a router session never seen before."""
+        channel = self._channels.get(peer)
+        try:
+            if channel is not None and not _opens_connection(body):
+                return P.decode(channel.open(body))
+            fresh, rest = open_hello(self.key, body)
+            message, payload = P.decode(rest)
+            if not isinstance(message, P.Hello):
+                raise AuthError("unknown_session", f"a {type(message).__name__} before the connection's Hello")
+            if not self._hellos.first_time(fresh.remote):
+                raise AuthError("replay", "a Hello from a router session this stage has already welcomed")
+        except AuthError as err:
+            M.rejected.labels(*self._labels, err.reason).inc()
+            self._rejections.note(err)
+            return None
+        self._channels[peer] = fresh
+        self._trim_channels()
+        return message, payload
+
+    def _trim_channels(self) -> None:
+        while len(self._channels) > MAX_CHANNELS:
+            busy = {w.peer for w in self.works.values()}
+            idle = [p for p in self._channels if p not in busy] or list(self._channels)
+            oldest = min(idle, key=lambda p: self._peers.get(p, 0.0))
+            self._forget_peer(oldest)
+
+    def _forget_peer(self, peer: bytes) -> None:
+        self._channels.pop(peer, None)
+        self._peers.pop(peer, None)
+
     async def _dispatch(self, peer: bytes, message: P.Message, rest: list[Any]) -> None:
-        if isinstance(message, P.Ping):
+        if isinstance(message, P.Hello):
+            await self._send(peer, P.Welcome(stage=self.stage))
+        elif isinstance(message, P.Ping):
             running = len(self.works)
             voices = self.engine.voices() if self.ready and self.engine is not None else []
             pong = P.Pong(
@@ -586,9 +637,14 @@ class StageServer:
     async def _send(self, peer: bytes, message: P.Message, payload: dict[str, Any] | None = None) -> None:
         assert self._sock is not None
         frames = P.encode(message, payload)
-        async with self._send_lock:
+        async with self._send_lock:  # counters must leave in the order they were sealed
+            channel = self._channels.get(peer)
+            if channel is None:  # the router's connection was forgotten (silent too long): nobody to tell
+                log.debug("stage %s: no connection to send %s on", self.stage, type(message).__name__)
+                return
+            sealed = channel.seal(frames)
             try:
-                await self._sock.send_multipart([peer, *frames], copy=len(frames) == 1)
+                await self._sock.send_multipart([peer, *sealed], copy=len(sealed) == 2)
             except zmq.ZMQError as err:  # the router went away (ROUTER_MANDATORY: unroutable)
                 level = logging.DEBUG if isinstance(message, P.Pong) else logging.WARNING
                 log.log(level, "stage %s: cannot send %s to a router: %s", self.stage, type(message).__name__, err)
@@ -599,6 +655,10 @@ class StageServer:
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
+            busy = {w.peer for w in self.works.values()}
+            for peer, seen in list(self._peers.items()):
+                if now - seen > self.peer_timeout_s and peer not in busy:
+                    self._forget_peer(peer)
             for work in list(self.works.values()):
                 seen = self._peers.get(work.peer, now)
                 if now - seen > self.peer_timeout_s and work.task is not None and not work.closing:
@@ -674,3 +734,35 @@ class _EdgeBuffers:
                 await put(edge, self.acc[t] or {}, True)
                 self.closed.add(t)
             self.acc[t] = None
+
+
+def _opens_connection(body: list[Any]) -> bool:
+    """Whether a message is addressed to no session yet (a router's `Hello`)."""
+    if not body:
+        return False
+    frame = body[0]
+    raw = frame.buffer if hasattr(frame, "buffer") else frame
+    view = memoryview(raw)
+    return view.nbytes > 33 and bytes(view[17:33]) == NO_SESSION
+
+
+class _RejectionLog:
+    """Says at WARNING, at most every 10 s, that messages were dropped and why (a flood stays one line)."""
+
+    def __init__(self, stage: str, every_s: float = 10.0) -> None:
+        self.stage = stage
+        self.every_s = every_s
+        self._last = -every_s
+        self._quiet = 0
+
+    def note(self, err: AuthError) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self._quiet += 1
+            return
+        more = f" ({self._quiet} more dropped since the last report)" if self._quiet else ""
+        log.warning(
+            "stage %s: dropped an unauthenticated protocol message (%s: %s)%s; only this pipeline's router, "
+            "holding its key, is answered", self.stage, err.reason, err, more,
+        )  # fmt: skip
+        self._last, self._quiet = now, 0
