@@ -201,7 +201,7 @@ def test_template_rbac_follows_watch_namespaces(cluster):
     [binding] = find(objs, "ClusterRoleBinding", "omk-omnikube")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "omk-omnikube", "namespace": "omk-system"}]
     secrets = [r for r in role["rules"] if "secrets" in r["resources"]]
-    assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
+    assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]}]
     [lease] = find(objs, "Role", "omk-omnikube-leader-election", "omk-system")
     assert {tuple(r["verbs"]): r.get("resourceNames") for r in lease["rules"]} == {
         ("create",): None,
@@ -350,6 +350,8 @@ def test_chart_rbac_is_all_the_operator_needs(cluster, release, sa_operator):
         ["rolebinding", "helm-rbac-router"],
         ["serviceaccount", "helm-rbac-router"],
         ["poddisruptionbudget", "helm-rbac-router"],
+        ["secret", "helm-rbac-key"],
+        ["networkpolicy", "helm-rbac-pipeline"],
     ):
         assert exists(cluster, *args, "-n", release.apps), args
     events = kubectl_json(

@@ -574,3 +574,90 @@ def test_second_operator_replica_waits_then_takes_over(cluster, operator, namesp
             "operator-a to lead again",
             operator.log,
         )
+
+
+# --- trust and ownership -------------------------------------------------------------------------
+
+
+def test_pipeline_key_is_made_once_and_network_policies_are_applied(cluster, operator, namespace) -> None:
+    """The key Secret: 32 random bytes owned by the pipeline, mounted by every pod, kept across spec
+    changes, never in status. The NetworkPolicies are applied as `omnikube render` shows them (the local
+    cluster enforces none; the objects are what a CNI would act on)."""
+    import base64
+
+    apply(cluster, namespace, pipeline("trusted", "prompt-enhanced-t2i", [{"name": "enhancer"}, {"name": "dit"}]))
+    live = wait_ready(cluster, operator, namespace, "trusted")
+    uid = live["metadata"]["uid"]
+    secret = get(cluster, namespace, "secret", "trusted-key")
+    assert secret is not None, operator.log()
+    key = base64.b64decode(secret["data"]["key"])
+    assert len(key) == 32 and [r["uid"] for r in secret["metadata"]["ownerReferences"]] == [uid]
+    assert secret["data"]["key"] not in json.dumps(live) and key.hex() not in operator.log()
+    for name, d in deployments(cluster, namespace, "trusted").items():
+        volumes = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["pipeline-key"]["secret"]["secretName"] == "trusted-key", name
+
+    policies = kubectl_json(cluster, "get", "networkpolicies", "-n", namespace, "-l", "omnikube.io/pipeline=trusted")
+    by_name = {p["metadata"]["name"]: p for p in policies["items"]}
+    assert set(by_name) == {"trusted-pipeline", "trusted-router-clients", "trusted-stage-probes"}
+    assert all([r["uid"] for r in p["metadata"]["ownerReferences"]] == [uid] for p in by_name.values())
+    assert by_name["trusted-router-clients"]["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}]}]
+    assert by_name["trusted-pipeline"]["spec"]["ingress"] == [
+        {"from": [{"podSelector": {"matchLabels": {"omnikube.io/pipeline": "trusted"}}}]}
+    ]
+
+    # A spec change rolls a stage but never touches the key.
+    patch = {"spec": {"stages": [{"name": "enhancer", "engineArgs": {"max_model_len": 256}}, {"name": "dit"}]}}
+    cluster.kubectl("patch", "omnipipeline", "trusted", "-n", namespace, "--type", "merge", "-p", json.dumps(patch))
+    wait_for(
+        lambda: (lambda o: o if o and o["status"].get("observedGeneration") == 2 else None)(
+            get(cluster, namespace, "omnipipeline", "trusted")
+        ),
+        60,
+        "the spec change observed",
+        operator.log,
+    )
+    again = get(cluster, namespace, "secret", "trusted-key")
+    assert again["metadata"]["uid"] == secret["metadata"]["uid"] and again["data"] == secret["data"]
+    assert again["metadata"]["resourceVersion"] == secret["metadata"]["resourceVersion"]
+
+
+def test_a_users_service_with_the_routers_name_is_left_alone_and_reported(cluster, operator, namespace) -> None:
+    user_service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "clash-router", "labels": {"team": "web"}},
+        "spec": {"selector": {"app": "web"}, "ports": [{"name": "web", "port": 80, "targetPort": 8080}]},
+    }
+    apply(cluster, namespace, user_service)
+    before = get(cluster, namespace, "service", "clash-router")
+    apply(cluster, namespace, pipeline("clash", "text-chat", [{"name": "llm"}]))
+
+    def degraded():
+        obj = get(cluster, namespace, "omnipipeline", "clash") or {}
+        cond = condition(obj, "Degraded")
+        return (obj, cond) if cond.get("reason") == "NameCollision" else None
+
+    obj, cond = wait_for(degraded, 60, "Degraded NameCollision", operator.log)
+    assert cond["status"] == "True"
+    assert "Service 'clash-router'" in cond["message"] and namespace in cond["message"]
+    assert condition(obj, "Ready")["status"] == "False"
+    events = kubectl_json(
+        cluster, "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=clash,reason=NameCollision"
+    )["items"]
+    assert events and "clash-router" in events[0]["message"]
+
+    # Not one field of the user's Service was written; everything else of the pipeline was built.
+    after = get(cluster, namespace, "service", "clash-router")
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+    assert after["spec"]["selector"] == {"app": "web"} and "ownerReferences" not in after["metadata"]
+    assert get(cluster, namespace, "deployment", "clash-router") is not None
+    assert get(cluster, namespace, "deployment", "clash-llm") is not None
+
+    # Once the user removes it, the pipeline's own Service takes the name and the pipeline becomes Ready.
+    cluster.kubectl("delete", "service", "clash-router", "-n", namespace)
+    cluster.kubectl("annotate", "omnipipeline", "clash", "-n", namespace, "example.com/nudge=1")
+    ready = wait_ready(cluster, operator, namespace, "clash")
+    service = get(cluster, namespace, "service", "clash-router")
+    assert [r["uid"] for r in service["metadata"]["ownerReferences"]] == [ready["metadata"]["uid"]]
+    assert condition(ready, "Degraded")["status"] == "False"

@@ -207,6 +207,7 @@ def _needed() -> tuple[set[tuple[str, str, str]], list[dict[str, Any]]]:
         ("omnikube.io", "omnistages/finalizers", "update"),
         ("", "pods", "list"),
         ("", "secrets", "get"),
+        ("", "secrets", "create"),  # the pipeline key Secret, created once (reconcile._ensure_key_secret)
         ("", "events", "create"),
     }
     # RBAC escalation prevention: the operator must hold whatever the Roles it creates grant.
@@ -229,7 +230,8 @@ def test_operator_rules_stay_narrow():
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
         assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
     grants = _grants(rules)
-    assert {v for g, r, v in grants if r == "secrets"} == {"get"}
+    # Secrets: read the ones a pipeline names, create its key once; never list, patch or delete any.
+    assert {v for g, r, v in grants if r == "secrets"} == {"get", "create"}
     assert not {r for g, r, v in grants if r in ("nodes", "namespaces", "customresourcedefinitions", "leases")}
     known = {p for (p, _) in RESOURCES.values()}
     assert {r.split("/")[0] for g, r, v in grants} <= known, "grants on a kind the operator cannot reach"

@@ -313,7 +313,7 @@ def test_router_runs_a_mooncake_master_iff_an_edge_uses_mooncake(manifest, pipel
         assert not {n for n in env_names if "MOONCAKE" in n}
 
 
-def test_qwen3_router_role_only_reads_endpointslices_and_pods(qwen3):
+def test_qwen3_router_role_only_lists_and_watches_endpointslices(qwen3):
     role = find(qwen3, "Role", "qwen3-omni-router")
     granted = {
         (group, resource, verb)
@@ -322,9 +322,8 @@ def test_qwen3_router_role_only_reads_endpointslices_and_pods(qwen3):
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
-    assert granted == {
-        (g, r, v) for g, r in (("discovery.k8s.io", "endpointslices"), ("", "pods")) for v in ("get", "list", "watch")
-    }
+    # Exactly what router/discovery.py calls: list, then watch, the EndpointSlices of its stage Services.
+    assert granted == {("discovery.k8s.io", "endpointslices", "list"), ("discovery.k8s.io", "endpointslices", "watch")}
     binding = find(qwen3, "RoleBinding", "qwen3-omni-router")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "qwen3-omni-router"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "qwen3-omni-router", "namespace": "default"}]

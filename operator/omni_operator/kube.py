@@ -35,6 +35,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("policy/v1", "PodDisruptionBudget"): ("poddisruptionbudgets", True),
     ("rbac.authorization.k8s.io/v1", "Role"): ("roles", True),
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): ("rolebindings", True),
+    ("networking.k8s.io/v1", "NetworkPolicy"): ("networkpolicies", True),
     ("discovery.k8s.io/v1", "EndpointSlice"): ("endpointslices", True),
     ("coordination.k8s.io/v1", "Lease"): ("leases", True),
     ("omnikube.io/v1alpha1", "OmniPipeline"): ("omnipipelines", True),

@@ -8,6 +8,7 @@ a live object with the same hash is left alone, and status is written only when 
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,8 @@ from omni_operator.builders.pipeline_objects import (
 )
 from omni_operator.builders.router import build_router_objects, router_endpoint
 from omni_operator.builders.stage_workload import build_stage_deployment, build_stage_service, stage_selector
-from omni_operator.kube import FIELD_MANAGER, KubeClient
+from omni_operator.builders.trust import KEY_BYTES, build_key_secret, build_network_policies, key_secret_name
+from omni_operator.kube import FIELD_MANAGER, KubeClient, KubeError
 from omni_operator.resolve import resolve_cluster_pipeline
 from omni_operator.status.conditions import Condition, get_condition, now_rfc3339, set_condition
 from omni_operator.status.pipeline_status import PipelineObservation, pipeline_conditions
@@ -31,13 +33,31 @@ from omni_operator.status.stage_status import selector_string, stage_conditions
 from omni_runtime.registry import PipelineRegistry, RegistryError
 from omni_runtime.spec import SpecError
 
-__all__ = ["Context", "TemporaryError", "reconcile_pipeline", "reconcile_stage"]
+__all__ = ["Context", "NameCollision", "TemporaryError", "reconcile_pipeline", "reconcile_stage"]
 
 log = logging.getLogger(__name__)
 
 
 class TemporaryError(RuntimeError):
     """The world is not ready yet (a Secret is missing, an owner not found): retry with backoff."""
+
+
+class NameCollision(RuntimeError):
+    """An object the operator would create already exists and is not this owner's: it is left alone."""
+
+    def __init__(self, kind: str, name: str, namespace: str | None, owner: str) -> None:
+        super().__init__(f"{kind} {namespace}/{name} exists and is not owned by {owner}")
+        self.kind, self.name, self.namespace, self.owner = kind, name, namespace, owner
+
+    def condition(self) -> Condition:
+        return Condition(
+            "Degraded",
+            "True",
+            "NameCollision",
+            f"{self.kind} {self.name!r} already exists in namespace {self.namespace} and does not belong to "
+            f"{self.owner}; the operator leaves it untouched. Delete or rename that {self.kind}, or give "
+            "the pipeline another name",
+        )
 
 
 @dataclass
@@ -64,6 +84,7 @@ async def _ensure(
     if not fetched:
         live = await ctx.kube.get(desired["apiVersion"], desired["kind"], meta["name"], meta.get("namespace"))
     if live is not None:
+        _check_owner(live, desired)
         same_hash = (live["metadata"].get("annotations") or {}).get(HASH_ANNOTATION) == meta["annotations"][
             HASH_ANNOTATION
         ]
@@ -140,6 +161,35 @@ async def _event(ctx: Context, obj: dict[str, Any], type_: str, reason: str, mes
         log.warning("could not post event %s on %s: %s", reason, meta["name"], exc)
 
 
+def _check_owner(live: dict[str, Any], desired: dict[str, Any]) -> None:
+    """NameCollision unless `live` carries the owner reference `desired` is built with."""
+    wanted = desired["metadata"].get("ownerReferences") or []
+    uids = {ref.get("uid") for ref in wanted}
+    if uids and not any(ref.get("uid") in uids for ref in live["metadata"].get("ownerReferences") or []):
+        owner = f"{wanted[0]['kind']} {wanted[0]['name']}"
+        raise NameCollision(desired["kind"], desired["metadata"]["name"], desired["metadata"].get("namespace"), owner)
+
+
+async def _ensure_key_secret(ctx: Context, owner: dict[str, Any]) -> str:
+    """The uid of the pipeline's key Secret, created once with fresh random bytes; never rewritten."""
+    meta = owner["metadata"]
+    name = key_secret_name(meta["name"])
+    live = await ctx.kube.get("v1", "Secret", name, meta["namespace"])
+    if live is None:
+        ctx.writes += 1
+        log.info("creating the pipeline key Secret %s/%s", meta["namespace"], name)  # never its data
+        try:
+            live = await ctx.kube.create(build_key_secret(owner, secrets.token_bytes(KEY_BYTES)))
+        except KubeError as exc:
+            if exc.status != 409:
+                raise
+            live = await ctx.kube.get("v1", "Secret", name, meta["namespace"])  # another writer won the race
+            if live is None:
+                raise TemporaryError(f"Secret {name} was created and deleted meanwhile") from None
+    _check_owner(live, build_key_secret(owner, b""))
+    return live["metadata"]["uid"]
+
+
 def _spec_problem(exc: Exception) -> Condition:
     if isinstance(exc, ValidationError):
         return Condition("Degraded", "True", "InvalidSpec", "; ".join(validation_messages(exc)))
@@ -195,11 +245,30 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> None:
     status: dict[str, Any] = {"observedGeneration": live["metadata"].get("generation")}
     if pipeline is not None and resolved is not None:
         observation.secret_problem = await _secret_problem(ctx, pipeline, namespace)
-        await _ensure(ctx, build_pipeline_configmap(live, resolved))
+        collisions: list[NameCollision] = []
+
+        async def ensure(step: Any, desired: dict[str, Any], **kwargs: Any) -> dict[str, Any] | None:
+            try:
+                return await step(ctx, desired, **kwargs)
+            except NameCollision as exc:
+                collisions.append(exc)
+                return None
+
+        try:
+            key_version = await _ensure_key_secret(ctx, live)
+        except NameCollision as exc:
+            collisions.append(exc)
+            key_version = ""
+        await ensure(_ensure, build_pipeline_configmap(live, resolved))
+        for desired in build_network_policies(live, resolved):
+            await ensure(_ensure, desired)
         stages = []
-        for desired in build_omnistages(live, pipeline, resolved):
-            stages.append(await _ensure_omnistage(ctx, desired))
-        wanted = {s["metadata"]["name"] for s in stages}
+        desired_stages = build_omnistages(live, pipeline, resolved, key_version=key_version)
+        for desired in desired_stages:
+            applied = await ensure(_ensure_omnistage, desired)
+            if applied is not None:
+                stages.append(applied)
+        wanted = {s["metadata"]["name"] for s in desired_stages}
         for existing in await ctx.kube.list(
             API_VERSION, "OmniStage", namespace, label_selector=f"{LABEL_PIPELINE}={name},{LABEL_COMPONENT}=stage"
         ):
@@ -211,12 +280,15 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> None:
                 await ctx.kube.delete(API_VERSION, "OmniStage", existing["metadata"]["name"], namespace)
         router = None
         seen = (live.get("status") or {}).get("routerGeneration")
-        for desired in build_router_objects(live, pipeline, resolved):
+        for desired in build_router_objects(live, pipeline, resolved, key_version=key_version):
             if desired["kind"] == "Deployment":
-                router = await _ensure(ctx, desired, generation_seen=seen)
-                status["routerGeneration"] = router["metadata"].get("generation")
+                router = await ensure(_ensure, desired, generation_seen=seen)
+                if router is not None:
+                    status["routerGeneration"] = router["metadata"].get("generation")
             else:
-                await _ensure(ctx, desired)
+                await ensure(_ensure, desired)
+        if collisions:
+            observation.collision_problem = collisions[0].condition()
         groups = {s: resolved.stage_group(s) for s in resolved.topology.stage_names()}
         observation.stages, observation.router, observation.groups = stages, router, groups
         observation.stage_names = resolved.topology.topological_order()
@@ -277,17 +349,25 @@ async def reconcile_stage(ctx: Context, namespace: str, name: str) -> None:
     if live is None or live["metadata"].get("deletionTimestamp"):
         return
     seen = (live.get("status") or {}).get("workloadGeneration")
-    deployment = await _ensure(ctx, build_stage_deployment(live), generation_seen=seen)
-    await _ensure(ctx, build_stage_service(live))
+    collision: Condition | None = None
+    deployment = None
+    try:
+        deployment = await _ensure(ctx, build_stage_deployment(live), generation_seen=seen)
+    except NameCollision as exc:
+        collision = exc.condition()
+    try:
+        await _ensure(ctx, build_stage_service(live))
+    except NameCollision as exc:
+        collision = collision or exc.condition()
     selector = stage_selector(OmniStage.model_validate(live))
     pods = await ctx.kube.list("v1", "Pod", namespace, label_selector=selector_string(selector))
-    counts, wanted = stage_conditions(live, deployment, pods)
+    counts, wanted = stage_conditions(live, deployment, pods, problem=collision)
     conditions, flipped = _merge_conditions(live, wanted)
     status = {
         "observedGeneration": live["metadata"].get("generation"),
         **counts,
         "selector": selector_string(selector),
-        "workloadGeneration": deployment["metadata"].get("generation"),
+        "workloadGeneration": deployment["metadata"].get("generation") if deployment else seen,
         "conditions": conditions,
     }
     if await _write_status(ctx, live, status):

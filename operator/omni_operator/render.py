@@ -2,6 +2,9 @@
 
 For review in GitOps and for diffing releases. The owner's uid is unknown before the pipeline exists,
 so owner references carry a placeholder (or are left out with `--no-owner-references`).
+
+The pipeline key Secret is not rendered: its bytes are random, made by the operator once in the cluster,
+and must never land in Git. The pods that mount it wait for it (the operator creates it first).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from omni_operator.api import OmniPipeline, validation_messages
 from omni_operator.builders.pipeline_objects import build_omnistages, build_pipeline_configmap
 from omni_operator.builders.router import build_router_objects
 from omni_operator.builders.stage_workload import build_stage_deployment, build_stage_service
+from omni_operator.builders.trust import build_network_policies
 from omni_operator.resolve import resolve_cluster_pipeline
 from omni_runtime.registry import PipelineRegistry
 from omni_runtime.spec import SpecError
@@ -64,7 +68,7 @@ def render_pipeline(
     owner_references: bool = True,
     model_root: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """The ConfigMap, OmniStages, their Deployments and Services, and the router objects."""
+    """The ConfigMap, NetworkPolicies, OmniStages, their Deployments and Services, and the router objects."""
     owner = {**manifest, "metadata": {"namespace": "default", **manifest.get("metadata", {})}}
     owner["metadata"].setdefault("uid", PLACEHOLDER_UID)
     try:
@@ -74,7 +78,7 @@ def render_pipeline(
         raise RenderError("\n".join(validation_messages(exc))) from None
     except SpecError as exc:
         raise RenderError(str(exc)) from None
-    objects = [build_pipeline_configmap(owner, resolved)]
+    objects = [build_pipeline_configmap(owner, resolved), *build_network_policies(owner, resolved)]
     for stage in build_omnistages(owner, pipeline, resolved):
         objects.append(stage)
         stage_owner = {**stage, "metadata": {**stage["metadata"], "uid": PLACEHOLDER_UID}}

@@ -19,6 +19,7 @@ from omni_runtime.spec import ResolvedPipeline
 __all__ = [
     "CONFIG_KEY",
     "CONFIG_HASH_ANNOTATION",
+    "KEY_VERSION_ANNOTATION",
     "build_pipeline_configmap",
     "build_omnistages",
     "configmap_name",
@@ -29,6 +30,8 @@ __all__ = [
 CONFIG_KEY = "resolved.json"
 CONFIG_HASH_ANNOTATION = "omnikube.io/config-hash"
 """On an OmniStage: hash of the resolved config its pods read (its stages and their edges)."""
+KEY_VERSION_ANNOTATION = "omnikube.io/key-version"
+"""On an OmniStage: the uid of the pipeline key Secret its pods mount (a new Secret rolls them)."""
 
 
 def configmap_name(pipeline: str) -> str:
@@ -83,8 +86,11 @@ def group_config_hash(resolved: ResolvedPipeline, members: list[str]) -> str:
     )
 
 
-def build_omnistages(owner: dict[str, Any], pipeline: OmniPipeline, resolved: ResolvedPipeline) -> list[dict[str, Any]]:
-    """One OmniStage per pod group (a stage and those colocated with it), fully resolved."""
+def build_omnistages(
+    owner: dict[str, Any], pipeline: OmniPipeline, resolved: ResolvedPipeline, *, key_version: str = ""
+) -> list[dict[str, Any]]:
+    """One OmniStage per pod group (a stage and those colocated with it), fully resolved. `key_version`:
+    the uid of the pipeline's key Secret (empty when rendering offline)."""
     name = owner["metadata"]["name"]
     namespace = owner["metadata"]["namespace"]
     overrides = _stage_overrides(pipeline)
@@ -142,7 +148,10 @@ def build_omnistages(owner: dict[str, Any], pipeline: OmniPipeline, resolved: Re
                         "name": omnistage_name(name, root),
                         "namespace": namespace,
                         "labels": labels(name, "stage", root),
-                        "annotations": {CONFIG_HASH_ANNOTATION: group_config_hash(resolved, members)},
+                        "annotations": {
+                            CONFIG_HASH_ANNOTATION: group_config_hash(resolved, members),
+                            KEY_VERSION_ANNOTATION: key_version,
+                        },
                         "ownerReferences": [owner_reference(owner)],
                     },
                     "spec": spec,

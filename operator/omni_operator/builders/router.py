@@ -15,7 +15,13 @@ from omni_operator.builders.meta import (
     with_hash,
 )
 from omni_operator.builders.pipeline_objects import CONFIG_KEY, configmap_name, router_name
-from omni_operator.builders.stage_workload import CONFIG_MOUNT, RUNTIME_UID, pod_container_env
+from omni_operator.builders.stage_workload import (
+    CONFIG_MOUNT,
+    container_security_context,
+    pod_container_env,
+    pod_security_context,
+)
+from omni_operator.builders.trust import KEY_FILE, key_volume
 from omni_operator.resolve import uses_mooncake
 from omni_runtime.spec import ROUTER_PORT, ResolvedPipeline
 
@@ -56,7 +62,8 @@ def _mooncake_master(resolved: ResolvedPipeline, image: str, pull_policy: str) -
             {"name": "mooncake-meta", "containerPort": mc.metadata_port, "protocol": "TCP"},
         ],
         "readinessProbe": {"tcpSocket": {"port": mc.master_port}, "periodSeconds": 5},
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],  # glog's files, even with --logtostderr
+        "securityContext": container_security_context(),
     }
 
 
@@ -72,9 +79,10 @@ def _placement(router: Any) -> dict[str, Any]:
 
 
 def build_router_objects(
-    owner: dict[str, Any], pipeline: OmniPipeline, resolved: ResolvedPipeline
+    owner: dict[str, Any], pipeline: OmniPipeline, resolved: ResolvedPipeline, *, key_version: str = ""
 ) -> list[dict[str, Any]]:
-    """Every object of the router, each carrying its content hash."""
+    """Every object of the router, each carrying its content hash. `key_version`: the uid of the
+    pipeline's key Secret (a new one rolls the router, which reads the key at start)."""
     name = owner["metadata"]["name"]
     namespace = owner["metadata"]["namespace"]
     rname = router_name(name)
@@ -92,14 +100,14 @@ def build_router_objects(
         "metadata": meta(),
         "automountServiceAccountToken": True,
     }
-    # Least privilege: the router only watches its stages' EndpointSlices and reads its pods.
+    # Least privilege: discovery lists and watches its stages' EndpointSlices, and that is all the router
+    # asks the API (router/discovery.py); it reads no pods and gets no single object.
     role = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": meta(),
         "rules": [
-            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
         ],
     }
     binding = {
@@ -112,8 +120,17 @@ def build_router_objects(
     grace = router.termination_grace_period_seconds
     pre_stop = router_pre_stop(grace)
     env = pod_container_env([e.to_dict() for e in runtime.env], None)
-    volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": configmap_name(name)}}]
-    mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
+    key_vol, key_mount = key_volume(name)
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": configmap_name(name)}},
+        key_vol,
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+        key_mount,
+        {"name": "tmp", "mountPath": "/tmp"},  # uploads (images/edits) spool there
+    ]
     key_args: list[str] = []
     if router.api_key_secret:
         ref = router.api_key_secret
@@ -138,6 +155,8 @@ def build_router_objects(
             *key_args,
             "--drain-timeout",
             str(drain_timeout(grace, pre_stop)),
+            "--pipeline-key-file",
+            KEY_FILE,
         ],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "env": env,
@@ -146,7 +165,7 @@ def build_router_objects(
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/livez", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
         "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": container_security_context(),
     }
     if pre_stop:  # keep serving while the Service's endpoints drop the pod (see builders.drain)
         container["lifecycle"] = {"preStop": {"sleep": {"seconds": pre_stop}}}
@@ -167,18 +186,18 @@ def build_router_objects(
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "revisionHistoryLimit": 3,
             "template": {
-                "metadata": {"labels": lbl, "annotations": {TEMPLATE_HASH_ANNOTATION: _router_config_hash(resolved)}},
+                "metadata": {
+                    "labels": lbl,
+                    "annotations": {
+                        TEMPLATE_HASH_ANNOTATION: content_hash([_router_config_hash(resolved), key_version])
+                    },
+                },
                 "spec": {
                     **_placement(router),
                     "serviceAccountName": rname,
                     "containers": containers,
                     "volumes": volumes,
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "runAsUser": RUNTIME_UID,
-                        "runAsGroup": RUNTIME_UID,
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
+                    "securityContext": pod_security_context(),
                     "enableServiceLinks": False,
                     "terminationGracePeriodSeconds": grace,
                 },

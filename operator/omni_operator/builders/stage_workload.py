@@ -14,20 +14,57 @@ from omni_operator.builders.meta import (
     selector_labels,
     with_hash,
 )
-from omni_operator.builders.pipeline_objects import CONFIG_HASH_ANNOTATION, CONFIG_KEY
+from omni_operator.builders.pipeline_objects import CONFIG_HASH_ANNOTATION, CONFIG_KEY, KEY_VERSION_ANNOTATION
+from omni_operator.builders.trust import KEY_FILE, key_volume
 from omni_operator.resolve import stage_ports
 
 __all__ = [
     "CONFIG_MOUNT",
     "build_stage_deployment",
     "build_stage_service",
+    "container_security_context",
     "pod_container_env",
+    "pod_security_context",
+    "scratch_volumes",
     "stage_selector",
     "model_volume",
 ]
 
 CONFIG_MOUNT = "/etc/omnikube"
 RUNTIME_UID = 1000
+RUNTIME_HOME = "/home/omnikube"
+"""The runtime user's home in the image (Dockerfile: `useradd --create-home omnikube`)."""
+
+
+def container_security_context() -> dict[str, Any]:
+    """Every container we run: non-root, no privilege escalation, no capabilities, default seccomp, and
+    a read-only root filesystem (what the runtime writes goes to the emptyDirs of `scratch_volumes`)."""
+    return {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def pod_security_context() -> dict[str, Any]:
+    """The pod's: the image's runtime user; fsGroup makes mounted Secrets (mode 0440) readable to it."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUNTIME_UID,
+        "runAsGroup": RUNTIME_UID,
+        "fsGroup": RUNTIME_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def scratch_volumes() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) for what a read-only root filesystem still needs writable: /tmp and the home
+    folder (caches of vLLM, Triton, torch.compile, Hugging Face, matplotlib live under ~ or /tmp)."""
+    volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "home", "emptyDir": {}}]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "home", "mountPath": RUNTIME_HOME}]
+    return volumes, mounts
 
 
 def stage_selector(stage: OmniStage) -> dict[str, str]:
@@ -101,6 +138,8 @@ def _container(
             str(http_port),
             "--drain-timeout",
             str(drain_timeout(spec.termination_grace_period_seconds)),
+            "--pipeline-key-file",
+            KEY_FILE,
         ],
         "ports": [
             {"name": "stage" if index == 0 else f"stage-{index}", "containerPort": port, "protocol": "TCP"},
@@ -122,7 +161,7 @@ def _container(
             {"name": "dshm", "mountPath": "/dev/shm"},
             *mounts,
         ],
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": container_security_context(),
     }
     if any(resources.get(k) for k in ("requests", "limits")):
         container["resources"] = {k: v for k, v in resources.items() if v}
@@ -134,6 +173,9 @@ def build_stage_deployment(owner: dict[str, Any]) -> dict[str, Any]:
     stage = OmniStage.model_validate(owner)
     spec = stage.spec
     volumes, mounts = model_volume(spec.model_cache.to_dict() if spec.model_cache else None)
+    key_vol, key_mount = key_volume(spec.pipeline)
+    scratch, scratch_mounts = scratch_volumes()
+    mounts = [*mounts, key_mount, *scratch_mounts]
     members = [spec.stage, *spec.colocated]
     containers = [
         _container(stage, name, i, with_accelerator=(i == 0), mounts=mounts) for i, name in enumerate(members)
@@ -144,14 +186,12 @@ def build_stage_deployment(owner: dict[str, Any]) -> dict[str, Any]:
             {"name": "config", "configMap": {"name": spec.config_map}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.shm_size)}},
             *volumes,
+            key_vol,
+            *scratch,
         ],
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUNTIME_UID,
-            "runAsGroup": RUNTIME_UID,
-            "fsGroup": RUNTIME_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(),
+        # Stages never call the Kubernetes API: no token in the pod for anyone who gets in to use.
+        "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         # SIGTERM drains (see builders.drain): the grace period bounds it.
         "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
@@ -169,7 +209,12 @@ def build_stage_deployment(owner: dict[str, Any]) -> dict[str, Any]:
     for key in ("replicas", "autoscaling"):
         template_inputs.pop(key, None)
     template_hash = content_hash(
-        {"spec": template_inputs, "config": stage.metadata.annotations.get(CONFIG_HASH_ANNOTATION, "")}
+        {
+            "spec": template_inputs,
+            "config": stage.metadata.annotations.get(CONFIG_HASH_ANNOTATION, ""),
+            # A recreated key Secret holds a new key: every pod must restart to read it.
+            "key": stage.metadata.annotations.get(KEY_VERSION_ANNOTATION, ""),
+        }
     )
     pod_labels = labels(spec.pipeline, "stage", spec.stage)
     return with_hash(

@@ -10,13 +10,14 @@ __all__ = ["PipelineObservation", "pipeline_conditions"]
 
 
 class PipelineObservation:
-    """What the pipeline reconcile saw: a spec problem, a secret problem, its stages and router."""
+    """What the pipeline reconcile saw: a spec, secret or name-collision problem, its stages and router."""
 
     def __init__(
         self,
         *,
         spec_problem: Condition | None = None,
         secret_problem: Condition | None = None,
+        collision_problem: Condition | None = None,
         stages: list[dict[str, Any]] | None = None,
         stage_names: list[str] | None = None,
         groups: dict[str, str] | None = None,
@@ -24,6 +25,8 @@ class PipelineObservation:
     ) -> None:
         self.spec_problem = spec_problem
         self.secret_problem = secret_problem
+        self.collision_problem = collision_problem
+        """An object the operator would create exists and is someone else's (NameCollision)."""
         self.stages = stages or []
         self.stage_names = stage_names or []
         self.groups = groups or {}
@@ -79,10 +82,16 @@ def pipeline_conditions(obs: PipelineObservation) -> tuple[list[dict[str, Any]],
             stage_problems.append(
                 Condition("Degraded", "True", cond.get("reason", "StageDegraded"), cond.get("message", ""))
             )
-    problem = obs.spec_problem or obs.secret_problem or (stage_problems[0] if stage_problems else None)
+    problem = (
+        obs.spec_problem
+        or obs.secret_problem
+        or obs.collision_problem
+        or (stage_problems[0] if stage_problems else None)
+    )
     degraded = problem or Condition("Degraded", "False", "AsExpected", "")
     all_ready = router_ok and obs.stage_names and ready_count == len(obs.stage_names)
-    if all_ready and obs.spec_problem is None:
+    blocking = obs.spec_problem or obs.collision_problem  # what runs may be fine, but not what was asked for
+    if all_ready and blocking is None:
         ready = Condition("Ready", "True", "Available", f"router and {stages_ready} stages ready")
         progressing = Condition("Progressing", "False", "Complete", "every stage runs the current spec")
     else:
@@ -90,12 +99,8 @@ def pipeline_conditions(obs: PipelineObservation) -> tuple[list[dict[str, Any]],
         parts = [f"stages not ready: {', '.join(waiting)}"] if waiting else []
         if not router_ok:
             parts.append(router_msg)
-        message = "; ".join(parts) or (obs.spec_problem.message if obs.spec_problem else "")
-        reason = (
-            obs.spec_problem.reason
-            if obs.spec_problem and not parts
-            else (problem.reason if problem else "Progressing")
-        )
+        message = "; ".join(parts) or (blocking.message if blocking else "")
+        reason = blocking.reason if blocking and not parts else (problem.reason if problem else "Progressing")
         ready = Condition("Ready", "False", reason, message)
         progressing = Condition(
             "Progressing", "False" if problem else "True", "Stalled" if problem else "RollingOut", message

@@ -87,11 +87,24 @@ def pod_problem(pods: list[dict[str, Any]], stage: str) -> Condition | None:
 
 
 def stage_conditions(
-    stage: dict[str, Any], deployment: dict[str, Any] | None, pods: list[dict[str, Any]]
+    stage: dict[str, Any],
+    deployment: dict[str, Any] | None,
+    pods: list[dict[str, Any]],
+    *,
+    problem: Condition | None = None,
 ) -> tuple[dict[str, int], list[Condition]]:
-    """(replica counts, [Ready, Progressing, Degraded]) for an OmniStage."""
+    """(replica counts, [Ready, Progressing, Degraded]) for an OmniStage. `problem`: a Degraded condition
+    found while applying (a name collision), which outranks what the pods say."""
     name = stage["spec"]["stage"]
     desired = stage["spec"].get("replicas", 1)
+    if problem is not None:
+        ds = (deployment or {}).get("status", {})
+        counts = {"replicas": ds.get("replicas", 0), "readyReplicas": ds.get("readyReplicas", 0)}
+        return counts, [
+            Condition("Ready", "False", problem.reason, f"stage {name}: {problem.message}"),
+            Condition("Progressing", "False", "Stalled", f"stage {name}: {problem.message}"),
+            problem,
+        ]
     if deployment is None:
         counts = {"replicas": 0, "readyReplicas": 0}
         return counts, [
