@@ -657,7 +657,7 @@ def test_router_api_key_is_a_secret_file_the_router_command_reads_and_liveness_i
     router = containers(find(objects, "Deployment", "keyed-router"))["router"]
     # A file from a Secret volume (the kubelet refreshes it), never an env var (fixed at start).
     assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in router.get("env", []))
-    (volume,) = [v for v in pod["volumes"] if "secret" in v]
+    (volume,) = [v for v in pod["volumes"] if "secret" in v and v["name"] != "pipeline-key"]
     assert volume["secret"] == {"secretName": "router-key", "items": [{"key": "token", "path": "api-key"}]}
     (mount,) = [m for m in router["volumeMounts"] if m["name"] == volume["name"]]
     assert API_KEY_FILE == f"{mount['mountPath']}/api-key" and mount["readOnly"]
