@@ -29,6 +29,7 @@ from omni_runtime.router.orchestrator import Orchestrator, PipelineRequest
 from omni_runtime.router.plan import plan_request
 from omni_runtime.spec import CompanionSpec, EdgeSpec, PipelineSpec, StageSpec
 from omni_runtime.stage import protocol as P
+from omni_runtime.stage.auth import Channel
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -106,8 +107,12 @@ async def test_an_abort_right_behind_its_submit_closes_the_work_and_releases_its
                     id="req-2.0.b.primary", request_id="req-2", stage="b", role="primary", inputs=[item],
                     input_processor="ar_text_to_prompt", final=True,
                 )  # fmt: skip
-                await sock.send_multipart(P.encode(submit))
-                await sock.send_multipart(P.encode(P.Abort(id=submit.id, reason="client gone")))
+                channel = Channel(cluster.key, "router")  # the pipeline's router: it holds the key
+                await sock.send_multipart(channel.seal(P.encode(P.Hello())))
+                welcome, _ = P.decode(channel.open(await asyncio.wait_for(sock.recv_multipart(), 10)))
+                assert isinstance(welcome, P.Welcome)
+                await sock.send_multipart(channel.seal(P.encode(submit)))
+                await sock.send_multipart(channel.seal(P.encode(P.Abort(id=submit.id, reason="client gone"))))
                 time.sleep(0.3)  # keep the stage from reading the Submit alone
                 await until(lambda: submit.id not in stage_b.works, "the aborted work is still listed as running")
                 await until(lambda: busy_shm_segments(pipeline.name) == [], "its input payload was never released")
