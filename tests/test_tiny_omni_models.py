@@ -138,3 +138,61 @@ def test_qwen3_omni_thinker_runs_in_vllm_like_transformers(qwen3_omni: Path, qwe
     hf = qwen3_omni_model.thinker.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert result["tokens"] == hf[0, ids.shape[1] :].tolist()
     assert result["text"].strip()
+
+
+# --- Qwen2.5-Omni ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_omni() -> Path:
+    return tiny_model("tiny-qwen2-5-omni")
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_omni_model(qwen2_5_omni: Path):
+    import torch
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    return Qwen2_5OmniForConditionalGeneration.from_pretrained(qwen2_5_omni, dtype=torch.float32).eval()
+
+
+def test_qwen2_5_omni_folder_has_speakers_and_real_ids(qwen2_5_omni: Path) -> None:
+    import torch
+    from transformers import AutoProcessor, AutoTokenizer
+
+    config = json.loads((qwen2_5_omni / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2_5OmniForConditionalGeneration"]
+    thinker, talker = config["thinker_config"], config["talker_config"]
+    text = thinker["text_config"]
+    assert text["vocab_size"] == 152064 and text["hidden_size"] // text["num_attention_heads"] >= 32
+    assert sum(text["rope_parameters"]["mrope_section"]) == text["hidden_size"] // text["num_attention_heads"] // 2
+    assert talker["embedding_size"] == text["hidden_size"]
+    codec = [talker[f"tts_codec_{k}_token_id"] for k in ("start", "end", "pad", "mask")]
+    assert max(codec) < talker["vocab_size"]
+    speakers = torch.load(qwen2_5_omni / "spk_dict.pt", weights_only=True)
+    assert sorted(speakers) == ["Chelsie", "Ethan"]
+    dit = config["token2wav_config"]["dit_config"]
+    for speaker in speakers.values():
+        assert speaker["cond"].shape == (1, dit["enc_emb_dim"]) and speaker["ref_mel"].shape[-1] == dit["mel_dim"]
+    tokenizer = AutoTokenizer.from_pretrained(qwen2_5_omni)
+    assert tokenizer.convert_tokens_to_ids("<|AUDIO|>") == thinker["audio_token_index"] == 151646
+    assert tokenizer.convert_tokens_to_ids("<|IMAGE|>") == thinker["image_token_index"]
+    assert _chat_ids(qwen2_5_omni, "Hi")[0].tolist()[:2] == [151644, 872]
+    assert type(AutoProcessor.from_pretrained(qwen2_5_omni)).__name__ == "Qwen2_5OmniProcessor"
+
+
+def test_qwen2_5_omni_speaks_with_transformers(qwen2_5_omni: Path, qwen2_5_omni_model) -> None:
+    ids = _chat_ids(qwen2_5_omni, "Hello, who are you?")
+    kwargs = dict(thinker_max_new_tokens=5, talker_max_new_tokens=12, talker_do_sample=False)
+    sequences, wav = qwen2_5_omni_model.generate(ids, speaker="Ethan", **kwargs)
+    assert sequences.shape[1] <= ids.shape[1] + 5
+    assert wav.dim() == 1 and wav.shape[0] > 0
+    assert 0.01 < wav.std().item() < 1  # audible, not silence
+
+
+def test_qwen2_5_omni_thinker_runs_in_vllm_like_transformers(qwen2_5_omni: Path, qwen2_5_omni_model, tmp_path) -> None:
+    ids = _chat_ids(qwen2_5_omni, "Hello, who are you?")
+    result = run_vllm_script(_VLLM_THINKER_SCRIPT, qwen2_5_omni, tmp_path, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    assert result["prompt"] == ids[0].tolist()
+    hf = qwen2_5_omni_model.thinker.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert result["tokens"] == hf[0, ids.shape[1] :].tolist()

@@ -11,6 +11,8 @@
 - `tiny-qwen3-omni`: Qwen3OmniMoeForConditionalGeneration (MoE thinker, talker with code predictor,
   code2wav) in the real layout and token ids; loads in transformers (whole model, speaks) and in
   vLLM (thinker).
+- `tiny-qwen2-5-omni`: Qwen2_5OmniForConditionalGeneration (thinker, talker, token2wav) with
+  `spk_dict.pt`; loads in transformers (whole model, speaks) and in vLLM (thinker).
 
 `ensure(name)` returns `<cache_dir>/<name>`, building it first unless a build of the current version
 is there; `build_all()` ensures every model. Builds are deterministic (fixed seeds, tokenizers trained
@@ -59,7 +61,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_runtime.tiny_models import prompt_enhanced_t2i, qwen2_chat, qwen3_omni, sd3, sd3_img2img
+from omni_runtime.tiny_models import prompt_enhanced_t2i, qwen2_5_omni, qwen2_chat, qwen3_omni, sd3, sd3_img2img
 from omni_runtime.tiny_models._build import build_atomically, default_cache_dir, read_stamp
 
 __all__ = ["MODELS", "TinyModel", "build_all", "default_cache_dir", "ensure", "read_stamp"]
@@ -119,6 +121,12 @@ MODELS: dict[str, TinyModel] = {
             qwen3_omni.VERSION,
             lambda out, _cache: qwen3_omni.build(out),
             "Qwen3OmniMoeForConditionalGeneration: thinker + talker + code2wav (speech out)",
+        ),
+        TinyModel(
+            qwen2_5_omni.NAME,
+            qwen2_5_omni.VERSION,
+            lambda out, _cache: qwen2_5_omni.build(out),
+            "Qwen2_5OmniForConditionalGeneration: thinker + talker + token2wav, spk_dict.pt (speech out)",
         ),
     )
 }
