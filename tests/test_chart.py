@@ -199,6 +199,8 @@ def _needed() -> tuple[set[tuple[str, str, str]], list[dict[str, Any]]]:
         ("omnikube.io", "omnipipelines", "get"),
         ("omnikube.io", "omnistages", "list"),
         ("omnikube.io", "omnistages", "delete"),
+        ("apps", "deployments", "delete"),  # the Mooncake master, once no edge uses mooncake
+        ("", "services", "delete"),
         ("omnikube.io", "omnipipelines/status", "patch"),
         ("omnikube.io", "omnistages/status", "patch"),
         ("omnikube.io", "omnistages/scale", "patch"),

@@ -15,11 +15,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from omni_operator.api import API_VERSION, OmniPipeline, OmniStage, validation_messages
+from omni_operator.api import API_VERSION, OmniPipeline, OmniStage
 from omni_operator.builders.meta import HASH_ANNOTATION, LABEL_COMPONENT, LABEL_PIPELINE
+from omni_operator.builders.mooncake import build_mooncake_objects
 from omni_operator.builders.pipeline_objects import (
     build_omnistages,
     build_pipeline_configmap,
+    mooncake_name,
     router_name,
 )
 from omni_operator.builders.router import build_router_objects, router_endpoint
@@ -28,9 +30,10 @@ from omni_operator.builders.trust import KEY_BYTES, build_key_secret, build_netw
 from omni_operator.kube import FIELD_MANAGER, KubeClient, KubeError
 from omni_operator.resolve import resolve_cluster_pipeline
 from omni_operator.status.conditions import Condition, get_condition, now_rfc3339, set_condition
-from omni_operator.status.pipeline_status import PipelineObservation, pipeline_conditions
+from omni_operator.status.pipeline_status import PipelineObservation, pipeline_conditions, spec_problem
+from omni_operator.status.reasons import Reason
 from omni_operator.status.stage_status import selector_string, stage_conditions
-from omni_runtime.registry import PipelineRegistry, RegistryError
+from omni_runtime.registry import PipelineRegistry
 from omni_runtime.spec import SpecError
 
 __all__ = ["Context", "NameCollision", "TemporaryError", "reconcile_pipeline", "reconcile_stage"]
@@ -53,7 +56,7 @@ class NameCollision(RuntimeError):
         return Condition(
             "Degraded",
             "True",
-            "NameCollision",
+            Reason.NAME_COLLISION,
             f"{self.kind} {self.name!r} already exists in namespace {self.namespace} and does not belong to "
             f"{self.owner}; the operator leaves it untouched. Delete or rename that {self.kind}, or give "
             "the pipeline another name",
@@ -190,21 +193,6 @@ async def _ensure_key_secret(ctx: Context, owner: dict[str, Any]) -> str:
     return live["metadata"]["uid"]
 
 
-def _spec_problem(exc: Exception) -> Condition:
-    if isinstance(exc, ValidationError):
-        return Condition("Degraded", "True", "InvalidSpec", "; ".join(validation_messages(exc)))
-    text = str(exc)
-    if isinstance(exc, RegistryError):
-        reason = "UnknownPipeline"
-    elif "has no stage" in text:
-        reason = "UnknownStage"
-    elif "connector" in text:
-        reason = "NoUsableConnector"
-    else:
-        reason = "InvalidTopology"
-    return Condition("Degraded", "True", reason, text)
-
-
 async def _secret_problem(ctx: Context, pipeline: OmniPipeline, namespace: str) -> Condition | None:
     refs = [
         ("runtime.hfTokenSecret", pipeline.spec.runtime.hf_token_secret),
@@ -219,7 +207,7 @@ async def _secret_problem(ctx: Context, pipeline: OmniPipeline, namespace: str) 
             return Condition(
                 "Degraded",
                 "True",
-                "SecretMissing",
+                Reason.SECRET_MISSING,
                 f"{field_name}: Secret {ref.name!r} {what} in namespace {namespace}; create it "
                 f"(kubectl create secret generic {ref.name} --from-literal={ref.key}=...) "
                 f"or remove {field_name}",
@@ -239,7 +227,7 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> None:
         resolved = resolve_cluster_pipeline(pipeline, ctx.registry, ctx.model_root)
     except (ValidationError, SpecError) as exc:
         # The spec is wrong: say so and change nothing, so what runs keeps running.
-        observation.spec_problem = _spec_problem(exc)
+        observation.spec_problem = spec_problem(exc)
         pipeline = None
 
     status: dict[str, Any] = {"observedGeneration": live["metadata"].get("generation")}
@@ -287,6 +275,7 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> None:
                     status["routerGeneration"] = router["metadata"].get("generation")
             else:
                 await ensure(_ensure, desired)
+        await _ensure_mooncake(ctx, live, pipeline, resolved, ensure)
         if collisions:
             observation.collision_problem = collisions[0].condition()
         groups = {s: resolved.stage_group(s) for s in resolved.topology.stage_names()}
@@ -312,6 +301,25 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> None:
     status.update({"stages": per_stage, "stagesReady": stages_ready, "conditions": conditions})
     if await _write_status(ctx, live, status):
         await _post_events(ctx, live, flipped)
+
+
+async def _ensure_mooncake(
+    ctx: Context, live: dict[str, Any], pipeline: OmniPipeline, resolved: Any, ensure: Any
+) -> None:
+    """The pipeline's Mooncake master while an edge uses mooncake; removed (if ours) when none does.
+    `ensure` applies an object and notes a name collision instead of raising it."""
+    desired = build_mooncake_objects(live, pipeline, resolved)
+    for obj in desired:
+        await ensure(_ensure, obj)
+    if desired:
+        return
+    namespace, name = live["metadata"]["namespace"], mooncake_name(live["metadata"]["name"])
+    for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service")):
+        existing = await ctx.kube.get(api_version, kind, name, namespace)
+        if existing is not None and _owned_by(existing, live):
+            ctx.writes += 1
+            log.info("deleting %s %s/%s: no edge uses mooncake any more", kind, namespace, name)
+            await ctx.kube.delete(api_version, kind, name, namespace)
 
 
 def _owned_by(obj: dict[str, Any], owner: dict[str, Any]) -> bool:

@@ -17,6 +17,7 @@ import yaml
 from pydantic import ValidationError
 
 from omni_operator.api import OmniPipeline, validation_messages
+from omni_operator.builders.mooncake import build_mooncake_objects
 from omni_operator.builders.pipeline_objects import build_omnistages, build_pipeline_configmap
 from omni_operator.builders.router import build_router_objects
 from omni_operator.builders.stage_workload import build_stage_deployment, build_stage_service
@@ -84,6 +85,7 @@ def render_pipeline(
         stage_owner = {**stage, "metadata": {**stage["metadata"], "uid": PLACEHOLDER_UID}}
         objects += [build_stage_deployment(stage_owner), build_stage_service(stage_owner)]
     objects += build_router_objects(owner, pipeline, resolved)
+    objects += build_mooncake_objects(owner, pipeline, resolved)
     if not owner_references:
         for obj in objects:
             obj["metadata"].pop("ownerReferences", None)

@@ -19,7 +19,6 @@ from omni_runtime.registry import (
 from omni_runtime.spec import (
     STAGE_HTTP_PORT,
     STAGE_PORT,
-    ConnectorKind,
     PipelineSpec,
     ResolvedPipeline,
     StageDiscovery,
@@ -31,6 +30,7 @@ __all__ = [
     "resolve_cluster_pipeline",
     "stage_ports",
     "model_path_in_pod",
+    "mooncake_host",
     "uses_mooncake",
 ]
 
@@ -82,9 +82,14 @@ def stage_ports(index_in_group: int) -> tuple[int, int]:
 
 
 def uses_mooncake(resolved: ResolvedPipeline) -> bool:
-    """Whether any edge moves data through Mooncake (then the router pod runs a Mooncake master)."""
-    topo = resolved.topology
-    return any(topo.edge_connector(e) is ConnectorKind.MOONCAKE for e in topo.edges)
+    """Whether any edge moves data through Mooncake (then the pipeline runs a Mooncake master)."""
+    return resolved.uses_mooncake()
+
+
+def mooncake_host(pipeline: str, namespace: str) -> str:
+    """The DNS name of the pipeline's Mooncake master: its headless Service `<pipeline>-mooncake`,
+    which resolves to the master pod's IP."""
+    return f"{child_name(pipeline, 'mooncake')}.{namespace}.svc"
 
 
 def resolve_cluster_pipeline(
@@ -103,4 +108,6 @@ def resolve_cluster_pipeline(
             resolved.discovery[stage] = StageDiscovery(
                 service=child_name(name, root), namespace=namespace, port=stage_ports(index)[0]
             )
+    if resolved.uses_mooncake():
+        resolved.mooncake_master_host = mooncake_host(name, namespace)
     return resolved

@@ -59,6 +59,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from omni_runtime.router.settings import RouterSettings
 from omni_runtime.spec import (
     DRAIN_TIMEOUT_S,
     ConnectorKind,
@@ -73,6 +74,7 @@ from omni_runtime.spec import (
     resolve_pipeline,
 )
 from omni_runtime.stage.auth import PipelineKey
+from omni_runtime.stage.settings import StageSettings
 
 __all__ = [
     "LocalPipelineFile",
@@ -293,6 +295,8 @@ class LocalRun:
                 ApiKeyFile(api_key_file)  # refuse a bad file here, not after the stages loaded
             except ApiKeyError as err:
                 raise SpecError(f"--api-key-file: {err}") from None
+        if uses_mooncake:
+            resolved.mooncake_master_host = host  # the launcher starts the master on this machine
         run = cls(resolved=resolved, run_dir=_run_dir(run_dir, name), host=host, shm_pool_bytes=shm_pool_bytes)
         run.api_key_file = Path(api_key_file).resolve() if api_key_file is not None else None
         run.drain_timeout_s = drain_timeout_s
@@ -322,32 +326,19 @@ class LocalRun:
         for stage, ports in self.stage_ports.items():
             for i, (port, http_port) in enumerate(ports):
                 replica = f"r{i}"
-                cmd = [
-                    *base,
-                    "stage",
-                    "--config",
-                    str(self.config_path),
-                    "--stage",
-                    stage,
-                    "--host",
-                    self.host,
-                    "--port",
-                    str(port),
-                    "--http-port",
-                    str(http_port),
-                    "--replica",
-                    replica,
-                    "--advertise-host",
-                    self.host,
-                    "--mooncake-master-host",
-                    self.host,
-                    "--shm-pool-bytes",
-                    str(self.shm_pool_bytes),
-                    "--drain-timeout",
-                    str(self.drain_timeout_s),
-                    "--pipeline-key-file",
-                    str(self.key_path),
-                ]
+                settings = StageSettings(
+                    config=str(self.config_path),
+                    stage=stage,
+                    host=self.host,
+                    port=port,
+                    http_port=http_port,
+                    replica=replica,
+                    advertise_host=self.host,
+                    shm_pool_bytes=self.shm_pool_bytes,
+                    drain_timeout=self.drain_timeout_s,
+                    pipeline_key_file=str(self.key_path),
+                )
+                cmd = [*base, settings.command, *settings.to_argv()]
                 procs.append(
                     _Proc(
                         f"stage {stage}/{replica}",
@@ -356,21 +347,15 @@ class LocalRun:
                         f"http://{self.host}:{http_port}/readyz",
                     )
                 )
-        router = [
-            *base,
-            "router",
-            "--config",
-            str(self.config_path),
-            "--host",
-            self.host,
-            "--port",
-            str(self.router_port),
-            *(["--api-key-file", str(self.api_key_file)] if self.api_key_file else []),
-            "--drain-timeout",
-            str(self.drain_timeout_s),
-            "--pipeline-key-file",
-            str(self.key_path),
-        ]
+        router_settings = RouterSettings(
+            config=str(self.config_path),
+            host=self.host,
+            port=self.router_port,
+            api_key_file=str(self.api_key_file) if self.api_key_file else None,
+            drain_timeout=self.drain_timeout_s,
+            pipeline_key_file=str(self.key_path),
+        )
+        router = [*base, router_settings.command, *router_settings.to_argv()]
         procs.append(
             _Proc("router", router, self.run_dir / "router.log", f"http://{self.host}:{self.router_port}/health")
         )

@@ -245,8 +245,9 @@ class Autoscaling(KubeModel):
         8,
         ge=1,
         le=10000,
-        description="Requests waiting per replica (metric omnikube_stage_queue_depth) the autoscaler "
-        "aims for; above it, it adds replicas.",
+        description="Requests outstanding per replica that the autoscaler aims for (router metric "
+        "omnikube_stage_outstanding_requests: sent to the replica and not finished, those queued in its "
+        "engine included); above it, it adds replicas.",
     )
     scale_down_stabilization_seconds: Int = Field(
         300,

@@ -13,7 +13,7 @@ from omni_operator.builders.meta import (
     owner_reference,
     with_hash,
 )
-from omni_operator.resolve import group_members, uses_mooncake
+from omni_operator.resolve import group_members
 from omni_runtime.spec import ResolvedPipeline
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "build_pipeline_configmap",
     "build_omnistages",
     "configmap_name",
+    "mooncake_name",
     "omnistage_name",
     "router_name",
 ]
@@ -44,6 +45,11 @@ def omnistage_name(pipeline: str, stage: str) -> str:
 
 def router_name(pipeline: str) -> str:
     return child_name(pipeline, "router")
+
+
+def mooncake_name(pipeline: str) -> str:
+    """The pipeline's Mooncake master: its Deployment and its headless Service (see resolve.mooncake_host)."""
+    return child_name(pipeline, "mooncake")
 
 
 def build_pipeline_configmap(owner: dict[str, Any], resolved: ResolvedPipeline) -> dict[str, Any]:
@@ -120,14 +126,6 @@ def build_omnistages(
         if runtime.model_cache:
             spec["modelCache"] = runtime.model_cache.to_dict()
         env = [e.to_dict() for e in runtime.env]
-        if uses_mooncake(resolved):
-            # The Mooncake master runs beside the router; stages reach it through the router Service.
-            mc = resolved.topology.connectors.mooncake
-            host = f"{router_name(name)}.{namespace}.svc"
-            env += [
-                {"name": "OMNIKUBE_MOONCAKE_MASTER", "value": f"{host}:{mc.master_port}"},
-                {"name": "OMNIKUBE_MOONCAKE_METADATA", "value": f"http://{host}:{mc.metadata_port}/metadata"},
-            ]
         if env:
             spec["env"] = env
         if runtime.hf_token_secret:

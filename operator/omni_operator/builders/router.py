@@ -22,7 +22,7 @@ from omni_operator.builders.stage_workload import (
     pod_security_context,
 )
 from omni_operator.builders.trust import KEY_FILE, key_volume
-from omni_operator.resolve import uses_mooncake
+from omni_runtime.router.settings import RouterSettings
 from omni_runtime.spec import ROUTER_PORT, ResolvedPipeline
 
 __all__ = ["API_KEY_FILE", "API_KEY_MOUNT", "build_router_objects", "router_endpoint"]
@@ -40,31 +40,6 @@ def _router_config_hash(resolved: ResolvedPipeline) -> str:
     for stage in data["topology"]["stages"]:
         stage.pop("engine_args", None)
     return content_hash(data)
-
-
-def _mooncake_master(resolved: ResolvedPipeline, image: str, pull_policy: str) -> dict[str, Any]:
-    mc = resolved.topology.connectors.mooncake
-    return {
-        "name": "mooncake-master",
-        "image": image,
-        "imagePullPolicy": pull_policy,
-        # The embedded HTTP metadata server binds every interface, which is what a pod needs.
-        "command": [
-            "mooncake_master",
-            "--rpc_address=0.0.0.0",
-            f"--rpc_port={mc.master_port}",
-            "--enable_http_metadata_server=true",
-            f"--http_metadata_server_port={mc.metadata_port}",
-            "--logtostderr",
-        ],
-        "ports": [
-            {"name": "mooncake-rpc", "containerPort": mc.master_port, "protocol": "TCP"},
-            {"name": "mooncake-meta", "containerPort": mc.metadata_port, "protocol": "TCP"},
-        ],
-        "readinessProbe": {"tcpSocket": {"port": mc.master_port}, "periodSeconds": 5},
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],  # glog's files, even with --logtostderr
-        "securityContext": container_security_context(),
-    }
 
 
 def _placement(router: Any) -> dict[str, Any]:
@@ -119,7 +94,6 @@ def build_router_objects(
     }
     grace = router.termination_grace_period_seconds
     pre_stop = router_pre_stop(grace)
-    env = pod_container_env([e.to_dict() for e in runtime.env], None)
     key_vol, key_mount = key_volume(name)
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": configmap_name(name)}},
@@ -131,34 +105,30 @@ def build_router_objects(
         key_mount,
         {"name": "tmp", "mountPath": "/tmp"},  # uploads (images/edits) spool there
     ]
-    key_args: list[str] = []
+    api_key_file: str | None = None
     if router.api_key_secret:
         ref = router.api_key_secret
         volumes.append(
             {"name": "api-key", "secret": {"secretName": ref.name, "items": [{"key": ref.key, "path": "api-key"}]}}
         )
         mounts.append({"name": "api-key", "mountPath": API_KEY_MOUNT, "readOnly": True})
-        key_args = ["--api-key-file", API_KEY_FILE]
+        api_key_file = API_KEY_FILE
+    settings = RouterSettings(
+        config=f"{CONFIG_MOUNT}/{CONFIG_KEY}",
+        host="0.0.0.0",
+        port=ROUTER_PORT,
+        api_key_file=api_key_file,
+        drain_timeout=drain_timeout(grace, pre_stop),
+        pipeline_key_file=KEY_FILE,
+    )
+    started = settings.pod_command()
+    env = pod_container_env([e.to_dict() for e in runtime.env], None, started.env)
     container: dict[str, Any] = {
         "name": "router",
         "image": runtime.image,
         "imagePullPolicy": runtime.image_pull_policy.value,
-        "command": [
-            "omnikube",
-            "router",
-            "--config",
-            f"{CONFIG_MOUNT}/{CONFIG_KEY}",
-            "--host",
-            "0.0.0.0",
-            "--port",
-            str(ROUTER_PORT),
-            *key_args,
-            "--drain-timeout",
-            str(drain_timeout(grace, pre_stop)),
-            "--pipeline-key-file",
-            KEY_FILE,
-        ],
-        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "command": started.command,
+        "ports": [{"name": "http", "containerPort": settings.port, "protocol": "TCP"}],
         "env": env,
         # Ready: every stage has a ready replica (the Service sends clients only then). Alive: the process
         # serves; never tied to the stages, or a router would restart-loop while a model loads.
@@ -173,8 +143,6 @@ def build_router_objects(
     if resources:
         container["resources"] = resources
     containers = [container]
-    if uses_mooncake(resolved):
-        containers.append(_mooncake_master(resolved, runtime.image, runtime.image_pull_policy.value))
     selector = selector_labels(name, "router")
     deployment = {
         "apiVersion": "apps/v1",
@@ -204,13 +172,8 @@ def build_router_objects(
             },
         },
     }
+    # Only the OpenAI port: the Mooncake master has a headless Service of its own (builders/mooncake.py).
     service_ports = [{"name": "http", "port": router.service.port, "targetPort": "http", "protocol": "TCP"}]
-    if uses_mooncake(resolved):
-        mc = resolved.topology.connectors.mooncake
-        service_ports += [
-            {"name": "mooncake-rpc", "port": mc.master_port, "targetPort": mc.master_port, "protocol": "TCP"},
-            {"name": "mooncake-meta", "port": mc.metadata_port, "targetPort": mc.metadata_port, "protocol": "TCP"},
-        ]
     service = {
         "apiVersion": "v1",
         "kind": "Service",

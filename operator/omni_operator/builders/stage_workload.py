@@ -17,6 +17,7 @@ from omni_operator.builders.meta import (
 from omni_operator.builders.pipeline_objects import CONFIG_HASH_ANNOTATION, CONFIG_KEY, KEY_VERSION_ANNOTATION
 from omni_operator.builders.trust import KEY_FILE, key_volume
 from omni_operator.resolve import stage_ports
+from omni_runtime.stage.settings import StageSettings
 
 __all__ = [
     "CONFIG_MOUNT",
@@ -26,6 +27,7 @@ __all__ = [
     "pod_container_env",
     "pod_security_context",
     "scratch_volumes",
+    "stage_settings",
     "stage_selector",
     "model_volume",
 ]
@@ -71,17 +73,34 @@ def stage_selector(stage: OmniStage) -> dict[str, str]:
     return selector_labels(stage.spec.pipeline, "stage", stage.spec.stage)
 
 
-def pod_container_env(extra: list[dict[str, Any]], hf_token: dict[str, str] | None) -> list[dict[str, Any]]:
-    """Downward-API identity, the HF token from its Secret (never inline), then the user's env."""
+def pod_container_env(
+    extra: list[dict[str, Any]], hf_token: dict[str, str] | None, command_env: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """Downward-API identity, what the settings model's command refers to (`$(POD_IP)`), the HF token
+    from its Secret (never inline), then the user's env."""
     env: list[dict[str, Any]] = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        *(command_env or []),
         {"name": "HF_HUB_OFFLINE", "value": "1"},
     ]
     if hf_token:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {**hf_token, "optional": False}}})
     return env + extra
+
+
+def stage_settings(stage: OmniStage, name: str, index: int) -> StageSettings:
+    """What the `index`-th stage process of the pod group is started with (its container command)."""
+    port, http_port = stage_ports(index)
+    return StageSettings(
+        config=f"{CONFIG_MOUNT}/{CONFIG_KEY}",
+        stage=name,
+        host="0.0.0.0",
+        port=port,
+        http_port=http_port,
+        drain_timeout=drain_timeout(stage.spec.termination_grace_period_seconds),
+        pipeline_key_file=KEY_FILE,
+    )
 
 
 def model_volume(model_cache: dict[str, Any] | None) -> tuple[list[dict], list[dict]]:
@@ -109,7 +128,8 @@ def _container(
     stage: OmniStage, name: str, index: int, *, with_accelerator: bool, mounts: list[dict]
 ) -> dict[str, Any]:
     spec = stage.spec
-    port, http_port = stage_ports(index)
+    settings = stage_settings(stage, name, index)
+    port, http_port = settings.port, settings.http_port  # the ports the process binds, from one place
     resources: dict[str, dict[str, Any]] = {"requests": {}, "limits": {}}
     if index == 0:
         resources = {k: dict(v) for k, v in spec.resources.to_dict().items()} if spec.resources else resources
@@ -119,35 +139,24 @@ def _container(
         resources.setdefault("limits", {})[accel.type.value] = str(accel.count)
         resources.setdefault("requests", {})[accel.type.value] = str(accel.count)
     probe = {"httpGet": {"path": "/readyz", "port": "http" if index == 0 else http_port}}
+    started = settings.pod_command()
     container: dict[str, Any] = {
         "name": name,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy.value,
-        "command": [
-            "omnikube",
-            "stage",
-            "--config",
-            f"{CONFIG_MOUNT}/{CONFIG_KEY}",
-            "--stage",
-            name,
-            "--host",
-            "0.0.0.0",
-            "--port",
-            str(port),
-            "--http-port",
-            str(http_port),
-            "--drain-timeout",
-            str(drain_timeout(spec.termination_grace_period_seconds)),
-            "--pipeline-key-file",
-            KEY_FILE,
-        ],
+        "command": started.command,
         "ports": [
             {"name": "stage" if index == 0 else f"stage-{index}", "containerPort": port, "protocol": "TCP"},
             {"name": "http" if index == 0 else f"http-{index}", "containerPort": http_port, "protocol": "TCP"},
         ],
         "env": pod_container_env(
-            [e.to_dict() for e in spec.env], spec.hf_token_secret.to_dict() if spec.hf_token_secret else None
+            [e.to_dict() for e in spec.env],
+            spec.hf_token_secret.to_dict() if spec.hf_token_secret else None,
+            started.env,
         ),
+        # The stage writes why it gave up (e.g. ConnectorUnavailable) here; the operator reads it back.
+        "terminationMessagePath": StageSettings.model_fields["termination_log"].default,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
         # Loading a model can take many minutes: the startup probe holds liveness off until ready once.
         "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 180},

@@ -10,19 +10,25 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["Condition", "set_condition", "get_condition", "now_rfc3339"]
+from omni_operator.status.reasons import Reason
+
+__all__ = ["Condition", "Reason", "set_condition", "get_condition", "now_rfc3339"]
 
 Status = Literal["True", "False", "Unknown"]
 
 
 @dataclass(frozen=True)
 class Condition:
-    """A desired condition; `reason` is CamelCase, `message` tells a person what to do."""
+    """A desired condition; `reason` is typed (see reasons.py), `message` tells a person what to do."""
 
     type: str
     status: Status
-    reason: str
+    reason: Reason
     message: str = ""
+
+    def __post_init__(self) -> None:
+        # A plain string is accepted only when it is one of the known reasons: a typo fails here.
+        object.__setattr__(self, "reason", Reason(self.reason))
 
 
 def now_rfc3339() -> str:
@@ -41,7 +47,7 @@ def set_condition(
     entry = {
         "type": wanted.type,
         "status": wanted.status,
-        "reason": wanted.reason,
+        "reason": wanted.reason.value,
         "message": wanted.message,
         "observedGeneration": generation,
         "lastTransitionTime": now or now_rfc3339(),

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_operator.status.conditions import Condition, get_condition
+from pydantic import ValidationError
 
-__all__ = ["PipelineObservation", "pipeline_conditions"]
+from omni_operator.api import validation_messages
+from omni_operator.status.conditions import Condition, get_condition
+from omni_operator.status.reasons import Reason, reason_of
+from omni_runtime.spec import SpecError
+
+__all__ = ["PipelineObservation", "pipeline_conditions", "spec_problem"]
 
 
 class PipelineObservation:
@@ -31,6 +36,14 @@ class PipelineObservation:
         self.stage_names = stage_names or []
         self.groups = groups or {}
         self.router = router
+
+
+def spec_problem(exc: ValidationError | SpecError) -> Condition:
+    """The Degraded condition of a spec that cannot run; the reason is the error's own type (a
+    `SpecError` subclass carries it), never read from the message."""
+    if isinstance(exc, ValidationError):
+        return Condition("Degraded", "True", Reason.INVALID_SPEC, "; ".join(validation_messages(exc)))
+    return Condition("Degraded", "True", Reason(exc.reason), str(exc))
 
 
 def _stage_ready(stage: dict[str, Any]) -> bool:
@@ -79,30 +92,28 @@ def pipeline_conditions(obs: PipelineObservation) -> tuple[list[dict[str, Any]],
     for stage in obs.stages:
         cond = get_condition((stage.get("status") or {}).get("conditions", []), "Degraded")
         if cond and cond.get("status") == "True":
-            stage_problems.append(
-                Condition("Degraded", "True", cond.get("reason", "StageDegraded"), cond.get("message", ""))
-            )
+            stage_problems.append(Condition("Degraded", "True", reason_of(cond.get("reason")), cond.get("message", "")))
     problem = (
         obs.spec_problem
         or obs.secret_problem
         or obs.collision_problem
         or (stage_problems[0] if stage_problems else None)
     )
-    degraded = problem or Condition("Degraded", "False", "AsExpected", "")
+    degraded = problem or Condition("Degraded", "False", Reason.AS_EXPECTED, "")
     all_ready = router_ok and obs.stage_names and ready_count == len(obs.stage_names)
     blocking = obs.spec_problem or obs.collision_problem  # what runs may be fine, but not what was asked for
     if all_ready and blocking is None:
-        ready = Condition("Ready", "True", "Available", f"router and {stages_ready} stages ready")
-        progressing = Condition("Progressing", "False", "Complete", "every stage runs the current spec")
+        ready = Condition("Ready", "True", Reason.AVAILABLE, f"router and {stages_ready} stages ready")
+        progressing = Condition("Progressing", "False", Reason.COMPLETE, "every stage runs the current spec")
     else:
         waiting = [name for name in obs.stage_names if not _group_ready(by_root, obs.groups, name)]
         parts = [f"stages not ready: {', '.join(waiting)}"] if waiting else []
         if not router_ok:
             parts.append(router_msg)
         message = "; ".join(parts) or (blocking.message if blocking else "")
-        reason = blocking.reason if blocking and not parts else (problem.reason if problem else "Progressing")
+        reason = blocking.reason if blocking and not parts else (problem.reason if problem else Reason.PROGRESSING)
         ready = Condition("Ready", "False", reason, message)
         progressing = Condition(
-            "Progressing", "False" if problem else "True", "Stalled" if problem else "RollingOut", message
+            "Progressing", "False" if problem else "True", Reason.STALLED if problem else Reason.ROLLING_OUT, message
         )
     return per_stage, stages_ready, [ready, progressing, degraded]

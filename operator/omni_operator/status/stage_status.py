@@ -6,6 +6,8 @@ import re
 from typing import Any
 
 from omni_operator.status.conditions import Condition
+from omni_operator.status.reasons import Reason
+from omni_runtime.stage.termination import Termination
 
 __all__ = ["stage_conditions", "pod_problem", "selector_string"]
 
@@ -33,7 +35,7 @@ def pod_problem(pods: list[dict[str, Any]], stage: str) -> Condition | None:
                     return Condition(
                         "Degraded",
                         "True",
-                        "ModelCacheMissing",
+                        Reason.MODEL_CACHE_MISSING,
                         f"stage {stage}: its model cache volume is not available (scheduler: "
                         f"{message}); create the PersistentVolumeClaim or fix "
                         f"spec.runtime.modelCache",
@@ -43,7 +45,7 @@ def pod_problem(pods: list[dict[str, Any]], stage: str) -> Condition | None:
                     return Condition(
                         "Degraded",
                         "True",
-                        "InsufficientAccelerator",
+                        Reason.INSUFFICIENT_ACCELERATOR,
                         f"stage {stage}: no node has enough free {missing[0]} for a replica "
                         f"(scheduler: {message}); add nodes with {missing[0]}, free some, "
                         f"or lower the stage's accelerator.count",
@@ -51,11 +53,19 @@ def pod_problem(pods: list[dict[str, Any]], stage: str) -> Condition | None:
                 return Condition(
                     "Degraded",
                     "True",
-                    "Unschedulable",
+                    Reason.UNSCHEDULABLE,
                     f"stage {stage}: its pods cannot be placed (scheduler: {message}); check the "
                     f"stage's nodeSelector, tolerations, affinity and resources",
                 )
         for cs in status.get("containerStatuses", []) + status.get("initContainerStatuses", []):
+            told = _termination(cs)
+            if told is not None:
+                return Condition(
+                    "Degraded",
+                    "True",
+                    Reason(told.reason.value),
+                    f"stage {cs.get('name', stage)}: {told.message}",
+                )
             waiting = (cs.get("state") or {}).get("waiting") or {}
             reason = waiting.get("reason", "")
             if reason == "CrashLoopBackOff":
@@ -66,7 +76,7 @@ def pod_problem(pods: list[dict[str, Any]], stage: str) -> Condition | None:
                 return Condition(
                     "Degraded",
                     "True",
-                    "CrashLoop",
+                    Reason.CRASH_LOOP,
                     f"stage {stage}: container {cs.get('name')} keeps crashing "
                     f"({cs.get('restartCount', 0)} restarts, {detail}); read its logs with "
                     f"kubectl logs {pod['metadata']['name']} -c {cs.get('name')} --previous",
@@ -75,14 +85,25 @@ def pod_problem(pods: list[dict[str, Any]], stage: str) -> Condition | None:
                 return Condition(
                     "Degraded",
                     "True",
-                    "ImagePull",
+                    Reason.IMAGE_PULL,
                     f"stage {stage}: image {cs.get('image')} cannot be pulled ({reason}: "
                     f"{waiting.get('message', '')}); fix runtime.image or imagePullSecrets",
                 )
             if reason in ("CreateContainerConfigError", "CreateContainerError"):
                 return Condition(
-                    "Degraded", "True", "ContainerConfig", f"stage {stage}: {waiting.get('message', reason)}"
+                    "Degraded", "True", Reason.CONTAINER_CONFIG, f"stage {stage}: {waiting.get('message', reason)}"
                 )
+    return None
+
+
+def _termination(cs: dict[str, Any]) -> Termination | None:
+    """What a not-ready container said when it last exited, when it said it in our typed form."""
+    if cs.get("ready"):
+        return None  # it exited once, but serves now
+    for state in (cs.get("state") or {}, cs.get("lastState") or {}):
+        told = Termination.parse((state.get("terminated") or {}).get("message"))
+        if told is not None:
+            return told
     return None
 
 
@@ -102,15 +123,15 @@ def stage_conditions(
         counts = {"replicas": ds.get("replicas", 0), "readyReplicas": ds.get("readyReplicas", 0)}
         return counts, [
             Condition("Ready", "False", problem.reason, f"stage {name}: {problem.message}"),
-            Condition("Progressing", "False", "Stalled", f"stage {name}: {problem.message}"),
+            Condition("Progressing", "False", Reason.STALLED, f"stage {name}: {problem.message}"),
             problem,
         ]
     if deployment is None:
         counts = {"replicas": 0, "readyReplicas": 0}
         return counts, [
-            Condition("Ready", "False", "Creating", f"stage {name}: its Deployment is being created"),
-            Condition("Progressing", "True", "Creating", f"stage {name}: creating the Deployment"),
-            Condition("Degraded", "False", "AsExpected"),
+            Condition("Ready", "False", Reason.CREATING, f"stage {name}: its Deployment is being created"),
+            Condition("Progressing", "True", Reason.CREATING, f"stage {name}: creating the Deployment"),
+            Condition("Degraded", "False", Reason.AS_EXPECTED),
         ]
     ds = deployment.get("status", {})
     current = ds.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0)
@@ -123,24 +144,24 @@ def stage_conditions(
     rolled = current and updated == desired and replicas == desired
     is_ready = rolled and ready >= desired and available >= desired
     problem = pod_problem(pods, name)
-    degraded = problem or Condition("Degraded", "False", "AsExpected")
+    degraded = problem or Condition("Degraded", "False", Reason.AS_EXPECTED)
     if is_ready:
         ready_cond = Condition(
             "Ready",
             "True",
-            "ScaledToZero" if desired == 0 else "Available",
+            Reason.SCALED_TO_ZERO if desired == 0 else Reason.AVAILABLE,
             f"stage {name}: {ready}/{desired} replicas ready",
         )
-        progressing = Condition("Progressing", "False", "Complete", f"stage {name}: rollout complete")
+        progressing = Condition("Progressing", "False", Reason.COMPLETE, f"stage {name}: rollout complete")
     else:
-        why = "RollingOut" if not rolled else "WaitingForReplicas"
+        why = Reason.ROLLING_OUT if not rolled else Reason.WAITING_FOR_REPLICAS
         ready_cond = Condition(
             "Ready", "False", why, f"stage {name}: {ready}/{desired} replicas ready, {updated} updated"
         )
         progressing = Condition(
             "Progressing",
             "True" if problem is None else "False",
-            why if problem is None else "Stalled",
+            why if problem is None else Reason.STALLED,
             f"stage {name}: {updated}/{desired} replicas on the current spec, {ready} ready",
         )
     return counts, [ready_cond, progressing, degraded]

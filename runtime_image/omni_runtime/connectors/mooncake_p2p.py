@@ -2,7 +2,7 @@
 transfer engine (TCP or RDMA), peer to peer.
 
 Each stage process runs one `TransferEngine`, known to the metadata server (served by the Mooncake
-master in the router pod) as `<host>:<port>`. The producer keeps a pool of blocks (anonymous memory,
+master of the pipeline) as `<host>:<port>`. The producer keeps a pool of blocks (anonymous memory,
 registered with the engine once, reused by size class); `put` claims a free block, bumps its
 generation and copies the encoded payload in: one local copy. Only the handle (segment, block
 address, generation, layout) travels. `get` reads header and payload in one transfer into a block
@@ -210,7 +210,7 @@ class MooncakePeerConnector(Connector):
                 raise ConnectorError(
                     f"could not start the Mooncake transfer engine as {self.segment} (metadata "
                     f"{self.metadata_server}, protocol {mc.protocol.value}): initialize returned {rc}; check "
-                    "that the metadata server (the router pod's Mooncake master) is reachable"
+                    "that the metadata server (the pipeline's Mooncake master) is reachable"
                     + ("" if not mc.device_name else f" and that RDMA device {mc.device_name!r} exists")
                 )
         self._out = _BlockPool(self.engine, _owner_block_free, mc.global_segment_size, pool_max_bytes)

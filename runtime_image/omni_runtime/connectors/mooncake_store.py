@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import re
+import socket
 import uuid
 from typing import Any, ClassVar
 
@@ -97,6 +98,7 @@ class MooncakeStoreConnector(Connector):
             ) from e
         self._owns_store = store is None
         if store is None:
+            _check_reachable(self.master_address, self.metadata_server)
             store = MooncakeDistributedStore()
             rc = store.setup(
                 local_hostname, self.metadata_server, mc.global_segment_size, mc.local_buffer_size,
@@ -261,6 +263,20 @@ class _Registration:
         for ptr in self.done:
             self.store.unregister_buffer(ptr)
         self.done.clear()
+
+
+def _check_reachable(master_address: str, metadata_server: str, timeout_s: float = 3.0) -> None:
+    """Fail at once, naming the address, when the master does not accept connections: `setup` would
+    otherwise retry inside Mooncake for about 90 s before saying only -1."""
+    host, _, port = master_address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as err:
+        raise ConnectorError(
+            f"could not join the Mooncake store: master {master_address} is not reachable ({err}; metadata "
+            f"{metadata_server}); check that the pipeline's Mooncake master runs and this pod can reach it"
+        ) from None
 
 
 def _describe(rc: int) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from omni_runtime.spec import SpecError
 
 __all__ = ["ModelFilesNotFound", "RegistryError"]
@@ -12,9 +14,13 @@ class RegistryError(SpecError):
 
     A SpecError: the operator treats it as a permanent problem of the spec (Degraded, no retry storm)."""
 
+    reason: ClassVar[str] = "UnknownPipeline"
+
 
 class ModelFilesNotFound(RegistryError):
     """The model folder, or both of `config.json` and `model_index.json`, are missing.
 
     Unlike other registry errors this can heal by itself (the model cache is still being filled), so a
     caller may retry it with backoff instead of marking the spec wrong."""
+
+    reason: ClassVar[str] = "ModelFilesNotFound"

@@ -17,7 +17,8 @@ import uvicorn
 
 from omni_runtime.router.app import build_app
 from omni_runtime.router.lifecycle import Lifecycle
-from omni_runtime.spec import DRAIN_TIMEOUT_S, ROUTER_PORT, ResolvedPipeline
+from omni_runtime.router.settings import RouterSettings
+from omni_runtime.spec import ResolvedPipeline
 from omni_runtime.stage.auth import PipelineKey
 
 __all__ = ["load_resolved", "make_api_client", "serve"]
@@ -62,23 +63,18 @@ def _needs_kubernetes(pipeline: ResolvedPipeline) -> bool:
     return any(d.service and not d.static for d in pipeline.discovery.values())
 
 
-async def serve(
-    config: str | Path,
-    *,
-    key: PipelineKey,
-    host: str = "0.0.0.0",
-    port: int = ROUTER_PORT,
-    kubeconfig: str | None = None,
-    log_level: str = "info",
-    ping_timeout_s: float = 10.0,
-    api_key_file: str | Path | None = None,
-    drain_timeout_s: float = DRAIN_TIMEOUT_S,
-) -> None:
-    pipeline = load_resolved(config)
-    api_client = await make_api_client(kubeconfig) if _needs_kubernetes(pipeline) else None
+async def serve(settings: RouterSettings, *, key: PipelineKey, log_level: str = "info") -> None:
+    pipeline = load_resolved(settings.config)
+    host, port, api_key_file = settings.host, settings.port, settings.api_key_file
+    drain_timeout_s = settings.drain_timeout
+    api_client = await make_api_client(settings.kubeconfig) if _needs_kubernetes(pipeline) else None
     try:
         app = build_app(
-            pipeline, key=key, api_client=api_client, ping_timeout_s=ping_timeout_s, api_key_file=api_key_file
+            pipeline,
+            key=key,
+            api_client=api_client,
+            ping_timeout_s=settings.ping_timeout,
+            api_key_file=settings.api_key_file,
         )
     except BaseException:
         if api_client is not None:
@@ -100,6 +96,6 @@ async def serve(
             await api_client.close()
 
 
-def run(config: str | Path, **kwargs: Any) -> int:
-    asyncio.run(serve(config, **kwargs))
+def run(settings: RouterSettings, *, key: PipelineKey, log_level: str = "info") -> int:
+    asyncio.run(serve(settings, key=key, log_level=log_level))
     return 0

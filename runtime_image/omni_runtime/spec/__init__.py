@@ -12,7 +12,17 @@ from omni_runtime.spec.enums import (
     MooncakeProtocol,
     StageKind,
 )
-from omni_runtime.spec.pipeline import CompanionSpec, EdgeSpec, ModelMatch, PipelineSpec, SpecError, StageSpec
+from omni_runtime.spec.pipeline import (
+    CompanionSpec,
+    EdgeSpec,
+    ModelMatch,
+    NoUsableConnector,
+    PipelineSpec,
+    SpecError,
+    StageSpec,
+    UnknownEdge,
+    UnknownStage,
+)
 from omni_runtime.spec.resolved import (
     DRAIN_TIMEOUT_S,
     ROUTER_PORT,
@@ -43,6 +53,7 @@ __all__ = [
     "MooncakeMode",
     "MooncakeProtocol",
     "MooncakeSpec",
+    "NoUsableConnector",
     "PipelineSpec",
     "ResolvedPipeline",
     "MediaLimits",
@@ -52,5 +63,7 @@ __all__ = [
     "StageKind",
     "StageOverride",
     "StageSpec",
+    "UnknownEdge",
+    "UnknownStage",
     "resolve_pipeline",
 ]

@@ -6,21 +6,54 @@ It is pure pydantic: importing it never pulls in torch or an engine.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from omni_runtime.spec.connectors import ConnectorsSpec
 from omni_runtime.spec.enums import INPUT_PROCESSORS, ConnectorKind, Modality, StageKind
 
-__all__ = ["CompanionSpec", "EdgeSpec", "ModelMatch", "PipelineSpec", "StageSpec", "SpecError"]
+__all__ = [
+    "CompanionSpec",
+    "EdgeSpec",
+    "ModelMatch",
+    "NoUsableConnector",
+    "PipelineSpec",
+    "SpecError",
+    "StageSpec",
+    "UnknownEdge",
+    "UnknownStage",
+]
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 """Stage and pipeline names become parts of Kubernetes object names (RFC 1123 labels)."""
 
 
 class SpecError(ValueError):
-    """A pipeline spec that cannot run; the message names the field and what to change."""
+    """A pipeline spec that cannot run; the message names the field and what to change.
+
+    Raised as the subclass that says what is wrong: its `reason` is the CamelCase reason of the
+    operator's Degraded condition, so nobody has to recover it from the message."""
+
+    reason: ClassVar[str] = "InvalidTopology"
+
+
+class UnknownStage(SpecError):
+    """The spec names a stage the topology lacks."""
+
+    reason: ClassVar[str] = "UnknownStage"
+
+
+class UnknownEdge(SpecError):
+    """The spec names an edge the topology lacks."""
+
+    reason: ClassVar[str] = "UnknownEdge"
+
+
+class NoUsableConnector(SpecError):
+    """An edge's connector cannot serve the placement of its stages (e.g. `shm` across pods)."""
+
+    reason: ClassVar[str] = "NoUsableConnector"
 
 
 class CompanionSpec(BaseModel):
@@ -137,7 +170,7 @@ class PipelineSpec(BaseModel):
         for stage in self.stages:
             if stage.name == name:
                 return stage
-        raise SpecError(f"pipeline {self.name!r} has no stage {name!r}; its stages are {self.stage_names()}")
+        raise UnknownStage(f"pipeline {self.name!r} has no stage {name!r}; its stages are {self.stage_names()}")
 
     def stage_names(self) -> list[str]:
         return [s.name for s in self.stages]

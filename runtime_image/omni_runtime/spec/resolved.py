@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omni_runtime.spec.connectors import ConnectorsSpec
 from omni_runtime.spec.enums import ConnectorKind
-from omni_runtime.spec.pipeline import PipelineSpec, SpecError
+from omni_runtime.spec.pipeline import NoUsableConnector, PipelineSpec, SpecError, UnknownEdge, UnknownStage
 
 __all__ = [
     "EdgeOverride",
@@ -117,10 +117,21 @@ class ResolvedPipeline(BaseModel):
     colocation: dict[str, str] = Field(default_factory=dict, description="Stage name -> the stage whose pod it shares.")
     discovery: dict[str, StageDiscovery] = Field(default_factory=dict)
     limits: RouterLimits = Field(default_factory=RouterLimits)
+    mooncake_master_host: str | None = Field(
+        None,
+        description="Host (DNS name or IP) of the pipeline's one Mooncake master and metadata server, set "
+        "when an edge uses `mooncake` (ports: topology.connectors.mooncake). The operator sets the DNS name "
+        "of the pipeline's `<name>-mooncake` headless Service; the local launcher its own address.",
+    )
 
     def stage_group(self, name: str) -> str:
         """The pod group a stage runs in: its own name, or the stage it is colocated with."""
         return self.colocation.get(name, name)
+
+    def uses_mooncake(self) -> bool:
+        """Whether any edge moves data through Mooncake (then the pipeline runs a Mooncake master)."""
+        topo = self.topology
+        return any(topo.edge_connector(e) is ConnectorKind.MOONCAKE for e in topo.edges)
 
 
 def resolve_pipeline(
@@ -147,7 +158,7 @@ def resolve_pipeline(
     colocation: dict[str, str] = {}
     for i, override in enumerate(stages):
         if override.name not in names:
-            raise SpecError(
+            raise UnknownStage(
                 f"stages[{i}].name: pipeline {topology.name!r} has no stage {override.name!r}; its stages are {names}"
             )
         stage = spec.stage(override.name)
@@ -155,7 +166,7 @@ def resolve_pipeline(
         stage.sampling_params = {**stage.sampling_params, **override.sampling_params}
         if override.colocate_with:
             if override.colocate_with not in names or override.colocate_with == override.name:
-                raise SpecError(
+                raise UnknownStage(
                     f"stages[{i}].colocateWith: {override.colocate_with!r} is not another stage of "
                     f"{topology.name!r}; use one of {[n for n in names if n != override.name]}"
                 )
@@ -174,7 +185,7 @@ def resolve_pipeline(
         matching = [e for e in spec.edges if e.source == edge_override.source and e.target == edge_override.target]
         if not matching:
             known = [f"{e.source}->{e.target}" for e in spec.edges]
-            raise SpecError(
+            raise UnknownEdge(
                 f"connectors.edges[{i}]: pipeline {topology.name!r} has no edge "
                 f"{edge_override.source}->{edge_override.target}; its edges are {known}"
             )
@@ -202,7 +213,7 @@ def _check_connectors(resolved: ResolvedPipeline) -> None:
         kind = spec.edge_connector(edge)
         same_pod = resolved.stage_group(edge.source) == resolved.stage_group(edge.target)
         if kind is ConnectorKind.SHM and not same_pod:
-            raise SpecError(
+            raise NoUsableConnector(
                 f"edges[{i}] {edge.source}->{edge.target}: connector 'shm' needs both stages in one pod; "
                 f"set colocateWith on one of them, or use 'mooncake' or 'inline' for this edge"
             )

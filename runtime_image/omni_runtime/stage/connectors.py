@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_runtime.connectors import AnyHandle, Connector, Handle, make_connector
+from omni_runtime.connectors import AnyHandle, Connector, ConnectorError, Handle, make_connector
 from omni_runtime.metrics import Stage as M
 from omni_runtime.spec import ConnectorKind, ResolvedPipeline
 
-__all__ = ["ConnectorSet", "ConnectorSettings"]
+__all__ = ["ConnectorSet", "ConnectorSettings", "ConnectorUnavailable"]
+
+log = logging.getLogger(__name__)
+
+START_RETRY_S = 2.0
+"""Pause between attempts to start a connector at start-up."""
+
+
+class ConnectorUnavailable(ConnectorError):
+    """A connector an edge of the stage needs could not start within the start-up time."""
 
 
 @dataclass
@@ -22,9 +33,10 @@ class ConnectorSettings:
     shm_pool_bytes: int = 64 * 1024**2
     """Idle shm bytes kept for reuse; 0 unlinks each segment soon after it is released."""
     mooncake_host: str = "127.0.0.1"
-    """This pod's address as other pods reach it (Mooncake transfer engine)."""
-    mooncake_master_host: str = "127.0.0.1"
-    """Host of the Mooncake master and metadata server (the router pod); ports come from the spec."""
+    """This pod's address as other pods reach it (Mooncake transfer engine). The master's host is the
+    pipeline's (`ResolvedPipeline.mooncake_master_host`), its ports the spec's."""
+    start_timeout_s: float = 120.0
+    """How long `start` keeps trying to make the connectors the stage's edges need."""
     extra: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Additional `make_connector` keyword arguments by kind."""
 
@@ -51,6 +63,41 @@ class ConnectorSet:
                 gauge.set_function(lambda: stats()["busy"])
         return found
 
+    def needed(self) -> list[ConnectorKind]:
+        """The connector kinds of the edges into and out of this stage."""
+        topo = self.pipeline.topology
+        kinds = {topo.edge_connector(e) for e in topo.edges if self.stage in (e.source, e.target)}
+        return sorted(kinds, key=lambda k: k.value)
+
+    async def start(self) -> None:
+        """Make every connector this stage's edges need, before the stage calls itself ready.
+
+        A connector that fails is tried again every few seconds (the Mooncake master may still be
+        starting) until `settings.start_timeout_s`; then ConnectorUnavailable says which kind, for which
+        edges, and what it tried (the connector's own error names the addresses)."""
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        for kind in self.needed():
+            attempt = 0
+            while True:
+                attempt += 1
+                try:
+                    await asyncio.to_thread(self.connector, kind)
+                    break
+                except ConnectorError as err:
+                    if time.monotonic() + START_RETRY_S > deadline:
+                        topo = self.pipeline.topology
+                        edges = ", ".join(
+                            f"{e.source}->{e.target}"
+                            for e in topo.edges
+                            if self.stage in (e.source, e.target) and topo.edge_connector(e) is kind
+                        )
+                        raise ConnectorUnavailable(
+                            f"connector {kind.value!r} (edges {edges}) did not start in "
+                            f"{self.settings.start_timeout_s:.0f}s ({attempt} attempts): {err}"
+                        ) from err
+                    log.warning("stage %s: connector %s not started yet (%s); retrying", self.stage, kind.value, err)
+                    await asyncio.sleep(START_RETRY_S)
+
     def _runtime_info(self, kind: ConnectorKind) -> dict[str, Any]:
         s = self.settings
         info: dict[str, Any] = {}
@@ -60,7 +107,7 @@ class ConnectorSet:
             info = {
                 "pipeline": self.pipeline.name,
                 "local_hostname": s.mooncake_host,
-                "master_host": s.mooncake_master_host,
+                "master_host": self.pipeline.mooncake_master_host or "127.0.0.1",
             }
         return {**info, **s.extra.get(kind.value, {})}
 

@@ -38,8 +38,7 @@ def build_app(server: StageServer) -> Starlette:
             return JSONResponse(
                 {"status": "ready", "stage": server.stage, "running": sum(phases.values()), "phases": dict(phases)}
             )
-        reason = "engine failed to load" if server._load_error else "engine loading"
-        return JSONResponse({"status": reason, "stage": server.stage}, status_code=503)
+        return JSONResponse({"status": server.phase, "stage": server.stage}, status_code=503)
 
     async def metrics(_: Request) -> Response:
         body, content_type = render()

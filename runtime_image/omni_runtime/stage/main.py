@@ -9,34 +9,37 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from pathlib import Path
 
-from omni_runtime.spec import DRAIN_TIMEOUT_S, ResolvedPipeline
+from omni_runtime.spec import ResolvedPipeline
 from omni_runtime.stage.auth import PipelineKey
-from omni_runtime.stage.connectors import ConnectorSettings
+from omni_runtime.stage.connectors import ConnectorSettings, ConnectorUnavailable
 from omni_runtime.stage.server import StageServer
+from omni_runtime.stage.settings import StageSettings
+from omni_runtime.stage.termination import ExitReason, Termination
 
 __all__ = ["run", "serve"]
 
 log = logging.getLogger(__name__)
 
 
-async def serve(
-    config: str | Path,
-    stage: str,
-    *,
-    host: str,
-    port: int,
-    http_port: int,
-    replica: str,
-    connectors: ConnectorSettings,
-    drain_timeout_s: float = DRAIN_TIMEOUT_S,
-    key: PipelineKey,
-) -> int:
-    pipeline = ResolvedPipeline.model_validate_json(Path(config).read_text(encoding="utf-8"))
-    server = StageServer(
-        pipeline, stage, key=key, host=host, port=port, http_port=http_port, replica=replica, connectors=connectors
+async def serve(settings: StageSettings, *, key: PipelineKey) -> int:
+    """Serve until SIGTERM/SIGINT (then 0). 1 when the engine failed to load or a connector of the
+    stage's edges could not start in time; the latter also writes a termination message."""
+    pipeline = ResolvedPipeline.model_validate_json(Path(settings.config).read_text(encoding="utf-8"))
+    stage = settings.stage
+    replica = settings.replica or socket.gethostname()
+    connectors = ConnectorSettings(
+        owner=f"{stage}-{replica}",
+        shm_pool_bytes=settings.shm_pool_bytes,
+        mooncake_host=settings.advertise_host,
+        start_timeout_s=settings.connector_timeout,
     )
+    server = StageServer(
+        pipeline, stage, key=key, host=settings.host, port=settings.port, http_port=settings.http_port,
+        replica=replica, connectors=connectors,
+    )  # fmt: skip
     stop = asyncio.Event()
     force = asyncio.Event()
 
@@ -54,10 +57,16 @@ async def serve(
     await asyncio.wait({waiter, serving}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if serving.done() and serving.exception() is not None:
-        log.error("%s", serving.exception())
+        err = serving.exception()
+        log.error("%s", err)
         code = 1
+        if isinstance(err, ConnectorUnavailable):
+            # The operator reads this (pod terminationMessagePath) and reports Degraded with the reason.
+            Termination(reason=ExitReason.CONNECTOR_UNAVAILABLE, message=str(err)[-3000:]).write(
+                settings.termination_log
+            )
     elif stop.is_set():
-        drain = asyncio.create_task(server.drain(drain_timeout_s))
+        drain = asyncio.create_task(server.drain(settings.drain_timeout))
         forced = asyncio.create_task(force.wait())
         await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
         if not drain.done():
@@ -72,5 +81,5 @@ async def serve(
     return code
 
 
-def run(config: str | Path, stage: str, **kwargs) -> int:
-    return asyncio.run(serve(config, stage, **kwargs))
+def run(settings: StageSettings, *, key: PipelineKey) -> int:
+    return asyncio.run(serve(settings, key=key))

@@ -34,7 +34,7 @@ from omni_runtime.processors import ProcessorError
 from omni_runtime.spec import ResolvedPipeline
 from omni_runtime.stage import protocol as P
 from omni_runtime.stage.auth import NO_SESSION, AuthError, Channel, HelloLedger, PipelineKey, open_hello
-from omni_runtime.stage.connectors import ConnectorSet, ConnectorSettings
+from omni_runtime.stage.connectors import ConnectorSet, ConnectorSettings, ConnectorUnavailable
 from omni_runtime.stage.inputs import owned, process_inputs
 from omni_runtime.stage.outputs import audio_seconds, count_items, merge, summarize
 
@@ -145,6 +145,7 @@ class StageServer:
         self._http: Any = None
         self._stopped = asyncio.Event()
         self._load_error: BaseException | None = None
+        self._phase = "starting"
         self._closing = False
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -189,6 +190,11 @@ class StageServer:
 
     async def _load(self) -> None:
         try:
+            # Connectors first: a stage whose edges cannot move data must never be ready, and the
+            # model is not worth loading while they cannot.
+            self._phase = "connectors starting"
+            await self.connectors.start()
+            self._phase = "engine loading"
             if self.engine is None:
                 from omni_runtime.engines.factory import make_engine
 
@@ -200,7 +206,12 @@ class StageServer:
             log.info("stage %s: engine ready in %.1fs", self.stage, time.perf_counter() - started)
         except BaseException as err:
             self._load_error = err
-            log.exception("stage %s: the engine failed to load", self.stage)
+            if isinstance(err, ConnectorUnavailable):
+                self._phase = "connector unavailable"
+                log.error("stage %s: %s", self.stage, err)
+            else:
+                self._phase = "engine failed to load"
+                log.exception("stage %s: the engine failed to load", self.stage)
             self._stopped.set()
             if not isinstance(err, Exception):
                 raise
@@ -208,6 +219,8 @@ class StageServer:
     async def serve_forever(self) -> None:
         """Run until `stop()` is called or the engine fails to load (then raise its error)."""
         await self._stopped.wait()
+        if isinstance(self._load_error, ConnectorUnavailable):
+            raise self._load_error
         if self._load_error is not None:
             raise RuntimeError(f"stage {self.stage}: engine failed to load: {self._load_error}")
 
@@ -265,6 +278,12 @@ class StageServer:
                 await self._fail(work, "unavailable", message)
                 work.task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def phase(self) -> str:
+        """What the stage is doing before it is ready (for /readyz): starting connectors, loading the
+        engine, or why it gave up."""
+        return "ready" if self.ready else self._phase
 
     async def stop(self) -> None:
         """Abort every work, stop the engine, close connectors (unlinking this process's shm). The
