@@ -205,9 +205,14 @@ def test_qwen3_omni_lands_on_gpu_nodes_and_becomes_ready(cluster, operator, name
         assert pod["spec"]["nodeName"].startswith("gpu-node-")
         assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == gpus
     assert [c["name"] for c in by_stage["talker"][0]["spec"]["containers"]] == ["talker", "code2wav"]
-    # The router runs a Mooncake master beside it because thinker->talker uses mooncake.
+    # thinker->talker uses mooncake: the pipeline's one master runs in a Deployment of its own, found
+    # through its headless Service; the router pod and the router Service stay free of it.
     router = get(cluster, namespace, "deployment", f"{name}-router")
-    assert [c["name"] for c in router["spec"]["template"]["spec"]["containers"]] == ["router", "mooncake-master"]
+    assert [c["name"] for c in router["spec"]["template"]["spec"]["containers"]] == ["router"]
+    master = get(cluster, namespace, "deployment", f"{name}-mooncake")
+    assert master is not None and master["spec"]["replicas"] == 1
+    assert get(cluster, namespace, "service", f"{name}-mooncake")["spec"]["clusterIP"] == "None"
+    assert {p["name"] for p in get(cluster, namespace, "service", f"{name}-router")["spec"]["ports"]} == {"http"}
     events = kubectl_json(
         cluster, "get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name},reason=Ready"
     )["items"]
@@ -285,7 +290,22 @@ def test_unknown_pipeline_and_missing_connector_are_degraded(cluster, operator, 
             connectors={"edges": [{"from": "enhancer", "to": "dit", "kind": "shm"}]},
         ),
     )
-    for name, reason, word in (("nopipe", "UnknownPipeline", "text-chat"), ("noconn", "NoUsableConnector", "shm")):
+    # An edge the topology does not have.
+    apply(
+        cluster,
+        namespace,
+        pipeline(
+            "noedge",
+            "prompt-enhanced-t2i",
+            [],
+            connectors={"edges": [{"from": "dit", "to": "enhancer", "kind": "inline"}]},
+        ),
+    )
+    for name, reason, word in (
+        ("nopipe", "UnknownPipeline", "text-chat"),
+        ("noconn", "NoUsableConnector", "shm"),
+        ("noedge", "UnknownEdge", "dit->enhancer"),
+    ):
         cond = wait_for(
             lambda n=name: (lambda c: c if c.get("status") == "True" else None)(
                 condition(get(cluster, namespace, "omnipipeline", n) or {}, "Degraded")

@@ -885,3 +885,91 @@ def test_a_runner_without_a_cluster_ca_runs_pods_but_serves_no_logs(cluster, nam
         wait_for("noca wrote", lambda: "hi" in runner.logs(namespace, "noca", "c"))
         assert _logs(cluster, namespace, "noca").returncode != 0
     assert "the kubeconfig names no CA" in caplog.text
+
+
+def test_termination_messages_from_the_file_or_the_log_tail(cluster, namespace, podrunner: PodRunner):
+    said = {"name": "c", "image": "x", "command": ["sh", "-c", "echo -n '{\"why\": 1}' > /dev/termination-log; exit 2"]}
+    custom = {
+        "name": "c",
+        "image": "x",
+        "command": ["sh", "-c", "echo -n done > /tmp-term/msg; exit 0"],
+        "terminationMessagePath": "/tmp-term/msg",
+    }
+    logged = {
+        "name": "c",
+        "image": "x",
+        "command": ["sh", "-c", "echo first; echo last words; exit 3"],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    # The pod's /dev is a mirror of the host's once /dev/termination-log exists: /dev/shm is still its own.
+    shm = {"name": "c", "image": "x", "command": ["sh", "-c", "touch /dev/shm/podrunner-probe-$$ && ls /dev/shm"]}
+    apply(
+        cluster,
+        namespace,
+        pod("said", [said], restartPolicy="Never"),
+        pod("custom", [custom], restartPolicy="Never"),
+        pod("logged", [logged], restartPolicy="Never"),
+        pod("shm", [shm], restartPolicy="Never"),
+    )
+
+    def finished(name: str) -> dict:
+        return wait_for(
+            f"{name} finished",
+            lambda: (s := container_status(get_pod(cluster, namespace, name))).get("state", {}).get("terminated") and s,
+            timeout=60,
+        )["state"]["terminated"]
+
+    assert finished("said")["message"] == '{"why": 1}'
+    assert finished("custom")["message"] == "done"
+    assert finished("logged")["message"].splitlines() == ["first", "last words"]
+    assert finished("shm")["exitCode"] == 0
+    assert not list(Path("/dev/shm").glob("podrunner-probe-*")), "the pod wrote into the host's /dev/shm"
+
+
+def test_headless_service_names_resolve_in_pods_and_follow_their_endpoints(cluster, namespace, podrunner: PodRunner):
+    client = {"name": "c", "image": "x", "command": ["sleep", "600"]}
+    apply(cluster, namespace, pod("client", [client], terminationGracePeriodSeconds=1))
+    wait_for("client running", lambda: container_status(get_pod(cluster, namespace, "client")).get("started"))
+
+    def resolve(name: str) -> str:
+        code, out = podrunner.exec(namespace, "client", "c", ["getent", "hosts", name])
+        return out.split()[0] if code == 0 and out.strip() else ""
+
+    assert resolve(f"db.{namespace}.svc") == ""  # no Service yet
+    apply(
+        cluster,
+        namespace,
+        pod("db", [http_server()], volumes=SRV, labels={"svc": "db"}),
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "db"},
+            "spec": {"clusterIP": "None", "selector": {"svc": "db"}, "ports": [{"name": "http", "port": 8080}]},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "web"},
+            "spec": {"selector": {"svc": "db"}, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
+        },
+    )
+    db_ip = wait_for("db ready", lambda: condition(p := get_pod(cluster, namespace, "db"), "Ready") == "True" and p)[
+        "status"
+    ]["podIP"]
+    # A running container sees the new name without a restart, under every form the search path allows.
+    for name in (f"db.{namespace}.svc.cluster.local", f"db.{namespace}.svc", f"db.{namespace}", "db"):
+        assert wait_for(f"{name} resolves", lambda n=name: resolve(n)) == db_ip
+    code, out = podrunner.exec(
+        namespace,
+        "client",
+        "c",
+        [
+            "python3",
+            "-c",
+            f"import urllib.request as u; print(u.urlopen('http://db.{namespace}.svc:8080/name').read().decode())",
+        ],
+    )
+    assert code == 0 and out.strip() == "db", out
+    assert resolve(f"web.{namespace}.svc") == ""  # a ClusterIP would not route here: no line for it
+    cluster.kubectl("-n", namespace, "delete", "pod", "db", "--wait=false")
+    wait_for("db leaves the hosts file", lambda: resolve(f"db.{namespace}.svc") == "", timeout=60)

@@ -48,7 +48,7 @@ class RootBuilder:
         self.root = root
         self.owned: set[str] = {"/"}  # directories on tmpfs we own (after pivot_root): mkdir is safe there
 
-    def build(self, shm_size: int | None) -> None:
+    def build(self) -> None:
         linux.mount("tmpfs", self.root, "tmpfs", linux.MS_NOSUID, "mode=755")
         for name in sorted(os.listdir("/")):
             host, target = "/" + name, os.path.join(self.root, name)
@@ -57,10 +57,6 @@ class RootBuilder:
                 linux.mount("proc", target, "proc", linux.MS_NOSUID | linux.MS_NODEV)
             else:
                 _mirror_entry(host, target)
-        shm = os.path.join(self.root, "dev/shm")
-        if os.path.isdir(shm):
-            opts = "mode=1777" + (f",size={shm_size}" if shm_size else ",size=64m")
-            linux.mount("shm", shm, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, opts)
         os.mkdir(os.path.join(self.root, OLD_ROOT.lstrip("/")), 0o700)
         linux.pivot_root(self.root, os.path.join(self.root, OLD_ROOT.lstrip("/")))
         os.chdir("/")
@@ -101,6 +97,13 @@ class RootBuilder:
             _mirror_entry(os.path.join(source, name), os.path.join(path, name))
         self.owned.add(path)
 
+    def mount_shm(self, shm_size: int | None) -> None:
+        """The pod's own /dev/shm, mounted after the mount points: making one under /dev (the
+        container's /dev/termination-log) replaces /dev by a mirror of the host's, shm included."""
+        if os.path.isdir("/dev/shm"):
+            opts = "mode=1777" + (f",size={shm_size}" if shm_size else ",size=64m")
+            linux.mount("shm", "/dev/shm", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, opts)
+
     def finish(self) -> None:
         linux.umount(OLD_ROOT, linux.MNT_DETACH)
         os.rmdir(OLD_ROOT)
@@ -123,9 +126,10 @@ def setup(req: dict) -> None:
     if req.get("hostname"):
         linux.sethostname(req["hostname"])
     builder = RootBuilder(req["root"])
-    builder.build(req.get("shm_size"))
+    builder.build()
     for mp in sorted(req.get("mountpoints", []), key=lambda m: m["path"].count("/")):
         builder.ensure(mp["path"], mp.get("file", False))
+    builder.mount_shm(req.get("shm_size"))
     builder.finish()
     for vol in req.get("memory_volumes", []):
         opts = "mode=1777" + (f",size={vol['size']}" if vol.get("size") else "")

@@ -187,8 +187,28 @@ class ContainerRunner:
                 await probing
         self.process = None
         reason = "Completed" if code == 0 else "Error"
-        self._terminated(code, reason, self._kill_message, started_at)
+        self._terminated(code, reason, self._termination_message(code) or self._kill_message, started_at)
         return code
+
+    def _termination_message(self, code: int) -> str:
+        """What the container wrote to its terminationMessagePath (as the kubelet: at most 4096 bytes),
+        else, with policy FallbackToLogsOnError and a failure, the end of its log (80 lines, 2048 bytes)."""
+        path = self.worker.termination_file(self.name)
+        try:
+            with open(path, "rb") as f:
+                text = f.read(4096).decode(errors="replace")
+        except OSError:
+            text = ""
+        if text or code == 0 or self.spec.get("terminationMessagePolicy") != "FallbackToLogsOnError":
+            return text
+        try:
+            with open(self.worker.log_path(self.name), "rb") as f:
+                f.seek(0, 2)
+                f.seek(max(0, f.tell() - 2048))
+                tail = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(tail.splitlines()[-80:])
 
     def _count_attempt(self) -> None:
         """restartCount grows when the new container appears (with its state), as under the kubelet."""

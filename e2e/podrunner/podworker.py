@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from podrunner.containers import Backoff, ContainerRunner
+from podrunner.dns import ServiceDns
 from podrunner.downward import now
 from podrunner.envs import ObjectCache, container_env, expand_command
 from podrunner.events import EventRecorder
@@ -56,6 +57,7 @@ class Services:
     backoff: Backoff
     base_env: dict[str, str]
     allocatable: dict[str, dict[str, str]]  # node -> allocatable
+    dns: ServiceDns | None = None
     api_proxy: ApiProxy | None = None
     api_address: tuple[str, int] = ("127.0.0.1", 443)
     image_paths: list[str] = field(default_factory=list)  # host folders that are "the image" (repo, venv)
@@ -69,11 +71,12 @@ def pod_dir(state_dir: Path, namespace: str, name: str) -> Path:
     return state_dir / "pods" / f"{namespace}_{name}"
 
 
-def _hosts_file(ip: str, hostname: str) -> str:
+def _hosts_file(ip: str, hostname: str, services: str = "") -> str:
+    """The kubelet's hosts file, with `services` (dns.py's lines) before the pod's own line, which stays last."""
     return (
         "# Kubernetes-managed hosts file (omnikube pod runner).\n127.0.0.1\tlocalhost\n"
         "::1\tlocalhost ip6-localhost ip6-loopback\nfe00::0\tip6-localnet\nfe00::0\tip6-mcastprefix\n"
-        f"{ip}\t{hostname}\n"
+        f"{services}{ip}\t{hostname}\n"
     )
 
 
@@ -163,15 +166,33 @@ class PodWorker:
             node_allocatable=self.svc.allocatable.get(self.node, {}),
         )
         self._envs[spec["name"]] = env
+        termination = self.termination_file(spec["name"])
+        termination.write_bytes(b"")  # each run of the container starts with an empty message
         mounts = keep_image_visible(
             [
                 {"source": str(self.sandbox_dir / "hosts"), "target": "/etc/hosts", "readonly": False},
                 {"source": str(self.sandbox_dir / "hostname"), "target": "/etc/hostname", "readonly": False},
+                {"source": str(termination), "target": _termination_path(spec), "readonly": False},
                 *container_mounts(spec, self.volumes, env),
             ],
             self.svc.image_paths,
         )
         return expand_command(spec, env), env, spec.get("workingDir") or "/", mounts
+
+    def write_hosts(self) -> None:
+        """The pod's /etc/hosts: the Services cluster DNS would resolve (dns.py), then itself. Written in
+        place, so containers that bind-mounted it see the change."""
+        path = self.sandbox_dir / "hosts"
+        if not self.sandbox_dir.is_dir() or self.ip is None:
+            return
+        services = self.svc.dns.lines(self.namespace) if self.svc.dns is not None else ""
+        text = _hosts_file(self.pod_ip, self._hostname(), services)
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            f.write(text)
+
+    def termination_file(self, container: str) -> Path:
+        """The host file bind-mounted at the container's terminationMessagePath."""
+        return self.sandbox_dir / f"termination-{container}"
 
     def _hostname(self) -> str:
         spec = self.pod["spec"]
@@ -339,7 +360,7 @@ class PodWorker:
                     runner._waiting("ContainerCreating", str(e))
                 await asyncio.sleep(2.0)
         hostname = self._hostname()
-        (self.sandbox_dir / "hosts").write_text(_hosts_file(self.pod_ip, hostname))
+        self.write_hosts()
         (self.sandbox_dir / "hostname").write_text(hostname + "\n")
         (self.sandbox_dir / "rootfs").mkdir(exist_ok=True)
         delay = 1.0
@@ -383,6 +404,7 @@ class PodWorker:
     def _mountpoints(self) -> list[dict[str, Any]]:
         points: dict[str, bool] = {}
         for spec in [*(self.pod["spec"].get("initContainers") or []), *self.pod["spec"]["containers"]]:
+            points.setdefault(_termination_path(spec), True)
             with contextlib.suppress(VolumeError):
                 for m in container_mounts(spec, self.volumes, {}):
                     points.setdefault(m["target"], Path(m["source"]).is_file())
@@ -451,6 +473,11 @@ class PodWorker:
         self._last_written = status
         if _rv(result) >= _rv(self.pod):
             self.pod = result
+
+
+def _termination_path(spec: dict) -> str:
+    """Where the container writes why it ended (the API server defaults it to /dev/termination-log)."""
+    return spec.get("terminationMessagePath") or "/dev/termination-log"
 
 
 def _rv(obj: dict) -> int:

@@ -30,6 +30,7 @@ if __name__ == "__main__" and not __package__:  # run as a script: make the pack
 import httpx  # noqa: E402
 
 from podrunner.containers import Backoff  # noqa: E402
+from podrunner.dns import ServiceDns  # noqa: E402
 from podrunner.events import EventRecorder  # noqa: E402
 from podrunner.kube import Kube  # noqa: E402
 from podrunner.kubelet import KubeletServer  # noqa: E402
@@ -207,6 +208,8 @@ class PodRunner:
                 image_paths=self.image_paths(),
                 volume_sync_s=self.volume_sync_s,
             )
+            self.svc.dns = ServiceDns(kube, self._refresh_hosts)
+            background.append(asyncio.create_task(self.svc.dns.run()))
             kubelet_port = await self._start_kubelet(kubelet, kube, str(network.gateway))
             for cfg in self.nodes:
                 keeper = NodeKeeper(kube, cfg, str(network.gateway), f"{version}-podrunner", kubelet_port)
@@ -390,6 +393,11 @@ class PodRunner:
             except Exception as e:  # noqa: BLE001 - the watch must go on
                 log.warning("watch of pods on %s failed (%s); listing again", node, e)
                 await asyncio.sleep(1)
+
+    def _refresh_hosts(self) -> None:
+        assert self.svc is not None
+        for worker in list(self.svc.workers.values()):
+            worker.write_hosts()
 
     def _dispatch(self, kind: str, pod: dict) -> None:
         assert self.svc is not None
