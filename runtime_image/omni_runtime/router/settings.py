@@ -27,8 +27,8 @@ class RouterSettings(ProcessSettings):
     authenticated with it."""
     host: str = "0.0.0.0"
     """Address to bind the HTTP port to."""
-    port: int = Field(ROUTER_PORT, ge=1, le=65535)
-    """HTTP port of the OpenAI API, /health and /metrics."""
+    port: int = Field(ROUTER_PORT, ge=0, le=65535)
+    """HTTP port of the OpenAI API, /health and /metrics (0: any free port)."""
     kubeconfig: str | None = None
     """kubeconfig for EndpointSlice discovery (default: the in-cluster service account)."""
     ping_timeout: float = Field(10.0, gt=0)

@@ -29,9 +29,9 @@ class StageSettings(ProcessSettings):
     """Name of the stage this process serves."""
     host: str = "0.0.0.0"
     """Address to bind the protocol and probe ports to."""
-    port: int = Field(STAGE_PORT, ge=1, le=65535)
-    """Protocol port (ZeroMQ, router <-> stage)."""
-    http_port: int = Field(STAGE_HTTP_PORT, ge=1, le=65535)
+    port: int = Field(STAGE_PORT, ge=0, le=65535)
+    """Protocol port (ZeroMQ, router <-> stage; 0: any free port)."""
+    http_port: int = Field(STAGE_HTTP_PORT, ge=0, le=65535)
     """Port of /healthz, /readyz and /metrics."""
     replica: str | None = None
     """Replica name for metrics and shm segment names (default: the host name)."""
