@@ -141,7 +141,9 @@ class ProcessSettings(BaseModel):
 def _checker(cls: type[ProcessSettings], name: str) -> Any:
     """An argparse `type` that validates one flag's text as the field would, with pydantic's message."""
     field = cls.model_fields[name]
-    annotation = typing.Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+    annotation: Any = field.annotation
+    if field.metadata:  # bounds (ge, le...) travel as Annotated metadata
+        annotation = typing.Annotated[(annotation, *field.metadata)]
     adapter: TypeAdapter[Any] = TypeAdapter(annotation)
 
     def check(text: str) -> Any:
