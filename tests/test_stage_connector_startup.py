@@ -108,8 +108,8 @@ def test_the_stage_process_exits_with_a_typed_termination_message(tmp_path: Path
     key = tmp_path / "pipeline-key"
     PipelineKey.write_new(key)
     settings = StageSettings(
-        config=str(config), pipeline_key_file=str(key), stage="enhancer", host="127.0.0.1", port=free_port(), http_port=free_port(),
-        connector_timeout=3, termination_log=str(termination),
+        config=str(config), pipeline_key_file=str(key), stage="enhancer", host="127.0.0.1", port=free_port(),
+        http_port=free_port(), connector_timeout=3, termination_log=str(termination),
     )  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "omni_runtime.cli", settings.command, *settings.to_argv()],
