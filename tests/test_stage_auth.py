@@ -20,7 +20,14 @@ from servelib import EchoEngine, echo_pipeline
 from omni_runtime.metrics import REGISTRY
 from omni_runtime.spec import PipelineSpec, StageSpec
 from omni_runtime.stage import protocol as P
-from omni_runtime.stage.auth import AUTH_FRAME_BYTES, AuthError, Channel, PipelineKey, open_hello
+from omni_runtime.stage.auth import (
+    AUTH_FRAME_BYTES,
+    THREAD_MIN_BYTES,
+    AuthError,
+    Channel,
+    PipelineKey,
+    open_hello,
+)
 from omni_runtime.stage.connectors import ConnectorSettings
 from omni_runtime.stage.server import StageServer
 
@@ -95,6 +102,37 @@ def test_channel_accepts_the_peer_and_refuses_others_replays_and_reflections() -
     assert bare.value.reason == "no_auth"
 
 
+async def test_large_messages_are_sealed_and_checked_off_the_event_loop_with_the_same_rules() -> None:
+    key = PipelineKey.generate()
+    router, stage = _pair(key)
+    big = {"blob": os.urandom(THREAD_MIN_BYTES + 1)}
+    sealed = await router.seal_async(P.encode(P.Output(id="w", seq=0, data=True), big))
+    assert stage.open(sealed)  # the same wire format as `seal`
+    sealed = await router.seal_async(P.encode(P.Output(id="w", seq=1, data=True), big))
+    message, rest = P.decode(await stage.open_async(sealed))
+    assert P.payload_of(message, rest) == big
+    with pytest.raises(AuthError) as replay:
+        await stage.open_async(sealed)
+    assert replay.value.reason == "replay"
+    tampered = await router.seal_async(P.encode(P.Output(id="w", seq=2, data=True), big))
+    tampered[-1] = bytes(tampered[-1])[:-1] + b"!"
+    with pytest.raises(AuthError) as bad:
+        await stage.open_async(tampered)
+    assert bad.value.reason == "bad_mac"
+
+
+def test_a_large_opening_message_is_refused_unread() -> None:
+    key = PipelineKey.generate()
+    hello = Channel(key, "router").seal(P.encode(P.Hello()))
+    assert open_hello(key, hello)
+    padded = Channel(key, "router").seal([*P.encode(P.Hello()), b"x" * 10])
+    bulky = Channel(key, "router").seal([b"x" * 2048])
+    for frames in (padded, bulky):
+        with pytest.raises(AuthError) as refused:
+            open_hello(key, frames)
+        assert refused.value.reason == "no_auth"
+
+
 # -- the real stage server -----------------------------------------------------------------------
 
 
@@ -112,6 +150,7 @@ class Peer:
         self.sock.connect(f"tcp://127.0.0.1:{port}")
         self.channel = Channel(key, "router") if key is not None else None
         self.sent: list[list[bytes]] = []
+        self.last_rest: list[Any] = []
 
     def send(self, message: P.Message, payload: dict[str, Any] | None = None) -> list[bytes]:
         frames = P.encode(message, payload)
@@ -126,7 +165,8 @@ class Peer:
     async def recv(self, timeout_s: float = 10.0) -> P.Message:
         frames = await asyncio.wait_for(self.sock.recv_multipart(), timeout_s)
         assert self.channel is not None
-        return P.decode(self.channel.open(frames))[0]
+        message, self.last_rest = P.decode(self.channel.open(frames))
+        return message
 
     def nothing_received(self) -> bool:
         return not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
@@ -205,13 +245,18 @@ async def test_a_peer_without_the_key_can_neither_submit_nor_get_an_answer() -> 
         foreign.send(_submit("intruder-2"), {"prompt": "steal this"})
         await _dropped("unknown_session", before)
 
-        # The pipeline's own router, on its own connection, is served as always.
+        # The pipeline's own router, on its own connection, is served as always; large messages too
+        # (their MACs are computed in a worker thread).
         router = s.peer(s.key)
         await router.hello()
         outputs = await router.run(_submit("ours"), {"prompt": "hello there"})
         assert isinstance(outputs[-1], P.Output) and outputs[-1].finished and outputs[-1].data
+        word = "w" * (2 * THREAD_MIN_BYTES)
+        outputs = await router.run(_submit("ours-big"), {"prompt": word})
+        assert isinstance(outputs[-1], P.Output) and outputs[-1].finished and outputs[-1].data
+        assert P.payload_of(outputs[-1], router.last_rest)["text"] == word + " "
 
-        assert [r.request_id for r in s.engine.seen] == ["ours"]  # the intruders' works never ran
+        assert [r.request_id for r in s.engine.seen] == ["ours", "ours-big"]  # the intruders' works never ran
         assert plain.nothing_received() and foreign.nothing_received()  # not even a pong
 
 
@@ -279,3 +324,70 @@ async def test_replayed_messages_are_refused() -> None:
         router.send(P.Ping(nonce=7))
         pong = await router.recv()
         assert isinstance(pong, P.Pong) and pong.nonce == 7
+
+
+# -- the router's side -----------------------------------------------------------------------------
+
+
+def _router_rejected(reason: str, address: str) -> float:
+    labels = {"pipeline": "trust", "stage": "llm", "replica": address, "reason": reason}
+    return REGISTRY.get_sample_value("omnikube_protocol_messages_rejected_total", labels) or 0.0
+
+
+async def test_a_router_with_another_pipelines_key_never_gets_a_replica_up(monkeypatch) -> None:
+    from omni_runtime.router import client as client_module
+    from omni_runtime.router.client import ReplicaClient
+
+    monkeypatch.setattr(client_module, "HELLO_RETRY_S", 0.2)  # say why sooner than the real 5 s
+    async with _Stage() as s:
+        before = _rejected("bad_mac")
+        replica = ReplicaClient(
+            s.ctx, "trust", "llm", f"127.0.0.1:{s.server.port}", key=PipelineKey.generate(), ping_interval_s=0.05
+        )
+        replica.start()
+        try:
+            while _rejected("bad_mac") < before + 2:  # its first Hello, and the one from a new session after it
+                await asyncio.sleep(0.01)
+            while "pipeline's key" not in replica.reason:
+                await asyncio.sleep(0.01)
+            assert not replica.usable and replica.state.value == "connecting"
+            with pytest.raises(ConnectionError, match="is connecting"):
+                replica.submit(_submit("nope"), {"prompt": "x"}, lambda *a: None)
+            with pytest.raises(ConnectionError, match="not authenticated yet"):
+                replica.send(P.Abort(id="nope"))
+            assert s.engine.seen == []
+        finally:
+            await replica.close()
+
+
+async def test_the_router_drops_what_a_stage_impostor_sends() -> None:
+    """A process at a stage's address without the key (it could not have the router's session either):
+    its Welcome and any message it sends are dropped and counted, and no replica comes up."""
+    from omni_runtime.router.client import ReplicaClient
+
+    key = PipelineKey.generate()
+    ctx = zmq.asyncio.Context()
+    impostor = ctx.socket(zmq.ROUTER)
+    impostor.setsockopt(zmq.LINGER, 0)
+    port = impostor.bind_to_random_port("tcp://127.0.0.1")
+    address = f"127.0.0.1:{port}"
+    replica = ReplicaClient(ctx, "trust", "llm", address, key=key, ping_interval_s=0.05)
+    replica.start()
+    try:
+        peer, auth, *_ = await asyncio.wait_for(impostor.recv_multipart(), 10)  # the router's Hello
+        router_session = auth[1:17]
+        forged = Channel(PipelineKey.generate(), "stage", remote=router_session)
+        before = _router_rejected("bad_mac", address)
+        await impostor.send_multipart([peer, *forged.seal(P.encode(P.Welcome(stage="llm")))])
+        await impostor.send_multipart([peer, *forged.seal(P.encode(P.Pong(nonce=0, ready=True, stage="llm")))])
+        while _router_rejected("bad_mac", address) < before + 2:
+            await asyncio.sleep(0.01)
+        # An unauthenticated Pong, old style, is dropped too.
+        before = _router_rejected("no_auth", address)
+        await impostor.send_multipart([peer, *P.encode(P.Pong(nonce=1, ready=True, stage="llm"))])
+        while _router_rejected("no_auth", address) <= before:
+            await asyncio.sleep(0.01)
+        assert not replica.usable
+    finally:
+        await replica.close()
+        ctx.destroy(0)

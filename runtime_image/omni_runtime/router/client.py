@@ -195,7 +195,7 @@ class ReplicaClient:
         while True:
             frames = await self._sock.recv_multipart(copy=False)
             try:
-                message, rest = P.decode(self._channel.open(frames))
+                message, rest = P.decode(await self._channel.open_async(frames))
             except AuthError as err:
                 M.rejected.labels(*self._labels, err.reason).inc()
                 log.debug("replica %s/%s: dropped a message (%s: %s)", self.stage, self.address, err.reason, err)

@@ -21,6 +21,7 @@ that two processes hold the same key.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import hashlib
 import hmac
@@ -54,6 +55,11 @@ _AUTH = struct.Struct("<B16s16sQ32s")
 AUTH_FRAME_BYTES = _AUTH.size
 _DOMAIN = b"omnikube-stage-protocol/1"
 _LENGTH = struct.Struct("<Q")
+HELLO_MAX_BYTES = 1024
+"""An opening message (`Hello`) is a few bytes; anything bigger from an unknown connection is not read."""
+THREAD_MIN_BYTES = 1 << 20
+"""`seal_async`/`open_async` compute the MAC of a message this large in a worker thread (hashlib releases
+the GIL), so a large inline payload does not stall the event loop for the milliseconds it takes."""
 
 Role = Literal["router", "stage"]
 RejectReason = Literal["no_auth", "bad_mac", "unknown_session", "replay"]
@@ -129,20 +135,25 @@ class PipelineKey:
 
     def mac(self, role: bytes, sender: bytes, receiver: bytes, counter: int, frames: Sequence[Any]) -> bytes:
         h = self._base.copy()
-        h.update(role)
-        h.update(sender)
-        h.update(receiver)
-        h.update(_LENGTH.pack(counter))
+        h.update(b"".join((role, sender, receiver, _LENGTH.pack(counter))))  # one call: small messages are most
         for frame in frames:
-            view = memoryview(_buffer(frame)).cast("B")
-            h.update(_LENGTH.pack(view.nbytes))
-            h.update(view)
+            data = _buffer(frame)
+            h.update(_LENGTH.pack(_size(data)))
+            h.update(data)
         return h.digest()
 
 
 def _buffer(frame: Any) -> Any:
     """zmq.Frame (copy=False receives) -> its buffer; bytes, memoryviews and arrays stay as they are."""
     return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+def _size(data: Any) -> int:
+    return len(data) if isinstance(data, bytes) else memoryview(data).nbytes
+
+
+def _total(frames: Sequence[Any]) -> int:
+    return sum(_size(_buffer(f)) for f in frames)
 
 
 @dataclass(frozen=True)
@@ -196,17 +207,46 @@ class Channel:
         mac = self.key.mac(_ROLE_BYTE[self.role], self.local, self.remote, self.sent, frames)
         return [_AUTH.pack(AUTH_VERSION, self.local, self.remote, self.sent, mac), *frames]
 
+    async def seal_async(self, frames: list[Any]) -> list[Any]:
+        """`seal`, with the MAC of a large message computed in a worker thread. The counter is taken at
+        the call, so sends must still leave in call order (the stage holds its send lock across both)."""
+        if _total(frames) < THREAD_MIN_BYTES:
+            return self.seal(frames)
+        self.sent += 1
+        counter, local, remote = self.sent, self.local, self.remote
+        mac = await asyncio.to_thread(self.key.mac, _ROLE_BYTE[self.role], local, remote, counter, frames)
+        return [_AUTH.pack(AUTH_VERSION, local, remote, counter, mac), *frames]
+
     def open(self, frames: Sequence[Any]) -> list[Any]:
         """The frames after the auth frame, once the message is proven to be the peer's next one;
         AuthError otherwise. The first message a router accepts (a `Welcome`) names the stage's session."""
+        auth, body = self._addressed(frames)
+        _verify(self.key, self._peer_role, auth, body)
+        return self._accept(auth, body)
+
+    async def open_async(self, frames: Sequence[Any]) -> list[Any]:
+        """`open`, with the MAC of a large message checked in a worker thread so the event loop keeps
+        serving meanwhile. Open one message at a time, in arrival order."""
+        auth, body = self._addressed(frames)
+        if _total(body) >= THREAD_MIN_BYTES:
+            await asyncio.to_thread(_verify, self.key, self._peer_role, auth, body)
+        else:
+            _verify(self.key, self._peer_role, auth, body)
+        return self._accept(auth, body)
+
+    @property
+    def _peer_role(self) -> Role:
+        return "stage" if self.role == "router" else "router"
+
+    def _addressed(self, frames: Sequence[Any]) -> tuple[_Auth, list[Any]]:
         auth = _parse(frames)
         if auth.receiver != self.local:
             raise AuthError("unknown_session", "the message is addressed to another session (an old connection?)")
         if self.established and auth.sender != self.remote:
             raise AuthError("unknown_session", "the message comes from a session this connection does not know")
-        peer_role: Role = "stage" if self.role == "router" else "router"
-        body = list(frames[1:])
-        _verify(self.key, peer_role, auth, body)
+        return auth, list(frames[1:])
+
+    def _accept(self, auth: _Auth, body: list[Any]) -> list[Any]:
         if auth.counter <= self.received:
             raise AuthError("replay", f"counter {auth.counter} was already used (last accepted: {self.received})")
         self.received = auth.counter
@@ -222,6 +262,8 @@ def open_hello(key: PipelineKey, frames: Sequence[Any]) -> tuple[Channel, list[A
     if auth.receiver != NO_SESSION:
         raise AuthError("unknown_session", "the message belongs to a session this stage does not know")
     body = list(frames[1:])
+    if len(body) != 1 or _total(body) > HELLO_MAX_BYTES:  # refused unread: a stranger's bulk costs no hashing
+        raise AuthError("no_auth", f"an opening message must be one header frame of at most {HELLO_MAX_BYTES} bytes")
     _verify(key, "router", auth, body)
     return Channel(key, "stage", remote=auth.sender, received=auth.counter), body
 

@@ -320,7 +320,7 @@ class StageServer:
             frames = await self._sock.recv_multipart(copy=False)
             peer, body = frames[0].bytes, frames[1:]
             try:
-                opened = self._open(peer, body)
+                opened = await self._open(peer, body)
                 if opened is None:
                     continue
                 message, rest = opened
@@ -331,13 +331,13 @@ class StageServer:
             except Exception:
                 log.exception("stage %s: handling a message failed", self.stage)
 
-    def _open(self, peer: bytes, body: list[Any]) -> tuple[P.Message, list[Any]] | None:
+    async def _open(self, peer: bytes, body: list[Any]) -> tuple[P.Message, list[Any]] | None:
         """The message when it is authenticated for its connection; None (dropped, counted) otherwise.
         A connection's first message must be a `Hello` from a router session never seen before."""
         channel = self._channels.get(peer)
         try:
             if channel is not None and not _opens_connection(body):
-                return P.decode(channel.open(body))
+                return P.decode(await channel.open_async(body))
             fresh, rest = open_hello(self.key, body)
             message, payload = P.decode(rest)
             if not isinstance(message, P.Hello):
@@ -661,7 +661,7 @@ class StageServer:
             if channel is None:  # the router's connection was forgotten (silent too long): nobody to tell
                 log.debug("stage %s: no connection to send %s on", self.stage, type(message).__name__)
                 return
-            sealed = channel.seal(frames)
+            sealed = await channel.seal_async(frames)
             try:
                 await self._sock.send_multipart([peer, *sealed], copy=len(sealed) == 2)
             except zmq.ZMQError as err:  # the router went away (ROUTER_MANDATORY: unroutable)
