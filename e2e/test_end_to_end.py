@@ -310,3 +310,83 @@ def test_deleting_a_pipeline_leaves_no_process_or_segment(env) -> None:
     assert not left and not _stage_processes(env, "t2i", "dit")
     assert not [p for p in Path("/dev/shm").glob("omnikube-t2i*")]
     assert os.path.exists("/dev/shm")
+
+
+INTRUDER = r"""
+import sys, time, zmq
+from omni_runtime.stage import protocol as P
+from omni_runtime.stage.auth import Channel, PipelineKey
+
+address = sys.argv[1]
+ctx = zmq.Context()
+sock = ctx.socket(zmq.DEALER)
+sock.setsockopt(zmq.LINGER, 0)
+sock.connect(f"tcp://{address}")
+submit = P.Submit(id="intruder.0.llm.primary", request_id="intruder", stage="llm", data=True, final=True)
+sock.send_multipart(P.encode(submit, {"prompt": "let me in"}))  # an old-style, unauthenticated client
+sock.send_multipart(P.encode(P.Ping(nonce=1)))
+sock.send_multipart(P.encode(P.Abort(id="chat.0.llm.primary")))
+other = Channel(PipelineKey.generate(), "router")  # another pipeline's key
+sock.send_multipart(other.seal(P.encode(P.Hello())))
+answers = 0
+deadline = time.monotonic() + 5
+while time.monotonic() < deadline:
+    if sock.poll(200):
+        sock.recv_multipart()
+        answers += 1
+print(f"answers: {answers}", flush=True)
+sys.exit(0 if answers == 0 else 3)
+"""
+
+
+def test_a_pod_outside_the_pipeline_gets_nothing_from_a_stage(env) -> None:
+    """A pod of the same namespace, not of the pipeline, speaks the stage protocol to a stage pod's IP:
+    without the pipeline key nothing it sends is acted on or answered (the local cluster enforces no
+    NetworkPolicy, so the socket is reachable; the HMAC is what refuses it)."""
+    import sys
+    import urllib.request
+
+    pods = kubectl_json(
+        env.cluster, "get", "pods", "-n", env.ns, "-l", "omnikube.io/pipeline=chat,app.kubernetes.io/component=stage"
+    )["items"]
+    ip = next(p["status"]["podIP"] for p in pods if p["status"].get("podIP"))
+
+    def rejected() -> float:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(f"http://{ip}:8101/metrics") as r:
+            text = r.read().decode()
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("omnikube_stage_protocol_messages_rejected_total{")
+        )
+
+    before = rejected()
+    intruder = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "intruder"},
+        "spec": {
+            **ON_RUNNER,
+            "restartPolicy": "Never",
+            "containers": [
+                {"name": "intruder", "image": "python", "command": [sys.executable, "-c", INTRUDER, f"{ip}:8100"]}
+            ],
+        },
+    }
+    apply(env.cluster, env.ns, intruder)
+    deadline = time.monotonic() + 120
+    phase = None
+    while time.monotonic() < deadline:
+        phase = (env.get("pod", "intruder") or {}).get("status", {}).get("phase")
+        if phase in ("Succeeded", "Failed"):
+            break
+        time.sleep(1)
+    log = env.runner_logs("intruder", "intruder")
+    assert phase == "Succeeded" and "answers: 0" in log, (phase, log)
+    assert rejected() >= before + 4  # three unauthenticated messages and a Hello under another key
+    env.cluster.kubectl("delete", "pod", "intruder", "-n", env.ns, "--wait=false")
+    # The pipeline itself is unaffected.
+    reply = env.client("chat").chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "Hello"}], max_tokens=4, temperature=0
+    )
+    assert reply.choices[0].message.content
