@@ -681,3 +681,32 @@ def test_a_users_service_with_the_routers_name_is_left_alone_and_reported(cluste
     service = get(cluster, namespace, "service", "clash-router")
     assert [r["uid"] for r in service["metadata"]["ownerReferences"]] == [ready["metadata"]["uid"]]
     assert condition(ready, "Degraded")["status"] == "False"
+
+
+def test_a_pipeline_deleted_and_recreated_at_once_converges_without_a_collision(cluster, operator, namespace) -> None:
+    """The old pipeline's objects still exist for a moment after it is gone (garbage collection is
+    asynchronous): they are waited for, not reported as a collision, and the new pipeline gets its own."""
+    obj = pipeline("again", "text-chat", [{"name": "llm"}])
+    apply(cluster, namespace, obj)
+    first = wait_ready(cluster, operator, namespace, "again")["metadata"]["uid"]
+    old_key = get(cluster, namespace, "secret", "again-key")
+    cluster.kubectl("delete", "omnipipeline", "again", "-n", namespace, "--wait=false")
+    apply(cluster, namespace, obj)
+
+    def ready_again():
+        live = get(cluster, namespace, "omnipipeline", "again")
+        if not live or live["metadata"]["uid"] == first or condition(live, "Ready").get("status") != "True":
+            return None
+        secret = get(cluster, namespace, "secret", "again-key")
+        return (
+            live
+            if secret and [r["uid"] for r in secret["metadata"]["ownerReferences"]] == [live["metadata"]["uid"]]
+            else None
+        )
+
+    live = wait_for(ready_again, 120, "the recreated pipeline Ready with its own key", operator.log)
+    assert get(cluster, namespace, "secret", "again-key")["data"] != old_key["data"]  # a new pipeline, a new key
+    events = kubectl_json(
+        cluster, "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=again,reason=NameCollision"
+    )["items"]
+    assert events == [] and condition(live, "Degraded")["status"] == "False"

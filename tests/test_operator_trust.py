@@ -203,3 +203,26 @@ def template_hash(deployment: dict[str, Any]) -> str:
 def _resolved(objects: list[dict[str, Any]]) -> ResolvedPipeline:
     configmap = next(o for o in objects if o["kind"] == "ConfigMap")
     return ResolvedPipeline.model_validate_json(configmap["data"]["resolved.json"])
+
+
+def test_an_object_of_someone_else_is_a_collision_and_one_of_a_deleted_predecessor_is_waited_for() -> None:
+    from omni_operator.reconcile import NameCollision, TemporaryError, _check_owner
+
+    desired = build_network_policies(OWNER, _resolved(render_pipeline(mooncake_t2i(), REGISTRY)))[0]
+    ours = {"metadata": {"ownerReferences": [{"kind": "OmniPipeline", "name": "p", "uid": "u-1"}]}}
+    _check_owner(ours, desired)  # ours: nothing to say
+
+    for users in (
+        {"metadata": {}},
+        {"metadata": {"ownerReferences": [{"kind": "Deployment", "name": "web", "uid": "x"}]}},
+    ):
+        with pytest.raises(NameCollision) as collision:
+            _check_owner(users, desired)
+        cond = collision.value.condition()
+        assert (cond.type, cond.status, cond.reason) == ("Degraded", "True", "NameCollision")
+        assert "NetworkPolicy 'p-pipeline' already exists in namespace ns" in cond.message
+        assert "leaves it untouched" in cond.message
+
+    predecessor = {"metadata": {"ownerReferences": [{"kind": "OmniPipeline", "name": "p", "uid": "old"}]}}
+    with pytest.raises(TemporaryError, match="still belongs to a deleted OmniPipeline p"):
+        _check_owner(predecessor, desired)

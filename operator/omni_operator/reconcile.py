@@ -168,9 +168,19 @@ def _check_owner(live: dict[str, Any], desired: dict[str, Any]) -> None:
     """NameCollision unless `live` carries the owner reference `desired` is built with."""
     wanted = desired["metadata"].get("ownerReferences") or []
     uids = {ref.get("uid") for ref in wanted}
-    if uids and not any(ref.get("uid") in uids for ref in live["metadata"].get("ownerReferences") or []):
-        owner = f"{wanted[0]['kind']} {wanted[0]['name']}"
-        raise NameCollision(desired["kind"], desired["metadata"]["name"], desired["metadata"].get("namespace"), owner)
+    refs = live["metadata"].get("ownerReferences") or []
+    if not uids or any(ref.get("uid") in uids for ref in refs):
+        return
+    meta = desired["metadata"]
+    owner = f"{wanted[0]['kind']} {wanted[0]['name']}"
+    if any((ref.get("kind"), ref.get("name")) == (wanted[0]["kind"], wanted[0]["name"]) for ref in refs):
+        # Owned by an earlier owner of the same name (deleted and recreated): garbage collection removes
+        # it shortly, since its owner is gone. Not a collision: retry until it has.
+        raise TemporaryError(
+            f"{desired['kind']} {meta.get('namespace')}/{meta['name']} still belongs to a deleted {owner}; "
+            "waiting for garbage collection to remove it"
+        )
+    raise NameCollision(desired["kind"], meta["name"], meta.get("namespace"), owner)
 
 
 async def _ensure_key_secret(ctx: Context, owner: dict[str, Any]) -> str:
