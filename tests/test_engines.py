@@ -229,14 +229,17 @@ def test_make_engine_picks_the_engine_by_stage_kind() -> None:
         make_engine(pipeline, "vae")
     vae = _vae_pipeline("/models/none")
     assert type(make_engine(vae, "vae")) is GenerationEngine
-    # The speech topologies' code2wav stages have no runner yet: the error says what to set.
+    # Qwen3-Omni's talker and code2wav run on the speech engines (named by engine_args.runner).
     omni = resolve_pipeline(get_pipeline("qwen3-omni"), name="o", model="/models/none")
+    assert type(make_engine(omni, "talker")).__name__ == "Qwen3TalkerEngine"
+    assert type(make_engine(omni, "code2wav")).__name__ == "Code2WavEngine"
+    # A generation stage without a known runner: the error says what to set.
     with pytest.raises(EngineError, match="engine_args.runner to one of \\['vae_decode'\\]"):
-        make_engine(omni, "code2wav")
+        make_engine(_vae_pipeline("/models/none", runner=None), "vae")
     assert "vae_decode" in RUNNERS
 
 
-def _vae_pipeline(model: str) -> ResolvedPipeline:
+def _vae_pipeline(model: str, runner: str | None = "vae_decode") -> ResolvedPipeline:
     """dit (diffusion, latent output) -> vae (generation, vae_decode), both from the tiny SD3 folder."""
     registry_dit = get_pipeline("prompt-enhanced-t2i").stage("dit")
     spec = PipelineSpec(
@@ -255,7 +258,7 @@ def _vae_pipeline(model: str) -> ResolvedPipeline:
                 "vae",
                 kind="generation",
                 model_subfolder="dit",
-                engine_args={"runner": "vae_decode", "chunk_size": 1},
+                engine_args={"runner": runner, "chunk_size": 1} if runner else {"chunk_size": 1},
                 input_modalities=["hidden"],
                 output_modality="image",
                 final_output=True,

@@ -28,6 +28,15 @@ def make_engine(pipeline: ResolvedPipeline, stage_name: str) -> Engine:
 
         return DiffusionEngine(pipeline, stage)
     if stage.kind is StageKind.GENERATION:
+        runner = stage.engine_args.get("runner")
+        if runner == "qwen3_omni_talker":
+            from omni_runtime.engines.speech.talker import Qwen3TalkerEngine
+
+            return Qwen3TalkerEngine(pipeline, stage)
+        if runner == "qwen3_omni_code2wav":
+            from omni_runtime.engines.speech.code2wav import Code2WavEngine
+
+            return Code2WavEngine(pipeline, stage)
         from omni_runtime.engines.generation import GenerationEngine
 
         return GenerationEngine(pipeline, stage)

@@ -1,0 +1,6 @@
+"""Speech-output stages of the Qwen omni models: the talker's decode loop and codec-to-waveform decoding.
+
+- `weights`: load one part (talker, code2wav, the thinker's embedding table) of a whole-model checkpoint.
+- `talker`: `Qwen3TalkerEngine`, step-batched decoding of codec frames from the thinker's tokens.
+- `code2wav`: `Code2WavEngine`, windowed decoding of codec frames into a waveform.
+"""

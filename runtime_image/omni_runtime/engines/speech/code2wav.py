@@ -1,0 +1,237 @@
+"""The code2wav stage engine (Qwen3-Omni): codec frames -> 24 kHz waveform, window by window.
+
+Each input chunk (a window of new frames, as the talker -> code2wav edge cuts them: first after
+`first_window` frames, then every `window`) is decoded as soon as it arrives, together with up to
+`left_context` (25) earlier frames of the same request; windows of concurrent requests that are
+waiting at the same moment are decoded in one call, right-padded to one length (the decoder is
+causal, so padding on the right changes nothing before it). A whole output (edge `window: 0`) comes
+as one chunk and is decoded in pieces of at most `max_frames_per_call` (300, as transformers).
+
+No sample lost or doubled at a window boundary: a causal decode of n frames returns
+n * 1920 - tail samples (tail = 555 for Qwen3-Omni's decoder, computed from each call's output as
+vLLM-Omni does). Window w after c context frames therefore keeps its output from
+c * 1920 - tail on, and the first window keeps everything: the concatenation has exactly the length
+of a one-shot decode, aligned sample for sample. Sample values differ from the one-shot decode by
+the context the window did not see (the decoder's attention reaches 72 frames back).
+
+Input chunks: `{"codes": (frames, 16)}` or `{"input": (16, frames)}` (int). Output per chunk:
+`{"audio": float32 (samples,), "sample_rate": 24000}`. Engine args: `device`, `torch_dtype`
+(float32 unless given), `left_context` (25), `max_frames_per_call` (300).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.spec import ResolvedPipeline, StageSpec
+
+__all__ = ["Code2WavEngine", "Qwen3Code2Wav"]
+
+log = logging.getLogger(__name__)
+
+SAMPLE_RATE = 24000
+ENGINE_ARGS = {"runner", "device", "torch_dtype", "left_context", "max_frames_per_call"}
+
+
+class Qwen3Code2Wav:
+    """The code2wav module of a Qwen3-Omni checkpoint and a batched, causal, context-trimmed decode."""
+
+    def __init__(self, folder: Path, device: str, dtype: Any) -> None:
+        from transformers import Qwen3OmniMoeConfig
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+        from omni_runtime.engines.speech.weights import load_part
+
+        config = Qwen3OmniMoeConfig.from_pretrained(folder).code2wav_config
+        self.module = Qwen3OmniMoeCode2Wav._from_config(config, dtype=dtype)
+        load_part(self.module, folder, "code2wav.")
+        self.module.to(device).eval()
+        self.device, self.dtype = device, dtype
+        self.groups = config.num_quantizers
+        self.codebook = config.codebook_size
+        self.samples_per_frame = int(self.module.total_upsample)
+
+    def decode(self, jobs: list[tuple[Any, int]]) -> list[Any]:
+        """For each (codes [16, context + new], context frames): the float32 samples of the new frames.
+
+        One call for all jobs (right-padded with code 0). The first window of a request (context 0)
+        keeps the whole causal output, n * spf - tail samples; later ones drop the context's
+        c * spf - tail samples, so windows join without a gap or an overlap.
+        """
+        import torch
+
+        longest = max(codes.shape[1] for codes, _ in jobs)
+        batch = torch.zeros(len(jobs), self.groups, longest, dtype=torch.long, device=self.device)
+        for i, (codes, _) in enumerate(jobs):
+            batch[i, :, : codes.shape[1]] = codes.to(self.device)
+        with torch.inference_mode():
+            wav = self.module(batch)[:, 0].float()
+        tail = longest * self.samples_per_frame - wav.shape[-1]  # 555 for Qwen3-Omni's decoder
+        out = []
+        for i, (codes, context) in enumerate(jobs):
+            end = codes.shape[1] * self.samples_per_frame - tail
+            start = context * self.samples_per_frame - tail if context else 0
+            out.append(wav[i, start:end].cpu())
+        return out
+
+
+@dataclass(eq=False)
+class _Job:
+    codes: Any
+    context: int
+    done: asyncio.Future
+
+
+class Code2WavEngine(Engine):
+    """`generation` stage with engine arg `runner: qwen3_omni_code2wav` (see the module docstring)."""
+
+    streams_input = True
+
+    def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
+        super().__init__(pipeline, stage)
+        import torch
+
+        path = Path(pipeline.model)
+        self.model_path = path / stage.model_subfolder if stage.model_subfolder else path
+        args = dict(stage.engine_args)
+        unknown = sorted(set(args) - ENGINE_ARGS)
+        if unknown:
+            raise EngineError(
+                f"stage {stage.name!r}: engine_args {unknown} are not read by runner {args.get('runner')!r}; "
+                f"it takes {sorted(ENGINE_ARGS)}"
+            )
+        self.device = str(args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = getattr(torch, str(args.get("torch_dtype") or "float32"), None)
+        if not isinstance(dtype, torch.dtype):
+            raise EngineError(f"stage {stage.name!r}: torch_dtype {args.get('torch_dtype')!r} is not a torch dtype")
+        self.dtype = dtype
+        self.left_context = int(args.get("left_context", 25))
+        self.max_frames = int(args.get("max_frames_per_call", 300))
+        if self.left_context < 0 or self.max_frames < 1:
+            raise EngineError(
+                f"stage {stage.name!r}: left_context {self.left_context} (>= 0) and max_frames_per_call "
+                f"{self.max_frames} (>= 1) are out of range"
+            )
+        self.model: Qwen3Code2Wav | None = None
+        self._queue: asyncio.Queue[_Job] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self._running: set[str] = set()
+        self._aborted: set[str] = set()
+        self._stats = {"calls_total": 0.0, "windows_total": 0.0, "last_batch_size": 0.0}
+
+    async def start(self) -> None:
+        try:
+            self.model = await asyncio.to_thread(Qwen3Code2Wav, self.model_path, self.device, self.dtype)
+        except Exception as exc:
+            raise EngineError(f"stage {self.stage.name!r}: cannot load code2wav of {self.model_path}: {exc}") from exc
+        self._task = asyncio.create_task(self._batcher(), name=f"code2wav-{self.stage.name}")
+
+    def _codes(self, chunk: dict[str, Any]) -> Any:
+        """The chunk's frames as a LongTensor [16, frames] (InvalidRequest when malformed)."""
+        import torch
+
+        assert self.model is not None
+        if chunk.get("codes") is not None:
+            codes = torch.as_tensor(chunk["codes"]).T
+        elif chunk.get("input") is not None:
+            codes = torch.as_tensor(chunk["input"])
+        else:
+            return None
+        groups = self.model.groups
+        if codes.dim() != 2 or codes.shape[0] != groups or codes.dtype.is_floating_point:
+            raise InvalidRequest(
+                f"stage {self.stage.name!r} takes integer codec frames, codes (frames, {groups}) or input "
+                f"({groups}, frames); got shape {tuple(codes.shape)} of {codes.dtype}"
+            )
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.model.codebook):
+            raise InvalidRequest(
+                f"stage {self.stage.name!r}: codec codes must lie in [0, {self.model.codebook}); "
+                f"got {int(codes.min())}..{int(codes.max())}"
+            )
+        return codes.to(torch.long)
+
+    async def decode_window(self, history: Any, new: int) -> Any:
+        """Samples of the last `new` frames of `history` [16, frames], with up to left_context before."""
+        context = min(self.left_context, history.shape[1] - new)
+        job = _Job(history[:, history.shape[1] - new - context :], context, asyncio.get_running_loop().create_future())
+        self._queue.put_nowait(job)
+        return await job.done
+
+    async def generate(self, request: EngineInput) -> AsyncIterator[EngineOutput]:
+        import numpy as np
+        import torch
+
+        if self.model is None:
+            raise EngineError(f"stage {self.stage.name!r} is not started")
+        rid = request.request_id
+        self._running.add(rid)
+        history = torch.zeros(self.model.groups, 0, dtype=torch.long)
+        samples = 0
+
+        async def chunks():
+            yield request.data
+            if request.chunks is not None:
+                async for chunk in request.chunks:
+                    yield chunk
+
+        try:
+            async for chunk in chunks():
+                codes = self._codes(chunk)
+                if codes is None or codes.shape[1] == 0:
+                    continue
+                history = torch.cat([history, codes], dim=1)
+                for start in range(0, codes.shape[1], self.max_frames):
+                    if rid in self._aborted:
+                        yield EngineOutput(rid, {}, finished=True, finish_reason="abort")
+                        return
+                    new = min(self.max_frames, codes.shape[1] - start)
+                    end = history.shape[1] - codes.shape[1] + start + new
+                    wav = await self.decode_window(history[:, :end], new)
+                    samples += wav.shape[0]
+                    yield EngineOutput(rid, {"audio": wav.numpy().astype(np.float32), "sample_rate": SAMPLE_RATE})
+                history = history[:, -self.left_context :] if self.left_context else history[:, :0]
+            yield EngineOutput(rid, {}, finished=True, finish_reason="stop", usage={"audio_samples": samples})
+        finally:
+            self._running.discard(rid)
+            self._aborted.discard(rid)
+
+    async def _batcher(self) -> None:
+        while True:
+            jobs = [await self._queue.get()]
+            while not self._queue.empty():
+                jobs.append(self._queue.get_nowait())
+            assert self.model is not None
+            try:
+                outputs = await asyncio.to_thread(self.model.decode, [(j.codes, j.context) for j in jobs])
+            except Exception as exc:  # a decode fault fails the windows in that call, not the stage
+                log.exception("code2wav decode failed")
+                for job in jobs:
+                    if not job.done.done():
+                        job.done.set_exception(EngineError(f"stage {self.stage.name!r}: code2wav failed: {exc}"))
+                continue
+            self._stats["calls_total"] += 1
+            self._stats["windows_total"] += len(jobs)
+            self._stats["last_batch_size"] = float(len(jobs))
+            for job, wav in zip(jobs, outputs, strict=True):
+                if not job.done.done():
+                    job.done.set_result(wav)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop before the request's next window (a window being decoded completes)."""
+        if request_id in self._running:
+            self._aborted.add(request_id)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        self.model = None
+
+    def stats(self) -> dict[str, float]:
+        return {"running_requests": float(len(self._running)), **self._stats}

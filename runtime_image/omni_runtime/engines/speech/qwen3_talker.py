@@ -1,0 +1,328 @@
+"""Qwen3-Omni talker: its own decode loop on the transformers modules, batched step by step.
+
+Each decode step's input is the sum of the 16 codebook embeddings of the last frame plus one
+text-conditioning vector, not a token id, so this is plain torch, not vLLM. It builds exactly what
+`Qwen3OmniMoeForConditionalGeneration.generate` builds (transformers 5.19), from the thinker's token
+ids alone (the talker keeps a copy of the thinker's embedding table; text prompts need no hidden
+states, research note §2):
+
+- prefill: the user turns `text_projection(embed(ids))`, then the assistant prefix
+  `text_projection(embed(<|im_start|>assistant\\n))`, 4 x tts_pad, tts_bos, the first spoken token,
+  plus the codec embeddings of [nothink, think_bos, think_eos, speaker, codec_pad, codec_bos];
+- decode step k: frame k's summed codebook embeddings + the projection of spoken token k+1 (then
+  tts_eos once, then tts_pad);
+- per frame: code 0 from `codec_head`, codes 1-15 from the code predictor (15 sub-steps);
+- stop on codec eos (2150), which gets no frame.
+
+Spoken tokens are the thinker's generated tokens except its last one (its end-of-turn token, or the
+token where a length limit cut it), as in transformers and vLLM-Omni, where the hidden-state row of
+a token exists only once the next one is sampled. So the newest pushed token is held back until
+another arrives or the text is finished, and a step that needs a token not yet known WAITS.
+
+Batching: prefills run one request at a time as requests arrive; decode steps run every request
+that has its next input, together, with KV caches per request left-padded to one length and masked.
+A request joins at the next step and leaves when it finishes. Sizes and dtypes follow the loaded
+modules; nothing here is CUDA-specific.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omni_runtime.engines.speech.sampling import Sampling, sample
+from omni_runtime.engines.speech.weights import load_part, read_tensors
+
+__all__ = ["MediaPromptError", "Qwen3Talker", "TalkerRequest"]
+
+CODE_PREDICTOR_TOP_K = 50
+CODE_PREDICTOR_TOP_P = 0.8
+"""transformers samples codes 1-15 with these when the talker samples (greedy when it is greedy)."""
+
+
+class MediaPromptError(ValueError):
+    """The prompt has audio / image / video positions, which need the thinker's hidden states."""
+
+
+@dataclass(eq=False)
+class TalkerRequest:
+    """One request's state in the decode loop (touched only by the loop's thread)."""
+
+    id: str
+    prompt_ids: list[int]
+    speaker_id: int
+    sampling: Sampling
+    text: list[int] = field(default_factory=list)
+    text_done: bool = False
+    kv: list[tuple[Any, Any]] | None = None
+    length: int = 0
+    last_hidden: Any = None
+    code0: int | None = None
+    frame_embeds: Any = None
+    history: list[int] = field(default_factory=list)
+    frames: int = 0
+    step: int = 0
+    finish_reason: str | None = None
+    generator: Any = None
+    assistant: list[int] = field(default_factory=list)
+    """The prompt from the last `<|im_start|>assistant` on (then the spoken tokens follow)."""
+
+
+class Qwen3Talker:
+    """The talker modules of a Qwen3-Omni checkpoint and the step that advances a batch of requests."""
+
+    def __init__(self, folder: Path, device: str, dtype: Any) -> None:
+        import torch
+        from transformers import Qwen3OmniMoeConfig
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+            Qwen3OmniMoeTalkerForConditionalGeneration,
+        )
+
+        self.config = Qwen3OmniMoeConfig.from_pretrained(folder)
+        self.device, self.dtype = device, dtype
+        talker_config = self.config.talker_config
+        self.talker = Qwen3OmniMoeTalkerForConditionalGeneration._from_config(talker_config, dtype=dtype)
+        load_part(self.talker, folder, "talker.")
+        self.talker.to(device).eval()
+        table = read_tensors(folder, "thinker.model.embed_tokens.")["weight"]
+        self.thinker_embed = table.to(device=device, dtype=dtype)
+        self.speakers: dict[str, int] = dict(talker_config.speaker_id or {})
+        self.eos = talker_config.codec_eos_token_id
+        self.groups = talker_config.num_code_groups
+        vocab = talker_config.text_config.vocab_size
+        self.suppress = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.suppress[vocab - 1024 :] = True  # special codec ids are never sampled, except eos
+        self.suppress[self.eos] = False
+        c = self.config
+        with torch.inference_mode():
+            bos, eos, pad = self._project([c.tts_bos_token_id, c.tts_eos_token_id, c.tts_pad_token_id])
+        self.tts_bos, self.tts_eos, self.tts_pad = bos, eos, pad
+        thinker = c.thinker_config
+        self.media_ids = {thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id}
+
+    # -- building inputs ---------------------------------------------------------------------------
+
+    def _project(self, ids: list[int]) -> Any:
+        import torch
+
+        rows = self.thinker_embed[torch.tensor(ids, device=self.device)]
+        return self.talker.text_projection(rows)
+
+    def new_request(self, request_id: str, prompt_ids: list[int], speaker: str, sampling: Sampling) -> TalkerRequest:
+        """Check the prompt and speaker (ValueError / MediaPromptError / KeyError say what is wrong)."""
+        import torch
+
+        speaker_id = self.speakers.get(speaker.lower())
+        if speaker_id is None:
+            raise KeyError(f"speaker {speaker!r} is not one of this talker's: {sorted(self.speakers)}")
+        c = self.config
+        starts = [i for i in range(len(prompt_ids) - 1) if prompt_ids[i] == c.im_start_token_id]
+        assistant = [i for i in starts if prompt_ids[i + 1] == c.assistant_token_id]
+        if not assistant:
+            raise ValueError(
+                f"the thinker prompt ({len(prompt_ids)} ids) has no '<|im_start|>assistant' turn; the talker "
+                "speaks the assistant's reply, so the prompt must end with the chat template's generation prompt"
+            )
+        media = sorted(self.media_ids & set(prompt_ids))
+        if media:
+            raise MediaPromptError(
+                f"the thinker prompt holds media token ids {media}; this talker takes text prompts only "
+                "(media positions need the thinker's hidden states, not yet wired)"
+            )
+        generator = None
+        if sampling.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        request = TalkerRequest(request_id, list(prompt_ids), speaker_id, sampling, generator=generator)
+        request.assistant = list(prompt_ids[assistant[-1] :])
+        return request
+
+    def _spoken(self, r: TalkerRequest) -> list[int]:
+        """The assistant prefix and the tokens known to be spoken (the newest pushed one held back)."""
+        return r.assistant + r.text[:-1]
+
+    def prefill_ready(self, r: TalkerRequest) -> bool:
+        return r.text_done or len(self._spoken(r)) >= 4
+
+    def _trailing(self, r: TalkerRequest) -> Any | None:
+        """The text vector of decode step `r.step`, or None when the thinker has not produced it yet."""
+        known = self._spoken(r)
+        index = 4 + r.step
+        if index < len(known):
+            return self._project([known[index]])[0]
+        if not r.text_done:
+            return None
+        return self.tts_eos if index == len(known) else self.tts_pad
+
+    def _user_rows(self, prompt_ids: list[int]) -> Any:
+        """Projected rows of the user turns (every position whose turn's role token is `user`)."""
+        c = self.config
+        keep = []
+        role = None
+        for i, token in enumerate(prompt_ids):
+            if token == c.im_start_token_id:
+                role = prompt_ids[i + 1] if i + 1 < len(prompt_ids) else None
+            elif role is None and i == 0:
+                role = prompt_ids[1] if len(prompt_ids) > 1 else None
+            if role == c.user_token_id:
+                keep.append(token)
+        return (
+            self._project(keep) if keep else self.thinker_embed.new_zeros(0, self.talker.config.text_config.hidden_size)
+        )
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def prefill(self, r: TalkerRequest) -> None:
+        """Run `r`'s prompt; leaves its first code 0 sampled (or finishes it when there is nothing to say)."""
+        import torch
+
+        spoken = self._spoken(r)
+        if len(spoken) < 4:  # the thinker ended without a token to speak
+            r.finish_reason = "stop"
+            return
+        c = self.config.talker_config
+        with torch.inference_mode():
+            assistant = self._project(spoken[:4])
+            hidden = self.talker.config.text_config.hidden_size
+            text_rows = torch.cat([assistant[:3], self.tts_pad.expand(4, -1), self.tts_bos[None], assistant[3:4]])
+            codec_ids = [c.codec_nothink_id, c.codec_think_bos_id, c.codec_think_eos_id, r.speaker_id]
+            codec_ids += [c.codec_pad_id, c.codec_bos_id]
+            codec = self.talker.get_input_embeddings()(torch.tensor(codec_ids, device=self.device))
+            codec_rows = torch.cat([codec.new_zeros(3, hidden), codec])
+            embeds = torch.cat([self._user_rows(r.prompt_ids), text_rows + codec_rows]).unsqueeze(0)
+            length = embeds.shape[1]
+            positions = torch.arange(length, device=self.device).view(1, 1, -1).expand(3, 1, -1)
+            out = self.talker.model(inputs_embeds=embeds, position_ids=positions, use_cache=True)
+            r.kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+            r.length = length
+            r.last_hidden = out.last_hidden_state[0, -1]
+            self._sample_code0(r, self.talker.codec_head(r.last_hidden))
+
+    def _sample_code0(self, r: TalkerRequest, logits: Any) -> None:
+        code = sample(logits, r.sampling, history=r.history, suppress=self.suppress, generator=r.generator)
+        r.history.append(code)
+        r.code0 = code
+
+    def make_frames(self, batch: list[TalkerRequest]) -> list[list[int]]:
+        """Codes 1-15 for each request's pending code 0 (one batched code-predictor pass): the frames."""
+        import torch
+        from transformers import DynamicCache
+
+        predictor = self.talker.code_predictor
+        embed_sets: list[list[Any]] = [[] for _ in batch]
+        with torch.inference_mode():
+            code0 = torch.tensor([r.code0 for r in batch], device=self.device)
+            first = self.talker.get_input_embeddings()(code0)
+            last = torch.stack([r.last_hidden for r in batch])
+            step_input = torch.stack([last, first], dim=1)
+            cache = DynamicCache()
+            codes = [[int(c)] for c in code0]
+            for i in range(len(batch)):
+                embed_sets[i].append(first[i])
+            for group in range(self.groups - 1):
+                out = predictor.model(inputs_embeds=step_input, past_key_values=cache, use_cache=True)
+                logits = predictor.lm_head[group](out.last_hidden_state[:, -1])
+                chosen = []
+                for i, r in enumerate(batch):
+                    code = (
+                        sample(
+                            logits[i],
+                            r.sampling,
+                            generator=r.generator,
+                            top_k=CODE_PREDICTOR_TOP_K,
+                            top_p=CODE_PREDICTOR_TOP_P,
+                            temperature=1.0,
+                        )
+                        if not r.sampling.greedy
+                        else int(torch.argmax(logits[i]))
+                    )
+                    chosen.append(code)
+                    codes[i].append(code)
+                embeds = predictor.model.codec_embedding[group](torch.tensor(chosen, device=self.device))
+                for i in range(len(batch)):
+                    embed_sets[i].append(embeds[i])
+                step_input = embeds.unsqueeze(1)
+            for i, r in enumerate(batch):
+                r.frame_embeds = torch.stack(embed_sets[i]).sum(0)
+                r.code0 = None
+                r.frames += 1
+        return codes
+
+    def decode(self, batch: list[tuple[TalkerRequest, Any]]) -> None:
+        """One talker step for each (request, its text vector): batched, KV left-padded and masked."""
+        import torch
+        import torch.nn.functional as F
+        from transformers import DynamicCache
+
+        requests = [r for r, _ in batch]
+        longest = max(r.length for r in requests)
+        cache = DynamicCache()
+        caches = [r.kv for r in requests if r.kv is not None]
+        assert len(caches) == len(requests), "decode() got a request that has not run its prefill"
+        with torch.inference_mode():
+            for layer in range(len(caches[0])):
+                keys = [
+                    F.pad(kv[layer][0], (0, 0, longest - r.length, 0)) for kv, r in zip(caches, requests, strict=True)
+                ]
+                values = [
+                    F.pad(kv[layer][1], (0, 0, longest - r.length, 0)) for kv, r in zip(caches, requests, strict=True)
+                ]
+                cache.update(torch.cat(keys), torch.cat(values), layer)
+            mask = torch.zeros(len(requests), longest + 1, dtype=torch.long, device=self.device)
+            for i, r in enumerate(requests):
+                mask[i, longest - r.length :] = 1
+            positions = torch.tensor([r.length for r in requests], device=self.device).view(1, -1, 1).expand(3, -1, 1)
+            embeds = torch.stack([r.frame_embeds + text for r, text in batch]).unsqueeze(1)
+            out = self.talker.model(
+                inputs_embeds=embeds, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+            )
+            hidden = out.last_hidden_state[:, -1]
+            logits = self.talker.codec_head(hidden)
+            for i, r in enumerate(requests):
+                r.kv = [
+                    (
+                        torch.cat([k, layer.keys[i : i + 1, :, -1:]], dim=2),
+                        torch.cat([v, layer.values[i : i + 1, :, -1:]], dim=2),
+                    )
+                    for (k, v), layer in zip(caches[i], out.past_key_values.layers, strict=True)
+                ]
+                r.length += 1
+                r.last_hidden = hidden[i]
+                r.frame_embeds = None
+                r.step += 1
+                self._sample_code0(r, logits[i])
+
+    def advance(self, requests: list[TalkerRequest]) -> tuple[dict[str, list[list[int]]], bool]:
+        """One scheduler iteration over `requests`: prefills, frames, one batched decode step.
+
+        Returns ({request id: new frames}, whether anything moved). Finished requests get
+        `finish_reason` ("stop" on codec eos, "length" at max_tokens frames) and take no more steps.
+        """
+        moved = False
+        frames: dict[str, list[list[int]]] = {}
+        for r in requests:
+            if r.kv is None and r.finish_reason is None and self.prefill_ready(r):
+                self.prefill(r)
+                moved = True
+        pending = [r for r in requests if r.code0 is not None and r.finish_reason is None]
+        for r in pending:
+            if r.code0 == self.eos:
+                r.finish_reason, r.code0 = "stop", None
+                moved = True
+        pending = [r for r in pending if r.finish_reason is None]
+        if pending:
+            for r, codes in zip(pending, self.make_frames(pending), strict=True):
+                frames[r.id] = [codes]
+                if r.frames >= r.sampling.max_tokens:
+                    r.finish_reason = "length"
+            moved = True
+        ready = []
+        for r in requests:
+            if r.frame_embeds is not None and r.finish_reason is None:
+                text = self._trailing(r)
+                if text is not None:
+                    ready.append((r, text))
+        if ready:
+            self.decode(ready)
+            moved = True
+        return frames, moved

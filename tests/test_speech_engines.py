@@ -1,0 +1,200 @@
+"""Talker and code2wav engines on the tiny Qwen3-Omni, anchored to transformers' own `generate()`.
+
+The thinker runs in transformers here (its greedy tokens are what the talker reads); the talker and
+code2wav engines run exactly as in a stage (`make_engine` from the registry's qwen3-omni topology),
+fed the thinker's tokens one at a time, several requests at once. Tolerances: codec codes equal
+exactly; a whole-output waveform equals transformers' within 1e-4 absolute (the same decoder on the
+same codes, in other batch shapes); a windowed waveform has exactly the one-shot length (no sample
+lost or doubled) and stays within 0.05 absolute of it (each window sees 25 frames of left context,
+the one-shot decode all of them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+from servelib import tiny_model
+
+from omni_runtime.engines.base import EngineInput, InvalidRequest
+from omni_runtime.engines.factory import make_engine
+from omni_runtime.registry import get_pipeline
+from omni_runtime.spec import resolve_pipeline
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytestmark = pytest.mark.models
+
+PROMPTS = [("Hello, who are you?", 6, 10), ("Tell me a story about a cat and a dog, please.", 9, 14), ("Hi", 4, 7)]
+"""(user text, thinker tokens, codec frames): different prompt and answer lengths."""
+
+
+@pytest.fixture(scope="module")
+def folder() -> Path:
+    return tiny_model("tiny-qwen3-omni")
+
+
+@pytest.fixture(scope="module")
+def reference(folder: Path) -> list[dict]:
+    """Per prompt: transformers' prompt ids, thinker tokens, codec codes [frames][16] and waveform."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    captured = []
+    decode = model.code2wav.chunked_decode
+
+    def capture(codes, **kwargs):
+        captured.append(codes[0].T.tolist())
+        return decode(codes, **kwargs)
+
+    model.code2wav.chunked_decode = capture
+    out = []
+    for text, tokens, frames in PROMPTS:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        sequences, wav = model.generate(
+            ids,
+            speaker="Ethan",
+            thinker_max_new_tokens=tokens,
+            talker_max_new_tokens=frames + 1,  # transformers makes no frame for its last codec token
+            talker_do_sample=False,
+            return_audio=True,
+        )
+        out.append(
+            {
+                "prompt": ids[0].tolist(),
+                "tokens": sequences[0, ids.shape[1] :].tolist(),
+                "codes": captured[-1],
+                "wav": wav[0, 0],
+                "frames": frames,
+            }
+        )
+    return out
+
+
+def _pipeline(folder: Path, **edges):
+    return resolve_pipeline(get_pipeline("qwen3-omni"), name="o", model=str(folder))
+
+
+async def _talk(engine, ref: dict, rid: str) -> list[list[int]]:
+    """Feed the thinker tokens one by one (yielding between them) and collect the frames."""
+    params = {"temperature": 0.0, "max_tokens": ref["frames"], "voice": "Ethan"}
+    first, *rest = ref["tokens"]
+
+    async def chunks():
+        for token in rest:
+            await asyncio.sleep(0)
+            yield {"thinker_token_ids": [token]}
+
+    request = EngineInput(rid, {"thinker_prompt_ids": ref["prompt"], "thinker_token_ids": [first]}, params)
+    request.chunks = chunks()
+    frames: list[list[int]] = []
+    async for output in engine.generate(request):
+        if "codes" in output.data:
+            frames.extend(output.data["codes"].tolist())
+        if output.finished:
+            assert output.finish_reason in ("stop", "length")
+    return frames
+
+
+async def _decode(engine, codes: list[list[int]], rid: str, first_window: int, window: int):
+    """Feed frames to code2wav in windows (first_window, then window...); the concatenated audio."""
+    import numpy as np
+
+    cuts = [0, first_window] if window else [0, len(codes)]
+    while window and cuts[-1] < len(codes):
+        cuts.append(cuts[-1] + window)
+    pieces = [np.asarray(codes[a:b], dtype=np.int64) for a, b in zip(cuts, cuts[1:], strict=False) if a < len(codes)]
+
+    async def chunks():
+        for piece in pieces[1:]:
+            yield {"codes": piece}
+
+    request = EngineInput(rid, {"codes": pieces[0]}, {})
+    request.chunks = chunks()
+    audio = [out.data["audio"] for out in [o async for o in engine.generate(request)] if "audio" in out.data]
+    return np.concatenate(audio), len(audio)
+
+
+async def _started(folder: Path, stage: str):
+    engine = make_engine(_pipeline(folder), stage)
+    await engine.start()
+    return engine
+
+
+def test_talker_and_code2wav_equal_transformers_for_concurrent_requests(folder: Path, reference) -> None:
+    import numpy as np
+
+    async def main():
+        talker = await _started(folder, "talker")
+        code2wav = await _started(folder, "code2wav")
+        try:
+            assert talker.voices() == ["aiden", "chelsie", "ethan"]
+            alone = await _talk(talker, reference[0], "alone")
+            together = await asyncio.gather(*(_talk(talker, ref, f"r{i}") for i, ref in enumerate(reference)))
+            assert talker.stats()["running_requests"] == 0
+            whole = await asyncio.gather(
+                *(_decode(code2wav, ref["codes"], f"w{i}", 0, 0) for i, ref in enumerate(reference))
+            )
+            windowed = await asyncio.gather(
+                *(_decode(code2wav, ref["codes"], f"s{i}", 4, 5) for i, ref in enumerate(reference))
+            )
+            return alone, together, whole, windowed, code2wav.stats()
+        finally:
+            await talker.stop()
+            await code2wav.stop()
+
+    alone, together, whole, windowed, stats = asyncio.run(main())
+    assert alone == reference[0]["codes"]
+    for ref, frames in zip(reference, together, strict=True):
+        assert frames == ref["codes"]  # exact, batched with requests of other lengths
+    for ref, (wav, _) in zip(reference, whole, strict=True):
+        hf = ref["wav"].numpy()
+        assert wav.shape == hf.shape
+        np.testing.assert_allclose(wav, hf, atol=1e-4)
+    for ref, (wav, count) in zip(reference, windowed, strict=True):
+        hf = ref["wav"].numpy()
+        assert count == 1 + -(-(len(ref["codes"]) - 4) // 5)  # first window of 4, then windows of 5
+        assert wav.shape == hf.shape  # no sample lost or doubled at a boundary
+        np.testing.assert_allclose(wav, hf, atol=0.05)
+    assert stats["last_batch_size"] >= 1 and stats["windows_total"] > stats["calls_total"]  # windows shared calls
+
+
+def test_talker_waits_for_the_thinker_and_stops_on_abort(folder: Path, reference) -> None:
+    ref = reference[1]
+
+    async def main():
+        talker = await _started(folder, "talker")
+        try:
+            talker.add_request("slow", ref["prompt"], "ethan", {"temperature": 0.0, "max_tokens": 50})
+            talker.push_text("slow", ref["tokens"][:3])
+            got = []
+
+            async def read():
+                async for frames, reason in talker.frames("slow"):
+                    got.extend(frames)
+                    if reason is not None:
+                        return reason
+
+            reader = asyncio.create_task(read())
+            await asyncio.sleep(2)
+            waited = list(got)  # 3 tokens known: the prefill and one step, then it must wait
+            talker.push_text("slow", ref["tokens"][3:], finished=True)
+            await asyncio.sleep(0.5)
+            await talker.abort("slow")
+            reason = await asyncio.wait_for(reader, 60)
+            with pytest.raises(InvalidRequest, match="speaker 'nobody' is not one of"):
+                talker.add_request("x", ref["prompt"], "nobody", {})
+            with pytest.raises(InvalidRequest, match="no '<\\|im_start\\|>assistant' turn"):
+                talker.add_request("y", ref["prompt"][:5], "ethan", {})
+            return waited, got, reason
+        finally:
+            await talker.stop()
+
+    waited, got, reason = asyncio.run(main())
+    assert 1 <= len(waited) <= 2 and waited == ref["codes"][: len(waited)]  # never ran ahead on pads
+    assert reason in ("abort", "stop", "length") and got == ref["codes"][: len(got)]
