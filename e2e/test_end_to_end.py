@@ -9,20 +9,23 @@ router, and the official `openai` client talking to the router pod's IP.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
 import signal
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import psutil
 import pytest
 from chartlib import Release, ServiceAccountOperator, helm
-from clusterlib import REPO, apply, kubectl_json
+from clusterlib import REPO, apply, kubectl_json, wait_for
 from PIL import Image
 from podrunner.node import RUNNER_LABEL
 
@@ -254,49 +257,164 @@ def test_killed_stage_process_is_restarted_and_serves_again(env) -> None:
     assert reply.choices[0].message.content is not None
 
 
-def test_editing_engine_args_rolls_only_that_stage(env) -> None:
-    def pods() -> dict[str, str]:
-        return {
-            p["metadata"]["name"]: p["metadata"]["labels"].get("omnikube.io/stage", "router")
-            for p in kubectl_json(env.cluster, "get", "pods", "-n", env.ns, "-l", "omnikube.io/pipeline=enhanced")[
-                "items"
-            ]
-        }
+class SteadyLoad:
+    """Client threads sending requests back to back through the router until `stop()`; every outcome
+    is kept. Each request opens its own connection (a client behind a Service gets a new one to the
+    pod the Service picks); `max_retries=0`, so nothing is retried behind the test's back."""
 
-    before = pods()
+    def __init__(self, base_url: Callable[[], str], calls: list[Callable[[openai.OpenAI], None]]) -> None:
+        self.base_url = base_url
+        self.calls = calls
+        self.outcomes: list[tuple[str, str]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(c,), daemon=True) for c in calls]
+
+    def _loop(self, call: Callable[[openai.OpenAI], None]) -> None:
+        while not self._stop.is_set():
+            url = self.base_url()
+            http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=120)
+            client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, http_client=http)
+            try:
+                call(client)
+                self.outcomes.append(("ok", ""))
+            except openai.APIStatusError as exc:
+                self.outcomes.append((str(exc.status_code), f"{url}: {exc.message}"))
+            except Exception as exc:  # noqa: BLE001 - every failure counts, whatever its kind
+                self.outcomes.append((type(exc).__name__, f"{url}: {exc}"))
+            finally:
+                client.close()
+
+    def start(self) -> SteadyLoad:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def ok(self) -> int:
+        return sum(1 for kind, _ in self.outcomes if kind == "ok")
+
+    def stop(self) -> list[tuple[str, str]]:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(180)
+        return [o for o in self.outcomes if o[0] != "ok"]
+
+
+def _chat(stream: bool) -> Callable[[openai.OpenAI], None]:
+    def call(client: openai.OpenAI) -> None:
+        messages = [{"role": "user", "content": "Count to twenty"}]
+        args = {"model": "chat", "messages": messages, "max_tokens": 24, "extra_body": {"ignore_eos": True}}
+        if stream:
+            chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+            assert chunks[-1].usage.completion_tokens == 24, "the stream ended early"
+        else:
+            assert client.chat.completions.create(**args).usage.completion_tokens == 24
+
+    return call
+
+
+def _image(client: openai.OpenAI) -> None:
+    result = client.images.generate(model="enhanced", prompt="a dog", size="64x64", response_format="b64_json")
+    assert _png(result.data[0].b64_json).size == (64, 64)
+
+
+def _pods(env: Env, pipeline_name: str) -> dict[str, dict]:
+    items = kubectl_json(env.cluster, "get", "pods", "-n", env.ns, "-l", f"omnikube.io/pipeline={pipeline_name}")
+    return {p["metadata"]["name"]: p for p in items["items"]}
+
+
+def _component(pod: dict) -> str:
+    return pod["metadata"]["labels"].get("omnikube.io/stage", "router")
+
+
+def _roll(env: Env, edited: dict, load: SteadyLoad, component: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Apply `edited` under `load` and wait until the pipeline is Ready again and every old pod of
+    `component` has exited (its drain included); then (components before, after) by pod name."""
+    name = edited["metadata"]["name"]
+    before = {n: _component(p) for n, p in _pods(env, name).items()}
+    wait_for(lambda: load.ok() >= 4, 300, "requests succeeding before the roll")
+    apply(env.cluster, env.ns, edited)
+    old = {n for n, c in before.items() if c == component}
+
+    def rolled() -> bool:
+        now = _pods(env, name)
+        new = [n for n, p in now.items() if _component(p) == component and n not in before]
+        obj = env.get("omnipipeline", name) or {}
+        status = obj.get("status") or {}
+        ready = [c for c in status.get("conditions", []) if c["type"] == "Ready"]
+        current = status.get("observedGeneration") == obj["metadata"]["generation"]
+        return bool(new) and not (old & set(now)) and current and bool(ready) and ready[0]["status"] == "True"
+
+    wait_for(rolled, READY_TIMEOUT, f"{name}: {component} rolled and its old pods gone")
+    done = load.ok()
+    wait_for(lambda: load.ok() >= done + 4, 300, "requests succeeding after the roll")
+    return before, {n: _component(p) for n, p in _pods(env, name).items()}
+
+
+def test_a_stage_roll_under_steady_load_fails_no_request(env) -> None:
+    """Two streaming and two non-streaming clients while the chat stage rolls: the old replica drains
+    (no new work, its running streams finish), the new one takes over, not one request fails."""
+    url = env.router_url("chat")
+    load = SteadyLoad(lambda: url, [_chat(True), _chat(True), _chat(False), _chat(False)]).start()
+    edited = json.loads(json.dumps(PIPELINES[0]))
+    edited["spec"]["stages"][0]["engineArgs"] = {**AR_ARGS, "max_model_len": 384}
+    try:
+        before, after = _roll(env, edited, load, "llm")
+    finally:
+        failed = load.stop()
+    assert failed == [], f"{len(failed)} of {len(load.outcomes)} requests failed during the roll: {failed[:10]}"
+    assert {c for n, c in before.items() if n not in after} == {"llm"}, (before, after)
+
+
+def test_editing_engine_args_rolls_only_that_stage_and_fails_no_request(env) -> None:
+    """Three image clients while the upstream (enhancer) stage of a two-stage pipeline rolls."""
+    url = env.router_url("enhanced")
+    load = SteadyLoad(lambda: url, [_image, _image, _image]).start()
     edited = json.loads(json.dumps(PIPELINES[2]))
     edited["spec"]["stages"][0]["engineArgs"] = {**AR_ARGS, "max_model_len": 384}
-    apply(env.cluster, env.ns, edited)
-    client = env.client("enhanced")
-    outcomes = []
-    deadline = time.monotonic() + READY_TIMEOUT
-    while time.monotonic() < deadline:
-        try:
-            client.images.generate(model="enhanced", prompt="a dog", size="64x64", response_format="b64_json")
-            outcomes.append(200)
-        except openai.APIStatusError as exc:
-            outcomes.append(exc.status_code)
-        except openai.APIConnectionError:
-            outcomes.append(0)
-        obj = env.get("omnipipeline", "enhanced")
-        ready = [c for c in obj["status"]["conditions"] if c["type"] == "Ready"]
-        if (
-            obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
-            and ready[0]["status"] == "True"
-            and set(pods()) != set(before)
-        ):
-            break
-    env.wait_ready("enhanced")
-    # The old enhancer pod left the EndpointSlice when it began terminating; let it finish exiting.
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and sum(s == "enhancer" for s in pods().values()) > 1:
-        time.sleep(1)
-    after = pods()
-    changed = {stage for name, stage in before.items() if name not in after}
-    assert changed == {"enhancer"}, (before, after)
-    assert all(code in (200, 429, 502, 503, 504) for code in outcomes), outcomes
-    result = client.images.generate(model="enhanced", prompt="a dog", size="64x64", response_format="b64_json")
-    assert _png(result.data[0].b64_json).size == (64, 64), "the pipeline serves after the roll"
+    try:
+        before, after = _roll(env, edited, load, "enhancer")
+    finally:
+        failed = load.stop()
+    assert failed == [], f"{len(failed)} of {len(load.outcomes)} requests failed during the roll: {failed[:10]}"
+    assert {c for n, c in before.items() if n not in after} == {"enhancer"}, (before, after)
+    _image(env.client("enhanced"))  # the pipeline serves after the roll
+
+
+def test_a_router_roll_under_steady_load_fails_no_request(env) -> None:
+    """Streaming and non-streaming clients while the chat router rolls. Clients reach a router that is
+    ready and not terminating, as a Service would send them (kube-proxy has no stand-in here): the old
+    router keeps serving through its preStop sleep while they move, then finishes what it runs."""
+    current = {"url": env.router_url("chat")}
+    stop = threading.Event()
+
+    def follow() -> None:  # what the Service's endpoints do: the ready, not terminating router pods
+        while not stop.is_set():
+            with contextlib.suppress(Exception):
+                pods = [
+                    p for p in _pods(env, "chat").values()
+                    if _component(p) == "router" and not p["metadata"].get("deletionTimestamp")
+                    and p["status"].get("podIP")
+                    and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
+                ]  # fmt: skip
+                if pods:
+                    current["url"] = f"http://{pods[0]['status']['podIP']}:8000/v1"
+            time.sleep(0.3)
+
+    follower = threading.Thread(target=follow, daemon=True)
+    follower.start()
+    load = SteadyLoad(lambda: current["url"], [_chat(True), _chat(True), _chat(False), _chat(False)]).start()
+    live = env.get("omnipipeline", "chat")
+    assert live is not None
+    edited = {"apiVersion": live["apiVersion"], "kind": live["kind"], "metadata": {"name": "chat"}}
+    edited["spec"] = {**live["spec"], "router": {**live["spec"]["router"], "resources": {"requests": {"cpu": "10m"}}}}
+    try:
+        before, after = _roll(env, edited, load, "router")
+    finally:
+        failed = load.stop()
+        stop.set()
+        follower.join(10)
+    assert failed == [], f"{len(failed)} of {len(load.outcomes)} requests failed during the roll: {failed[:10]}"
+    assert {c for n, c in before.items() if n not in after} == {"router"}, (before, after)
 
 
 def test_deleting_a_pipeline_leaves_no_process_or_segment(env) -> None:
