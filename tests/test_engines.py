@@ -431,7 +431,8 @@ async def test_ar_chat_messages_use_the_chat_template(ar: AREngine, hf_tokenizer
 @in_module_loop
 async def test_ar_streams_prompt_ids_then_one_token_per_step(ar: AREngine, hf_tokenizer) -> None:
     """What a thinker streamed per step to a talker relies on (vLLM 0.32 DELTA outputs): the first piece
-    carries the rendered prompt ids, then every engine step gives exactly one new token id."""
+    carries the rendered prompt ids, then each engine step gives its new token id (vLLM merges the
+    steps of a reader that fell behind into one piece, so pieces hold one id or, under load, a few)."""
     messages = [{"role": "user", "content": "Say something"}]
     expected = hf_tokenizer.encode(
         hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
@@ -440,7 +441,7 @@ async def test_ar_streams_prompt_ids_then_one_token_per_step(ar: AREngine, hf_to
     outs = await _collect(ar, EngineInput("p1", {"messages": messages}, _greedy(6)))
     assert outs[0].data["prompt_token_ids"] == expected
     assert all("prompt_token_ids" not in o.data for o in outs[1:])
-    assert [len(o.data["token_ids"]) for o in outs] == [1] * 6
+    assert sum(len(o.data["token_ids"]) for o in outs) == 6 and len(outs) > 1
 
 
 @models
