@@ -228,9 +228,14 @@ class Qwen3TalkerEngine(Engine):
                     break
 
     async def stop(self) -> None:
+        """Stop the loop; requests still running end with reason 'abort'."""
         if self._task is not None:
             self._task.cancel()
             self._task = None
+        for live in self._live.values():
+            if live.request.finish_reason is None:
+                live.request.finish_reason = "abort"
+                live.out.put_nowait(([], "abort"))
         self.model = None
 
     def stats(self) -> dict[str, float]:
