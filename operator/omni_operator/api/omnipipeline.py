@@ -214,10 +214,13 @@ class RouterSpec(KubeModel):
         default_factory=RouterLimitsConfig, description="Concurrency, queue, timeout and body limits."
     )
     node_selector: dict[str, str] = Field(
-        default_factory=dict, description="Node labels a node must have to run the router pods."
+        default_factory=dict,
+        description="Node labels a node must have to run the router pods (and the pipeline's Mooncake master).",
     )
     tolerations: list[Toleration] = Field(
-        default_factory=list, max_length=32, description="Taints the router pods tolerate."
+        default_factory=list,
+        max_length=32,
+        description="Taints the router pods (and the pipeline's Mooncake master) tolerate.",
     )
     affinity: dict[str, Any] = Field(
         default_factory=dict,

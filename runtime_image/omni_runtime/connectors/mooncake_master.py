@@ -1,4 +1,5 @@
-"""Start and stop a Mooncake master plus its HTTP metadata server (router pod sidecar, local mode, tests).
+"""Start and stop a Mooncake master plus its HTTP metadata server (local mode and tests; in a cluster
+the operator runs `mooncake_master` in a pod of its own, builders/mooncake.py).
 
 Recipe (mooncake-transfer-engine 0.3.13):
 

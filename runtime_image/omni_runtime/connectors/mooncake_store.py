@@ -1,7 +1,7 @@
 """The `mooncake` connector in mode `store`: payloads as Mooncake Store objects, between pods (TCP or RDMA).
 
 Every stage process joins the store as a client (contributing `global_segment_size` bytes of memory
-that objects may be placed in) and talks to the master in the router pod. One `put` is one object,
+that objects may be placed in) and talks to the pipeline's master (its own pod in a cluster). One `put` is one object,
 key `omnikube/<pipeline>/<key>/<source>-><target>/<nonce>`, written straight from the tensors' memory
 (`batch_put_from_multi_buffers`: header, padding, frames; no staging copy) and hard-pinned, so
 the store refuses new objects when full (`PayloadTooLarge`) instead of evicting unread ones.

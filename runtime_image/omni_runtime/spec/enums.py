@@ -26,7 +26,7 @@ class ConnectorKind(str, Enum):
     SHM = "shm"
     """POSIX shared memory; only between stages in one pod (colocated)."""
     MOONCAKE = "mooncake"
-    """Mooncake Store (master in the router pod) over TCP or RDMA; between pods."""
+    """Mooncake (the pipeline's own master pod) over TCP or RDMA; between pods."""
 
 
 class MooncakeProtocol(str, Enum):
