@@ -111,6 +111,8 @@ def test_omni_topologies(name: str) -> None:
     if name == "qwen3-omni":  # talker and code2wav run on omni_runtime.engines.speech
         runners = {s.name: s.engine_args.get("runner") for s in spec.stages}
         assert runners == {"thinker": None, "talker": "qwen3_omni_talker", "code2wav": "qwen3_omni_code2wav"}
+    else:  # qwen2.5: token2wav on omni_runtime.engines.speech; its talker has no engine yet
+        assert spec.stage("code2wav").engine_args == {"runner": "qwen2_5_omni_token2wav"}
 
 
 def test_qwen3_omni_streams_codec_chunks_to_code2wav() -> None:

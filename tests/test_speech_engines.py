@@ -266,3 +266,44 @@ def test_speech_engines_refuse_what_they_cannot_run(folder: Path, reference) -> 
             await code2wav.stop()
 
     asyncio.run(main())
+
+
+def test_qwen2_5_token2wav_equals_transformers() -> None:
+    """Whole-output token2wav (no streaming yet) on random codes: the waveform transformers' own
+    token2wav gives for the same speaker and noise seed (within 1e-5); bad voices and codes are 400s."""
+    import numpy as np
+    import torch
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    folder = tiny_model("tiny-qwen2-5-omni")
+    codes = torch.randint(0, 8192, (40,), generator=torch.Generator().manual_seed(3))
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    speaker = model.speaker_map["Ethan"]
+    torch.manual_seed(5)
+    with torch.inference_mode():
+        expected = model.token2wav(codes[None], conditioning=speaker["cond"], reference_mel=speaker["ref_mel"])
+    expected = expected.reshape(-1).numpy()
+    pipeline = resolve_pipeline(get_pipeline("qwen2-5-omni"), name="q", model=str(folder))
+
+    async def main():
+        engine = make_engine(pipeline, "code2wav")
+        await engine.start()
+        try:
+            assert engine.voices() == ["chelsie", "ethan"]
+
+            async def rest():
+                yield {"codes": codes[15:].numpy()}
+
+            request = EngineInput("r", {"codes": codes[:15].numpy()}, {"voice": "ethan", "seed": 5}, chunks=rest())
+            outputs = [o async for o in engine.generate(request)]
+            with pytest.raises(InvalidRequest, match="voice 'nobody' is not one of"):
+                await anext(engine.generate(EngineInput("x", {"codes": codes.numpy()}, {"voice": "nobody"})))
+            with pytest.raises(InvalidRequest, match="must lie in \\[0, 8193\\)"):
+                await anext(engine.generate(EngineInput("y", {"codes": np.array([9000])}, {})))
+            return outputs
+        finally:
+            await engine.stop()
+
+    outputs = asyncio.run(main())
+    assert [o.finished for o in outputs] == [False, True] and outputs[-1].usage == {"codec_tokens": 40}
+    np.testing.assert_allclose(outputs[0].data["audio"], expected, atol=1e-5)

@@ -37,6 +37,10 @@ def make_engine(pipeline: ResolvedPipeline, stage_name: str) -> Engine:
             from omni_runtime.engines.speech.code2wav import Code2WavEngine
 
             return Code2WavEngine(pipeline, stage)
+        if runner == "qwen2_5_omni_token2wav":
+            from omni_runtime.engines.speech.token2wav import Token2WavEngine
+
+            return Token2WavEngine(pipeline, stage)
         from omni_runtime.engines.generation import GenerationEngine
 
         return GenerationEngine(pipeline, stage)
