@@ -327,6 +327,22 @@ async def test_qwen3_omni_rows_equal_transformers_for_three_concurrent_requests(
         _check_against_hf(qwen3_thinker_hf, outs)
 
 
+@pytest.mark.models
+@in_module_loop
+async def test_qwen3_omni_abort_mid_stream_leaves_the_route_clean(qwen3_rows_engine, qwen3_thinker_hf) -> None:
+    """An aborted request's rows stop with it (its stream is dropped); the next request's rows are whole."""
+    request = EngineInput("ab", {"messages": [{"role": "user", "content": PROMPTS[1]}]}, {**GREEDY, "max_tokens": 200})
+    seen = 0
+    async for out in qwen3_rows_engine.generate(request):
+        seen += 1
+        if seen == 2:
+            await qwen3_rows_engine.abort("ab")
+        if out.finished:
+            assert out.finish_reason == "abort"
+    assert qwen3_rows_engine._rows._streams == {}
+    _check_against_hf(qwen3_thinker_hf, await _run(qwen3_rows_engine, "after", PROMPTS[2]))
+
+
 # --- Qwen2.5-Omni: through the vllm.general_plugins entry point --------------------------------------
 
 
