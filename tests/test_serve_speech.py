@@ -1,9 +1,9 @@
 """`omnikube serve` of the tiny Qwen3-Omni (thinker on vLLM -> talker -> code2wav), through the real
-OpenAI client, once per connector of its two edges (`shm`, `mooncake`; `inline` is covered by the
-fast tier, test_speech_api.py): text and speech in one reply, audio streamed while the thinker still
-writes, `modalities: ["text"]` running the thinker alone, an image reaching the thinker, and a client
-that disconnects mid-audio stopping every stage and leaving no payload behind. One serve takes about
-14 minutes on a loaded 2-core machine (vLLM loads the thinker in about 6).
+OpenAI client, once per connector of its two edges (`inline`, `shm`, `mooncake`): text and speech in
+one reply, audio streamed while the thinker still writes, `modalities: ["text"]` running the thinker
+alone, an image reaching the thinker, and a client that disconnects mid-audio stopping every stage
+and leaving no payload behind. One connector takes about a minute on an idle 2-core machine, and up
+to 14 on a loaded one (vLLM then needs about 6 to load the thinker).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def tiny_qwen3_omni_model():
     return tiny_model("tiny-qwen3-omni")
 
 
-@pytest.fixture(scope="module", params=["shm", "mooncake"])
+@pytest.fixture(scope="module", params=["inline", "shm", "mooncake"])
 def omni(request, tiny_qwen3_omni_model, tmp_path_factory) -> Iterator[Serve]:
     connector = request.param
     spec = {
