@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.engines.speech.stage_args import checked_engine_args, stage_device, stage_dtype, stage_model_path
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 
 __all__ = ["Code2WavEngine", "Qwen3Code2Wav"]
@@ -95,22 +96,10 @@ class Code2WavEngine(Engine):
 
     def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
         super().__init__(pipeline, stage)
-        import torch
-
-        path = Path(pipeline.model)
-        self.model_path = path / stage.model_subfolder if stage.model_subfolder else path
-        args = dict(stage.engine_args)
-        unknown = sorted(set(args) - ENGINE_ARGS)
-        if unknown:
-            raise EngineError(
-                f"stage {stage.name!r}: engine_args {unknown} are not read by runner {args.get('runner')!r}; "
-                f"it takes {sorted(ENGINE_ARGS)}"
-            )
-        self.device = str(args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = getattr(torch, str(args.get("torch_dtype") or "float32"), None)
-        if not isinstance(dtype, torch.dtype):
-            raise EngineError(f"stage {stage.name!r}: torch_dtype {args.get('torch_dtype')!r} is not a torch dtype")
-        self.dtype = dtype
+        self.model_path = stage_model_path(pipeline, stage)
+        args = checked_engine_args(stage, ENGINE_ARGS)
+        self.device = stage_device(args)
+        self.dtype = stage_dtype(stage, args, "float32")
         self.left_context = int(args.get("left_context", 25))
         self.max_frames = int(args.get("max_frames_per_call", 300))
         if self.left_context < 0 or self.max_frames < 1:

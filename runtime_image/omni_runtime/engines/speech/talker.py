@@ -22,11 +22,11 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
 from omni_runtime.engines.speech.sampling import Sampling
+from omni_runtime.engines.speech.stage_args import checked_engine_args, stage_device, stage_dtype, stage_model_path
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 
 __all__ = ["Qwen3TalkerEngine", "engine_device_and_dtype"]
@@ -39,21 +39,9 @@ ENGINE_ARGS = {"runner", "device", "torch_dtype", "max_requests"}
 
 def engine_device_and_dtype(stage: StageSpec) -> tuple[str, Any, dict[str, Any]]:
     """(device, torch dtype, the other engine args) for a speech stage; unknown keys are refused."""
-    import torch
-
-    args = dict(stage.engine_args)
-    unknown = sorted(set(args) - ENGINE_ARGS)
-    if unknown:
-        raise EngineError(
-            f"stage {stage.name!r}: engine_args {unknown} are not read by runner {args.get('runner')!r}; "
-            f"it takes {sorted(ENGINE_ARGS)}"
-        )
-    device = str(args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
-    name = str(args.get("torch_dtype") or ("bfloat16" if device.startswith("cuda") else "float32"))
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise EngineError(f"stage {stage.name!r}: torch_dtype {name!r} is not a torch dtype; use float32 or bfloat16")
-    return device, dtype, args
+    args = checked_engine_args(stage, ENGINE_ARGS)
+    device = stage_device(args)
+    return device, stage_dtype(stage, args, "bfloat16" if device.startswith("cuda") else "float32"), args
 
 
 @dataclass(eq=False)
@@ -73,8 +61,7 @@ class Qwen3TalkerEngine(Engine):
 
     def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
         super().__init__(pipeline, stage)
-        path = Path(pipeline.model)
-        self.model_path = path / stage.model_subfolder if stage.model_subfolder else path
+        self.model_path = stage_model_path(pipeline, stage)
         self.device, self.dtype, args = engine_device_and_dtype(stage)
         self.max_requests = int(args.get("max_requests", 64))
         self.model: Any = None

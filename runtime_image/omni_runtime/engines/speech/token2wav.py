@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.engines.speech.stage_args import checked_engine_args, stage_device, stage_model_path
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 
 __all__ = ["Qwen25Token2Wav", "Token2WavEngine"]
@@ -73,18 +74,9 @@ class Token2WavEngine(Engine):
 
     def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
         super().__init__(pipeline, stage)
-        import torch
-
-        path = Path(pipeline.model)
-        self.model_path = path / stage.model_subfolder if stage.model_subfolder else path
-        args = dict(stage.engine_args)
-        unknown = sorted(set(args) - ENGINE_ARGS)
-        if unknown:
-            raise EngineError(
-                f"stage {stage.name!r}: engine_args {unknown} are not read by runner {args.get('runner')!r}; "
-                f"it takes {sorted(ENGINE_ARGS)}"
-            )
-        self.device = str(args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model_path = stage_model_path(pipeline, stage)
+        args = checked_engine_args(stage, ENGINE_ARGS)
+        self.device = stage_device(args)
         self.num_steps = int(args.get("num_steps", 10))
         if self.num_steps < 1:
             raise EngineError(f"stage {stage.name!r}: num_steps {self.num_steps} must be 1 or more")
