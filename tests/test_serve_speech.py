@@ -141,9 +141,9 @@ def test_text_only_runs_the_thinker_alone(omni: Serve) -> None:
 
 
 def test_an_image_reaches_the_thinker(omni: Serve) -> None:
-    """vLLM's Qwen3-Omni thinker reads images on CPU (the audio and video towers are not exercised here);
-    the talker then speaks an answer about it (media rows of the prompt go by token id: the hidden-state
-    route for media positions is not built, see the module docstring of processors)."""
+    """vLLM's Qwen3-Omni thinker reads images on CPU (the audio and video towers are not exercised here).
+    Only a text reply is asked for: the talker refuses prompts with media until the thinker's hidden states
+    for media positions reach it (see the module docstring of processors)."""
     from PIL import Image
 
     buf = io.BytesIO()

@@ -230,6 +230,15 @@ async def test_speech_endpoint_whole_file_sse_and_raw_stream() -> None:
             assert np.array_equal(np.frombuffer(raw.content[44:], dtype="<i2"), expected_pcm(7))
             bad = await http.post("/v1/audio/speech", json={**body, "response_format": "mp3"})
             assert bad.status_code == 400 and "use one of ['wav', 'pcm']" in bad.json()["error"]["message"]
+            # What the models cannot honour is refused by name, never accepted and ignored.
+            for field, value, says in (
+                ("speed", 1.5, "speed 1.5 is not supported"),
+                ("instructions", "whisper", "instructions are not supported"),
+                ("pitch", 2, "pitch"),
+            ):
+                refused = await http.post("/v1/audio/speech", json={**body, field: value})
+                error = refused.json()["error"]
+                assert refused.status_code == 400 and says in error["message"] and error["param"] == field, error
         assert len(cluster.engines["talker"][0].seen) == 4
 
 

@@ -19,7 +19,8 @@ STREAM_FORMATS = ("sse", "audio")
 
 
 class SpeechRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # A field we would accept and ignore is worse than a 400: unknown fields are refused by name.
+    model_config = ConfigDict(extra="forbid")
 
     input: str = Field(min_length=1, description="The text to speak.")
     model: str | None = None
@@ -27,7 +28,7 @@ class SpeechRequest(BaseModel):
     response_format: str = Field("wav", description=f"One of {SPEECH_FORMATS}.")
     stream_format: str | None = Field(None, description=f"{STREAM_FORMATS}; unset returns the whole file at the end.")
     speed: float = Field(1.0, description="Only 1.0: the models speak at their own pace.")
-    instructions: str | None = None
+    instructions: str | None = Field(None, description="Refused when set: the speech models take no instructions.")
     sampling_params_list: list[dict[str, Any]] | None = None
 
 

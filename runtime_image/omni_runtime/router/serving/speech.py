@@ -88,6 +88,11 @@ class ServingSpeech(ServingBase):
                 f"stream_format {body.stream_format!r} is not supported; use one of {list(STREAM_FORMATS)}",
                 param="stream_format",
             )
+        if body.instructions:
+            raise BadRequest(
+                "instructions are not supported: the model's voice is chosen by `voice` alone; omit instructions",
+                param="instructions",
+            )
         if body.speed != 1.0:
             raise BadRequest(
                 f"speed {body.speed} is not supported: the model speaks at its own pace; send 1.0 or omit it",
