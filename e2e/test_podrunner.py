@@ -527,7 +527,9 @@ def test_deleting_a_pod_stops_its_processes_and_removes_its_netns(cluster, names
     apply(
         cluster,
         namespace,
-        pod("doomed", [{"name": "c", "image": "x", "command": ["sh", "-c", script]}], terminationGracePeriodSeconds=10),
+        pod(
+            "doomed", [{"name": "c", "image": "x", "command": ["sh", "-c", script]}], terminationGracePeriodSeconds=600
+        ),
     )
     wait_for("doomed Running", lambda: get_pod(cluster, namespace, "doomed")["status"]["phase"] == "Running")
     info = wait_for(
@@ -536,9 +538,9 @@ def test_deleting_a_pod_stops_its_processes_and_removes_its_netns(cluster, names
     )
     pids = [info["unshare_pid"], info["agent_pid"], info["container_pids"]["c"]]
     assert all(_alive(p) for p in pids) and _netns_holders(info["netns"]) and _link_exists(info["veth"])
-    started = time.monotonic()
+    # The grace period (600 s) is far past kubectl's 60 s: the delete returns only because the container
+    # ended on SIGTERM, never because the runner killed it when the grace period ran out.
     cluster.kubectl("-n", namespace, "delete", "pod", "doomed", "--wait=true", timeout=60)
-    assert time.monotonic() - started < 8  # the container ended on SIGTERM, well before the grace period
     assert "got SIGTERM" in podrunner.logs(namespace, "doomed", "c")
     assert not any(_alive(p) for p in pids)
     assert _netns_holders(info["netns"]) == []
