@@ -63,7 +63,12 @@ def manifest(connectors: dict, *, colocate: bool = False) -> dict:
             "router": {**on_runner(), "limits": {"requestTimeoutSeconds": 120}},
             "connectors": connectors,
             "stages": [
-                {**on_runner(), "name": "enhancer", "engineArgs": AR_ARGS, "samplingParams": {"max_tokens": 12}},
+                {
+                    **on_runner(),
+                    "name": "enhancer",
+                    "engineArgs": AR_ARGS,
+                    "samplingParams": {"max_tokens": 12, "ignore_eos": True},
+                },
                 {**on_runner(), **dit},
             ],
         },

@@ -72,7 +72,7 @@ PIPELINES = [
         "prompt-enhanced-t2i",
         "tiny-prompt-enhanced-t2i",
         [
-            {"name": "enhancer", "engineArgs": AR_ARGS, "samplingParams": {"max_tokens": 12}},
+            {"name": "enhancer", "engineArgs": AR_ARGS, "samplingParams": {"max_tokens": 12, "ignore_eos": True}},
             {"name": "dit", "engineArgs": {"torch_dtype": "float32"}, "samplingParams": {"num_inference_steps": 2}},
         ],
     ),
