@@ -1,0 +1,313 @@
+"""Speech in the cluster: tiny Qwen3-Omni applied as an OmniPipeline (thinker -> talker -> code2wav), the way a
+user would (`kubectl apply` of a CR), answered through the router pod with the official `openai` client.
+
+Thinker and talker run in separate pods (thinker -> talker over Mooncake p2p), code2wav runs in the talker's pod
+(`colocateWith`, talker -> code2wav over shm). One pipeline is shared by the module: text and speech in one reply,
+text and audio streamed as they are made, `/v1/audio/speech`, a client that disconnects mid-audio leaving no
+payload held in any stage, and a talker pod killed mid-request (that request fails with a retriable error event,
+nothing hangs, and once the Deployment's new talker pod is Ready the next request succeeds).
+
+Real: the control plane, Helm, the operator holding only the chart ServiceAccount's token, the pod runner running
+router, stages and the Mooncake master as processes in their own network namespaces, vLLM for the thinker, the
+transformers modules for talker and code2wav, the real Mooncake transfer engines and the real `openai` client.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import uuid
+import wave
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from chartlib import Release, ServiceAccountOperator, helm
+from clusterlib import REPO, apply, condition, kubectl_json, wait_for
+from podrunner.node import RUNNER_LABEL
+from prometheus_client.parser import text_string_to_metric_families
+
+from omni_operator.resolve import stage_ports
+from omni_runtime.tiny_models import default_cache_dir, ensure
+
+pytestmark = [pytest.mark.cluster, pytest.mark.models]
+
+NAME = "omni"
+READY_TIMEOUT = 900  # vLLM on two shared cores loads the thinker in about a minute, more under load
+THINKER_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 64 * 1024**2, "seed": 0}
+TALKER_FRAMES = 40  # random weights rarely say codec-eos: bound the frames (a request may ask for more)
+SIZES = {"globalSegmentSize": "64Mi", "localBufferSize": "16Mi"}
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+SAMPLE_RATE = 24000
+ON_RUNNER = {
+    "nodeSelector": {RUNNER_LABEL: "true"},
+    "tolerations": [{"key": RUNNER_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
+}
+
+
+def manifest() -> dict:
+    """What a user writes: the model, Mooncake p2p by default, shm between talker and its colocated code2wav."""
+    return {
+        "apiVersion": "omnikube.io/v1alpha1",
+        "kind": "OmniPipeline",
+        "metadata": {"name": NAME},
+        "spec": {
+            "model": "tiny-qwen3-omni",
+            "pipeline": "qwen3-omni",
+            "servedModelName": NAME,
+            "runtime": {
+                "modelCache": {"hostPath": {"path": str(default_cache_dir())}, "mountPath": "/models", "readOnly": True}
+            },
+            "router": {**ON_RUNNER, "limits": {"requestTimeoutSeconds": 300}},
+            "connectors": {
+                "default": "mooncake",
+                "mooncake": {"mode": "p2p", **SIZES},
+                "edges": [{"from": "talker", "to": "code2wav", "kind": "shm"}],
+            },
+            "stages": [
+                {**ON_RUNNER, "name": "thinker", "engineArgs": THINKER_ARGS, "samplingParams": {"max_tokens": 24}},
+                {**ON_RUNNER, "name": "talker", "samplingParams": {"max_tokens": TALKER_FRAMES}},
+                {"name": "code2wav", "colocateWith": "talker"},
+            ],
+        },
+    }
+
+
+class Env:
+    def __init__(self, cluster, runner, release: Release, operator: ServiceAccountOperator) -> None:
+        self.cluster, self.runner, self.release, self.operator = cluster, runner, release, operator
+
+    @property
+    def ns(self) -> str:
+        return self.release.apps
+
+    def pipeline(self) -> dict:
+        return kubectl_json(self.cluster, "get", "omnipipeline", NAME, "-n", self.ns)
+
+    def pods(self, component: str | None = None) -> list[dict]:
+        selector = f"omnikube.io/pipeline={NAME}" + (f",app.kubernetes.io/component={component}" if component else "")
+        items = kubectl_json(self.cluster, "get", "pods", "-n", self.ns, "-l", selector)["items"]
+        return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+    def stage_pod(self, stage: str) -> dict:
+        (pod,) = [p for p in self.pods("stage") if p["metadata"]["labels"].get("omnikube.io/stage") == stage]
+        return pod
+
+    def describe(self) -> str:
+        lines = []
+        for p in self.pods():
+            lines.append(f"--- {p['metadata']['name']} {p['status'].get('phase')}")
+            for c in p["spec"]["containers"]:
+                try:
+                    log = self.runner.logs(self.ns, p["metadata"]["name"], c["name"])
+                except Exception as exc:  # noqa: BLE001 - the pod may be gone already
+                    log = f"<no logs: {exc}>"
+                lines.append(f"[{c['name']}] {log[-1500:]}")
+        status = json.dumps(self.pipeline().get("status"))[:3000]
+        return "\n".join(lines) + f"\nstatus: {status}\noperator:\n{self.operator.log()[-1500:]}"
+
+    def wait_ready(self, since: frozenset[str] | set[str] = frozenset()) -> dict:
+        """Ready on its current generation, with no stage pod whose name is in `since`."""
+
+        def ready() -> dict | None:
+            obj = self.pipeline()
+            pods = self.pods("stage")
+            fresh = {p["metadata"]["name"] for p in pods}.isdisjoint(since)
+            fresh = fresh and all(condition(p, "Ready").get("status") == "True" for p in pods)
+            current = (obj.get("status") or {}).get("observedGeneration") == obj["metadata"]["generation"]
+            return obj if current and fresh and condition(obj, "Ready").get("status") == "True" else None
+
+        return wait_for(ready, READY_TIMEOUT, f"{NAME} Ready", self.describe)  # type: ignore[return-value]
+
+    @property
+    def base(self) -> str:
+        (router,) = [p for p in self.pods("router") if p["status"].get("podIP")]
+        return f"http://{router['status']['podIP']}:8000"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def stage_metric(self, name: str, **labels: str) -> float:
+        """Sum of metric `name` (samples matching `labels`) over every stage process, scraped from each stage
+        container's /metrics through the pod network."""
+        total = 0.0
+        for pod in self.pods("stage"):
+            ip = pod["status"]["podIP"]
+            for index, _ in enumerate(pod["spec"]["containers"]):
+                with httpx.Client(trust_env=False, timeout=10) as http:
+                    text = http.get(f"http://{ip}:{stage_ports(index)[1]}/metrics").text
+                for family in text_string_to_metric_families(text):
+                    for sample in family.samples:
+                        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                            total += sample.value
+        return total
+
+
+@pytest.fixture(scope="module")
+def env(cluster, podrunner, tmp_path_factory) -> Iterator[Env]:
+    ensure("tiny-qwen3-omni")
+    suffix = uuid.uuid4().hex[:6]
+    release = Release(name=f"sp-{suffix}", namespace=f"sp-{suffix}-system", apps=f"sp-{suffix}-apps")
+    for ns in (release.namespace, release.apps):
+        cluster.kubectl("create", "namespace", ns)
+    helm(cluster, "install", release.name, str(REPO / "charts" / "omnikube"), "--namespace", release.namespace,
+         "--set", "crds.install=false")  # fmt: skip
+    release.installed = True
+    operator = ServiceAccountOperator(cluster, release, tmp_path_factory.mktemp("sp-operator"), [release.apps]).start()
+    e = Env(cluster, podrunner, release, operator)
+    try:
+        apply(cluster, release.apps, manifest())
+        e.wait_ready()
+        yield e
+    finally:
+        operator.stop()
+        helm(cluster, "uninstall", release.name, "--namespace", release.namespace, check=False)
+        for ns in (release.apps, release.namespace):
+            cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def wav_frames(data: bytes) -> int:
+    with wave.open(io.BytesIO(data)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (SAMPLE_RATE, 1, 2)
+        return w.getnframes()
+
+
+def stream_order(stream) -> list[str]:
+    """The kinds of deltas of a streamed chat reply, in the order they came."""
+    order: list[str] = []
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.delta.content:
+                order.append("text")
+            if getattr(choice.delta, "audio", None):
+                order.append("audio")
+    return order
+
+
+def assert_nothing_held(env: Env) -> None:
+    """Every stage's unreleased-payload gauge back at 0 (the router's releases reach the stages shortly after
+    the request ends)."""
+    wait_for(
+        lambda: env.stage_metric("omnikube_connector_payloads_unreleased") == 0,
+        60,
+        "every stage's unreleased payloads at 0",
+        lambda: str(env.stage_metric("omnikube_connector_payloads_unreleased")),
+    )
+
+
+def test_stages_are_placed_as_asked(env: Env) -> None:
+    stages = {p["metadata"]["labels"]["omnikube.io/stage"]: p for p in env.pods("stage")}
+    assert set(stages) == {"thinker", "talker"}  # code2wav lives in the talker's pod
+    assert [c["name"] for c in stages["talker"]["spec"]["containers"]] == ["talker", "code2wav"]
+    assert stages["thinker"]["status"]["podIP"] != stages["talker"]["status"]["podIP"]
+    edges = env.pipeline()["status"]["topology"]["edges"]
+    assert edges == ["thinker->talker (mooncake)", "talker->code2wav (shm)"], edges
+
+
+def test_text_and_speech_in_one_reply(env: Env) -> None:
+    with env.client() as api:
+        reply = api.chat.completions.create(
+            model=NAME, messages=user("Tell me about the sea."), modalities=["text", "audio"],
+            audio={"voice": "ethan", "format": "wav"}, max_tokens=16, **GREEDY,
+        )  # fmt: skip
+    message = reply.choices[0].message
+    assert message.content and reply.usage.completion_tokens == 16  # the thinker's tokens
+    assert wav_frames(base64.b64decode(message.audio.data)) > 0
+    assert_nothing_held(env)
+
+
+def test_streamed_text_and_audio_interleave(env: Env) -> None:
+    with env.client() as api:
+        # 400 thinker tokens (ignore_eos): long enough that the first window (4 talker frames) is decoded while
+        # the thinker still writes; the talker is capped so the request stays short.
+        stream = api.chat.completions.create(
+            model=NAME, messages=user("Tell me a long story."), modalities=["text", "audio"],
+            audio={"format": "pcm16"}, stream=True, max_tokens=400, temperature=0.0,
+            extra_body={"ignore_eos": True, "sampling_params_list": [{}, {"max_tokens": 60}]},
+        )  # fmt: skip
+        order = stream_order(stream)
+    assert order.count("audio") > 1 and order.count("text") > 1, order
+    last_text = len(order) - 1 - order[::-1].index("text")
+    assert order.index("audio") < last_text, "no audio arrived before the thinker finished"
+    assert_nothing_held(env)
+
+
+def test_speech_route(env: Env) -> None:
+    with env.client() as api:
+        wav = api.audio.speech.create(
+            model=NAME, input="Hello from the cluster.", voice="chelsie", response_format="wav",
+            extra_body={"sampling_params_list": [{"max_tokens": 8}, {}]},
+        )  # fmt: skip
+    assert wav_frames(wav.content) > 0
+    assert_nothing_held(env)
+
+
+def test_client_disconnect_mid_audio_releases_every_payload(env: Env) -> None:
+    body = {"model": NAME, "messages": user("Talk for a long time."), "stream": True,
+            "modalities": ["text", "audio"], "max_tokens": 400, "ignore_eos": True, "temperature": 0.0,
+            "sampling_params_list": [{}, {"max_tokens": 4000}]}  # fmt: skip
+    stages = ("thinker", "talker", "code2wav")
+    aborted = {s: env.stage_metric("omnikube_stage_requests_total", stage=s, status="aborted") for s in stages}
+    with httpx.Client(base_url=env.base, timeout=300, trust_env=False) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if '"audio"' in line:
+                    break  # leaving the block closes the connection mid-audio
+    assert_nothing_held(env)
+    for stage in stages:  # each stage's work ended as aborted, not finished
+        wait_for(
+            lambda s=stage: env.stage_metric("omnikube_stage_requests_total", stage=s, status="aborted") > aborted[s],
+            60,
+            f"the {stage}'s work ended as aborted",
+        )
+
+
+def test_talker_pod_killed_mid_request_fails_it_retriably_and_the_next_succeeds(env: Env) -> None:
+    """The talker pod is force-deleted while it speaks: the streamed request, already answering (status 200),
+    ends with an OpenAI-shaped error event saying 502 BadGatewayError (a retriable 5xx: retry it), instead of
+    hanging. The Deployment brings a new talker pod; once it is Ready the same request succeeds."""
+    talker = env.stage_pod("talker")["metadata"]["name"]
+    with env.client() as api:
+        stream = api.chat.completions.create(
+            model=NAME, messages=user("Talk for a long time."), modalities=["text", "audio"],
+            audio={"format": "pcm16"}, stream=True, max_tokens=400, temperature=0.0,
+            extra_body={"ignore_eos": True, "sampling_params_list": [{}, {"max_tokens": 4000}]},
+        )  # fmt: skip
+        seen: list[str] = []
+        with pytest.raises(openai.APIError) as failed:
+            for chunk in stream:
+                for choice in chunk.choices:
+                    if getattr(choice.delta, "audio", None):
+                        if "audio" not in seen:  # the talker is speaking: kill its pod
+                            env.cluster.kubectl("delete", "pod", talker, "-n", env.ns, "--grace-period=0",
+                                                "--force", "--wait=false")  # fmt: skip
+                        seen.append("audio")
+        assert "audio" in seen
+        error = failed.value.body
+        assert isinstance(error, dict), error
+        assert (error["code"], error["type"]) == (502, "BadGatewayError"), error
+        assert "Retry it" in error["message"], error["message"]
+
+    env.wait_ready(since={talker})
+    assert env.stage_pod("talker")["metadata"]["name"] != talker
+    with env.client() as api:
+        order = stream_order(
+            api.chat.completions.create(
+                model=NAME,
+                messages=user("Again, please."),
+                modalities=["text", "audio"],
+                audio={"format": "pcm16"},
+                stream=True,
+                max_tokens=32,
+                **GREEDY,
+            )  # fmt: skip
+        )
+    assert "audio" in order and "text" in order, order
+    assert_nothing_held(env)
