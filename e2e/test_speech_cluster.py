@@ -130,10 +130,12 @@ class Env:
         return openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0, timeout=300)
 
     def stage_metric(self, name: str, **labels: str) -> float:
-        """Sum of metric `name` (samples matching `labels`) over every stage process, scraped from each stage
-        container's /metrics through the pod network."""
+        """Sum of metric `name` (samples matching `labels`) over every stage process of the ready stage pods,
+        scraped from each stage container's /metrics through the pod network."""
         total = 0.0
         for pod in self.pods("stage"):
+            if condition(pod, "Ready").get("status") != "True":
+                continue  # a replacement pod still loading has served nothing yet
             ip = pod["status"]["podIP"]
             for index, _ in enumerate(pod["spec"]["containers"]):
                 with httpx.Client(trust_env=False, timeout=10) as http:
@@ -229,7 +231,7 @@ def test_streamed_text_and_audio_interleave(env: Env) -> None:
         stream = api.chat.completions.create(
             model=NAME, messages=user("Tell me a long story."), modalities=["text", "audio"],
             audio={"format": "pcm16"}, stream=True, max_tokens=400, temperature=0.0,
-            extra_body={"ignore_eos": True, "sampling_params_list": [{}, {"max_tokens": 60}]},
+            extra_body={"ignore_eos": True, "sampling_params_list": [{}, {"max_tokens": 60, "seed": 0}]},
         )  # fmt: skip
         order = stream_order(stream)
     assert order.count("audio") > 1 and order.count("text") > 1, order
@@ -251,7 +253,7 @@ def test_speech_route(env: Env) -> None:
 def test_client_disconnect_mid_audio_releases_every_payload(env: Env) -> None:
     body = {"model": NAME, "messages": user("Talk for a long time."), "stream": True,
             "modalities": ["text", "audio"], "max_tokens": 400, "ignore_eos": True, "temperature": 0.0,
-            "sampling_params_list": [{}, {"max_tokens": 4000}]}  # fmt: skip
+            "sampling_params_list": [{}, {"max_tokens": 4000, "seed": 0}]}  # fmt: skip
     stages = ("thinker", "talker", "code2wav")
     aborted = {s: env.stage_metric("omnikube_stage_requests_total", stage=s, status="aborted") for s in stages}
     with httpx.Client(base_url=env.base, timeout=300, trust_env=False) as http:
@@ -274,11 +276,12 @@ def test_talker_pod_killed_mid_request_fails_it_retriably_and_the_next_succeeds(
     ends with an OpenAI-shaped error event saying 502 BadGatewayError (a retriable 5xx: retry it), instead of
     hanging. The Deployment brings a new talker pod; once it is Ready the same request succeeds."""
     talker = env.stage_pod("talker")["metadata"]["name"]
+    thinker_aborted = env.stage_metric("omnikube_stage_requests_total", stage="thinker", status="aborted")
     with env.client() as api:
         stream = api.chat.completions.create(
             model=NAME, messages=user("Talk for a long time."), modalities=["text", "audio"],
             audio={"format": "pcm16"}, stream=True, max_tokens=400, temperature=0.0,
-            extra_body={"ignore_eos": True, "sampling_params_list": [{}, {"max_tokens": 4000}]},
+            extra_body={"ignore_eos": True, "sampling_params_list": [{}, {"max_tokens": 4000, "seed": 0}]},
         )  # fmt: skip
         seen: list[str] = []
         with pytest.raises(openai.APIError) as failed:
@@ -294,6 +297,12 @@ def test_talker_pod_killed_mid_request_fails_it_retriably_and_the_next_succeeds(
         assert isinstance(error, dict), error
         assert (error["code"], error["type"]) == (502, "BadGatewayError"), error
         assert "Retry it" in error["message"], error["message"]
+    # The thinker, still writing its 400 tokens, is stopped with the request rather than left running.
+    wait_for(
+        lambda: env.stage_metric("omnikube_stage_requests_total", stage="thinker", status="aborted") > thinker_aborted,
+        60,
+        "the thinker's work ended as aborted",
+    )
 
     env.wait_ready(since={talker})
     assert env.stage_pod("talker")["metadata"]["name"] != talker
