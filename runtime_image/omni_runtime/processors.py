@@ -112,9 +112,12 @@ def ar_text_to_prompt(upstream: StageSpec, outputs: dict[str, Payload], context:
 def thinker_to_talker(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> Payload:
     """Thinker -> talker (Qwen-Omni), for the whole output or one streamed chunk of it.
 
-    Token route (Qwen3-Omni text prompts): the talker holds the thinker's embedding table, so the
-    thinker's `prompt_token_ids` (first chunk only) and generated `token_ids` are all it needs. Gives
-    `{"thinker_prompt_ids", "thinker_token_ids", "thinker_text"}` (prompt ids only when present).
+    Token route (Qwen3-Omni): the talker holds the thinker's embedding table, so the thinker's
+    `prompt_token_ids` (first chunk only) and generated `token_ids` are all a text prompt needs. Gives
+    `{"thinker_prompt_ids", "thinker_token_ids", "thinker_text"}` (prompt ids only when present). A
+    prompt with media also needs the thinker's rows at its media positions: the first chunk's
+    `media_hidden_states` (positions, H) and `media_grids` (the ar engine's `media_hidden_layer`)
+    pass on as `thinker_media_rows` (float32) and `thinker_media_grids`.
 
     Hidden-state route (Qwen2.5-Omni, media prompts): with `hidden_states` (T, H) over prompt and
     generated tokens it also gives `prompt_embeds` (T, H, float32), and checks their count against the
@@ -129,6 +132,15 @@ def thinker_to_talker(upstream: StageSpec, outputs: dict[str, Payload], context:
         out: Payload = {"thinker_token_ids": token_ids, "thinker_text": payload.get("text", "")}
         if prompt_ids:
             out["thinker_prompt_ids"] = prompt_ids
+        if payload.get("media_hidden_states") is not None:
+            rows = _tensor(payload["media_hidden_states"])
+            if rows.dim() != 2:
+                raise ProcessorError(
+                    f"thinker_to_talker: media_hidden_states of stage {upstream.name!r} has shape "
+                    f"{tuple(rows.shape)}; expected (media positions, hidden_size)"
+                )
+            out["thinker_media_rows"] = rows.to(torch.float32)
+            out["thinker_media_grids"] = dict(payload.get("media_grids") or {})
         return out
     hidden = _tensor(payload["hidden_states"])
     if hidden.dim() == 3 and hidden.shape[0] == 1:

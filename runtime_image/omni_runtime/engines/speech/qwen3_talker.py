@@ -3,16 +3,22 @@
 Each decode step's input is the sum of the 16 codebook embeddings of the last frame plus one
 text-conditioning vector, not a token id, so this is plain torch, not vLLM. It builds exactly what
 `Qwen3OmniMoeForConditionalGeneration.generate` builds (transformers 5.19), from the thinker's token
-ids alone (the talker keeps a copy of the thinker's embedding table; text prompts need no hidden
-states, research note §2):
+ids (the talker keeps a copy of the thinker's embedding table; text prompts need no hidden states,
+research note §2) and, for a prompt with media, the thinker's layer-`accept_hidden_layer` rows at the
+prompt's media placeholder positions (`MediaInputs`):
 
-- prefill: the user turns `text_projection(embed(ids))`, then the assistant prefix
+- prefill: the user turns `text_projection(embed(ids))`, at media positions `hidden_projection(row)`
+  instead, then the assistant prefix
   `text_projection(embed(<|im_start|>assistant\\n))`, 4 x tts_pad, tts_bos, the first spoken token,
   plus the codec embeddings of [nothink, think_bos, think_eos, speaker, codec_pad, codec_bos];
 - decode step k: frame k's summed codebook embeddings + the projection of spoken token k+1 (then
   tts_eos once, then tts_pad);
 - per frame: code 0 from `codec_head`, codes 1-15 from the code predictor (15 sub-steps);
-- stop on codec eos (2150), which gets no frame.
+- stop on codec eos (2150), which gets no frame;
+- positions: plain ones for text (and audio-only) prompts; with images or videos the talker's own
+  3-D rope index over its input ids (user-turn ids, then tts_pad for the assistant part) and the
+  media grids, as transformers' `_prepare_position_ids_for_generation`, each decode step then at
+  `cache length + rope delta`.
 
 Spoken tokens are the thinker's generated tokens except its last one (its end-of-turn token, or the
 token where a length limit cut it), as in transformers and vLLM-Omni, where the hidden-state row of
@@ -34,7 +40,7 @@ from typing import Any
 from omni_runtime.engines.speech.sampling import Sampling, sample
 from omni_runtime.engines.speech.weights import load_part, read_tensors
 
-__all__ = ["MediaPromptError", "Qwen3Talker", "TalkerRequest"]
+__all__ = ["MediaInputs", "MediaPromptError", "Qwen3Talker", "TalkerRequest"]
 
 CODE_PREDICTOR_TOP_K = 50
 CODE_PREDICTOR_TOP_P = 0.8
@@ -42,7 +48,23 @@ CODE_PREDICTOR_TOP_P = 0.8
 
 
 class MediaPromptError(ValueError):
-    """The prompt has audio / image / video positions, which need the thinker's hidden states."""
+    """The prompt has audio / image / video positions but their thinker rows or grids are missing or
+    do not fit it (the thinker stage must export them: engine arg `media_hidden_layer`)."""
+
+
+@dataclass
+class MediaInputs:
+    """What the thinker exports for a prompt with media: its rows of layer `accept_hidden_layer` at
+    the prompt's media placeholder positions, in prompt order, and the media shapes the talker's
+    rope index reads (transformers passes the same to `talker.generate`)."""
+
+    rows: Any
+    """float tensor (media positions, thinker hidden size)."""
+    image_grid_thw: list[list[int]] = field(default_factory=list)
+    video_grid_thw: list[list[int]] = field(default_factory=list)
+    video_second_per_grid: list[float] = field(default_factory=list)
+    audio_feature_lengths: list[int] = field(default_factory=list)
+    use_audio_in_video: bool = False
 
 
 @dataclass(eq=False)
@@ -67,6 +89,9 @@ class TalkerRequest:
     generator: Any = None
     assistant: list[int] = field(default_factory=list)
     """The prompt from the last `<|im_start|>assistant` on (then the spoken tokens follow)."""
+    media: MediaInputs | None = None
+    rope_delta: int = 0
+    """Decode step positions are `length + rope_delta` (nonzero only with image / video grids)."""
 
 
 class Qwen3Talker:
@@ -109,8 +134,15 @@ class Qwen3Talker:
         rows = self.thinker_embed[torch.tensor(ids, device=self.device)]
         return self.talker.text_projection(rows)
 
-    def new_request(self, request_id: str, prompt_ids: list[int], speaker: str, sampling: Sampling) -> TalkerRequest:
-        """Check the prompt and speaker (ValueError / MediaPromptError / KeyError say what is wrong)."""
+    def new_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        speaker: str,
+        sampling: Sampling,
+        media: MediaInputs | None = None,
+    ) -> TalkerRequest:
+        """Check the prompt, speaker and media (ValueError / MediaPromptError / KeyError say what is wrong)."""
         import torch
 
         speaker_id = self.speakers.get(speaker.lower())
@@ -124,18 +156,50 @@ class Qwen3Talker:
                 f"the thinker prompt ({len(prompt_ids)} ids) has no '<|im_start|>assistant' turn; the talker "
                 "speaks the assistant's reply, so the prompt must end with the chat template's generation prompt"
             )
-        media = sorted(self.media_ids & set(prompt_ids))
-        if media:
-            raise MediaPromptError(
-                f"the thinker prompt holds media token ids {media}; this talker takes text prompts only "
-                "(media positions need the thinker's hidden states, not yet wired)"
-            )
+        self._check_media(prompt_ids, media)
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         request = TalkerRequest(request_id, list(prompt_ids), speaker_id, sampling, generator=generator)
         request.assistant = list(prompt_ids[assistant[-1] :])
+        request.media = media
         return request
+
+    def _check_media(self, prompt_ids: list[int], media: MediaInputs | None) -> None:
+        """The media rows and grids must fit the prompt's placeholders (MediaPromptError says how not)."""
+        positions = sum(1 for t in prompt_ids if t in self.media_ids)
+        if media is None:
+            if positions:
+                found = sorted(self.media_ids & set(prompt_ids))
+                raise MediaPromptError(
+                    f"the thinker prompt holds {positions} media positions (token ids {found}) but the thinker "
+                    "sent no hidden-state rows for them; set engine_args.media_hidden_layer: talker on the "
+                    "thinker stage so it exports them"
+                )
+            return
+        hidden = self.thinker_embed.shape[1]
+        if media.rows.dim() != 2 or media.rows.shape[0] != positions or media.rows.shape[1] != hidden:
+            raise MediaPromptError(
+                f"the thinker sent media rows of shape {tuple(media.rows.shape)} for a prompt with {positions} "
+                f"media positions; expected ({positions}, {hidden})"
+            )
+        c = self.config.thinker_config
+        merge = self.talker.config.spatial_merge_size**2
+        for kind, token, grids in (
+            ("image", c.image_token_id, media.image_grid_thw),
+            ("video", c.video_token_id, media.video_grid_thw),
+        ):
+            count = sum(1 for t in prompt_ids if t == token)
+            if any(len(g) != 3 for g in grids) or sum(int(t * h * w) // merge for t, h, w in grids) != count:
+                raise MediaPromptError(
+                    f"the thinker sent {kind} grids {grids} for a prompt with {count} {kind} positions; each "
+                    f"grid is [t, h, w] and together they give t*h*w/{merge} positions"
+                )
+        if media.video_grid_thw and len(media.video_second_per_grid) != len(media.video_grid_thw):
+            raise MediaPromptError(
+                f"the thinker sent {len(media.video_grid_thw)} video grids but {len(media.video_second_per_grid)} "
+                "video_second_per_grid values; one per video is needed"
+            )
 
     def _spoken(self, r: TalkerRequest) -> list[int]:
         """The assistant prefix and the tokens known to be spoken (the newest pushed one held back)."""
@@ -154,21 +218,67 @@ class Qwen3Talker:
             return None
         return self.tts_eos if index == len(known) else self.tts_pad
 
-    def _user_rows(self, prompt_ids: list[int]) -> Any:
-        """Projected rows of the user turns (every position whose turn's role token is `user`)."""
+    def _user_rows(self, r: TalkerRequest) -> tuple[Any, list[int]]:
+        """Projected rows of the user turns (every position whose turn's role token is `user`) and
+        their ids: `text_projection(embed(id))`, or `hidden_projection(media row)` at media positions."""
+        import torch
+
         c = self.config
-        keep = []
+        prompt_ids = r.prompt_ids
+        keep: list[int] = []
+        media_rows: list[int] = []  # index into r.media.rows of each user media position
+        media_index = 0
         role = None
         for i, token in enumerate(prompt_ids):
             if token == c.im_start_token_id:
                 role = prompt_ids[i + 1] if i + 1 < len(prompt_ids) else None
             elif role is None and i == 0:
                 role = prompt_ids[1] if len(prompt_ids) > 1 else None
+            is_media = token in self.media_ids
             if role == c.user_token_id:
                 keep.append(token)
-        return (
-            self._project(keep) if keep else self.thinker_embed.new_zeros(0, self.talker.config.text_config.hidden_size)
+                if is_media:
+                    media_rows.append(media_index)
+            media_index += is_media
+        out = self.thinker_embed.new_zeros(len(keep), self.talker.config.text_config.hidden_size)
+        is_media = torch.tensor([t in self.media_ids for t in keep], dtype=torch.bool, device=self.device)
+        text = [t for t in keep if t not in self.media_ids]
+        if text:  # one projection per kind, as transformers does
+            out[~is_media] = self._project(text)
+        if media_rows:
+            assert r.media is not None  # new_request checked it
+            rows = r.media.rows[torch.tensor(media_rows)].to(device=self.device, dtype=self.dtype)
+            out[is_media] = self.talker.hidden_projection(rows)
+        return out, keep
+
+    def _positions(self, r: TalkerRequest, ids: list[int]) -> Any:
+        """Prefill positions (3, 1, len(ids)) and `r.rope_delta`, as transformers computes them."""
+        import torch
+
+        length = len(ids)
+        media = r.media
+        if media is None or not (media.image_grid_thw or media.video_grid_thw):
+            r.rope_delta = 0  # text and audio-only prompts: plain positions on all three axes
+            return torch.arange(length, device=self.device).view(1, 1, -1).expand(3, 1, -1)
+
+        def grid(values: list[list[int]]) -> Any:
+            return torch.tensor(values, dtype=torch.long) if values else None
+
+        positions, deltas = self.talker.get_rope_index(
+            torch.tensor([ids], dtype=torch.long),
+            image_grid_thw=grid(media.image_grid_thw),
+            video_grid_thw=grid(media.video_grid_thw),
+            attention_mask=torch.ones(1, length, dtype=torch.long),
+            use_audio_in_video=media.use_audio_in_video,
+            audio_seqlens=torch.tensor(media.audio_feature_lengths, dtype=torch.long)
+            if media.audio_feature_lengths
+            else None,
+            second_per_grids=torch.tensor(media.video_second_per_grid, dtype=torch.float)
+            if media.video_second_per_grid
+            else None,
         )
+        r.rope_delta = int(deltas.reshape(-1)[0].item())
+        return positions.to(self.device)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -189,9 +299,11 @@ class Qwen3Talker:
             codec_ids += [c.codec_pad_id, c.codec_bos_id]
             codec = self.talker.get_input_embeddings()(torch.tensor(codec_ids, device=self.device))
             codec_rows = torch.cat([codec.new_zeros(3, hidden), codec])
-            embeds = torch.cat([self._user_rows(r.prompt_ids), text_rows + codec_rows]).unsqueeze(0)
+            user_rows, user_ids = self._user_rows(r)
+            embeds = torch.cat([user_rows, text_rows + codec_rows]).unsqueeze(0)
             length = embeds.shape[1]
-            positions = torch.arange(length, device=self.device).view(1, 1, -1).expand(3, 1, -1)
+            # the talker's input ids: user-turn ids, then tts_pad for the assistant part (transformers')
+            positions = self._positions(r, user_ids + [self.config.tts_pad_token_id] * text_rows.shape[0])
             out = self.talker.model(inputs_embeds=embeds, position_ids=positions, use_cache=True)
             r.kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
             r.length = length
@@ -271,7 +383,8 @@ class Qwen3Talker:
             mask = torch.zeros(len(requests), longest + 1, dtype=torch.long, device=self.device)
             for i, r in enumerate(requests):
                 mask[i, longest - r.length :] = 1
-            positions = torch.tensor([r.length for r in requests], device=self.device).view(1, -1, 1).expand(3, -1, 1)
+            steps = [r.length + r.rope_delta for r in requests]
+            positions = torch.tensor(steps, device=self.device).view(1, -1, 1).expand(3, -1, 1)
             embeds = torch.stack([r.frame_embeds + text for r, text in batch]).unsqueeze(1)
             out = self.talker.model(
                 inputs_embeds=embeds, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True

@@ -3,7 +3,8 @@
 API for a stage server or a test (all on the event loop): `add_request(id, prompt_ids, speaker,
 params)`, `push_text(id, token_ids, finished)`, `frames(id)` (an async iterator of frame lists, each
 frame 16 codes, ending when the request finishes), `abort(id)`. `generate(EngineInput)` wires the
-same for the stage server: the first chunk's `thinker_prompt_ids` and `thinker_token_ids`, then
+same for the stage server: the first chunk's `thinker_prompt_ids` and `thinker_token_ids` (and, for
+a prompt with media, `thinker_media_rows` and `thinker_media_grids`: see `media_inputs`), then
 each later chunk's `thinker_token_ids` (new tokens), the speaker from param `voice`; it yields
 `{"codes": int64 array (frames, 16)}` as frames are made.
 
@@ -42,6 +43,47 @@ def engine_device_and_dtype(stage: StageSpec) -> tuple[str, Any, dict[str, Any]]
     args = checked_engine_args(stage, ENGINE_ARGS)
     device = stage_device(args)
     return device, stage_dtype(stage, args, "bfloat16" if device.startswith("cuda") else "float32"), args
+
+
+MEDIA_GRID_KEYS = {
+    "image_grid_thw",
+    "video_grid_thw",
+    "video_second_per_grid",
+    "audio_feature_lengths",
+    "use_audio_in_video",
+}
+
+
+def media_inputs(data: dict[str, Any], stage: str) -> Any:
+    """`MediaInputs` from a first chunk's `thinker_media_rows` (media positions, hidden) and
+    `thinker_media_grids` ({image_grid_thw, video_grid_thw, video_second_per_grid,
+    audio_feature_lengths, use_audio_in_video}); None without rows. Raises InvalidRequest on a
+    malformed one (the shapes against the prompt are checked by `Qwen3Talker.new_request`)."""
+    import torch
+
+    from omni_runtime.engines.speech.qwen3_talker import MediaInputs
+
+    rows = data.get("thinker_media_rows")
+    if rows is None:
+        return None
+    grids = data.get("thinker_media_grids") or {}
+    unknown = sorted(set(grids) - MEDIA_GRID_KEYS) if isinstance(grids, dict) else None
+    if unknown is None or unknown:
+        raise InvalidRequest(
+            f"stage {stage!r}: thinker_media_grids must be a mapping with keys from {sorted(MEDIA_GRID_KEYS)}; "
+            f"got {unknown if unknown is not None else type(grids).__name__}"
+        )
+    try:
+        return MediaInputs(
+            rows=rows if isinstance(rows, torch.Tensor) else torch.as_tensor(rows),
+            image_grid_thw=[[int(v) for v in g] for g in grids.get("image_grid_thw") or []],
+            video_grid_thw=[[int(v) for v in g] for g in grids.get("video_grid_thw") or []],
+            video_second_per_grid=[float(v) for v in grids.get("video_second_per_grid") or []],
+            audio_feature_lengths=[int(v) for v in grids.get("audio_feature_lengths") or []],
+            use_audio_in_video=bool(grids.get("use_audio_in_video", False)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"stage {stage!r}: unreadable thinker_media_grids {grids!r}: {exc}") from None
 
 
 @dataclass(eq=False)
@@ -85,8 +127,16 @@ class Qwen3TalkerEngine(Engine):
 
     # -- the request API -------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], speaker: str | None, params: dict[str, Any]) -> None:
-        """Register a request; raises InvalidRequest (unknown speaker, no assistant turn, bad params)."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        speaker: str | None,
+        params: dict[str, Any],
+        media: Any = None,
+    ) -> None:
+        """Register a request (`media`: a `qwen3_talker.MediaInputs` for a prompt with media); raises
+        InvalidRequest (unknown speaker, no assistant turn, bad params, media rows that do not fit)."""
         from omni_runtime.engines.speech.qwen3_talker import MediaPromptError
 
         if self.model is None:
@@ -97,7 +147,7 @@ class Qwen3TalkerEngine(Engine):
             raise EngineError(f"stage {self.stage.name!r} runs {len(self._live)} requests (max_requests); retry later")
         try:
             sampling = Sampling.from_params(params, default_max=4096)
-            request = self.model.new_request(request_id, prompt_ids, speaker or DEFAULT_SPEAKER, sampling)
+            request = self.model.new_request(request_id, prompt_ids, speaker or DEFAULT_SPEAKER, sampling, media)
         except (KeyError, ValueError, MediaPromptError) as exc:
             raise InvalidRequest(f"stage {self.stage.name!r}: {exc.args[0] if exc.args else exc}") from None
         self._live[request_id] = _Live(request)
@@ -142,7 +192,8 @@ class Qwen3TalkerEngine(Engine):
                 f"stage {self.stage.name!r} needs thinker_prompt_ids (the thinker's prompt token ids) in its "
                 f"first input; got {sorted(data)}"
             )
-        self.add_request(rid, [int(t) for t in prompt], request.params.get("voice"), request.params)
+        media = media_inputs(data, self.stage.name)
+        self.add_request(rid, [int(t) for t in prompt], request.params.get("voice"), request.params, media)
         self.push_text(rid, list(data.get("thinker_token_ids") or []), finished=request.chunks is None)
         feeder = asyncio.create_task(self._feed(rid, request.chunks)) if request.chunks is not None else None
         try:
