@@ -3,17 +3,19 @@ nothing but a token of the chart's ServiceAccount (used by the chart tests and t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from clusterlib import stop_process_group
+from clusterlib import REPO, stop_process_group
 
 from localcluster import free_port
 
@@ -138,3 +140,28 @@ class ServiceAccountOperator:
                 return response.status, response.read().decode()
         except OSError as exc:
             return 0, str(exc)
+
+
+@contextlib.contextmanager
+def operator_release(cluster, prefix: str, workdir: Path) -> Iterator[tuple[Release, ServiceAccountOperator]]:
+    """The chart installed as release `<prefix>-<suffix>` (CRDs left to the cluster fixture, which
+    installed them) in its own namespace, with an apps namespace beside it and the operator running
+    with the chart ServiceAccount's token and watching only the apps namespace. On exit the operator
+    stops, the release is uninstalled and both namespaces are deleted (without waiting)."""
+    suffix = uuid.uuid4().hex[:6]
+    release = Release(name=f"{prefix}-{suffix}", namespace=f"{prefix}-{suffix}-system", apps=f"{prefix}-{suffix}-apps")
+    for ns in (release.namespace, release.apps):
+        cluster.kubectl("create", "namespace", ns)
+    operator: ServiceAccountOperator | None = None
+    try:
+        helm(cluster, "install", release.name, str(REPO / "charts" / "omnikube"), "--namespace", release.namespace,
+             "--set", "crds.install=false")  # fmt: skip
+        release.installed = True
+        operator = ServiceAccountOperator(cluster, release, workdir, [release.apps]).start()
+        yield release, operator
+    finally:
+        if operator is not None:
+            operator.stop()
+        helm(cluster, "uninstall", release.name, "--namespace", release.namespace, check=False)
+        for ns in (release.apps, release.namespace):
+            cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)

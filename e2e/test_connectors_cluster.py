@@ -17,14 +17,13 @@ store and shm, each answering the same seeded request with the same image.
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 
 import openai
 import psutil
 import pytest
-from chartlib import Release, ServiceAccountOperator, helm
-from clusterlib import REPO, apply, condition, kubectl_json, wait_for
+from chartlib import Release, ServiceAccountOperator, operator_release
+from clusterlib import apply, condition, kubectl_json, wait_for
 
 from omni_runtime.tiny_models import default_cache_dir, ensure
 
@@ -131,21 +130,8 @@ class Env:
 @pytest.fixture(scope="module")
 def env(cluster, podrunner, tmp_path_factory) -> Iterator[Env]:
     ensure("tiny-prompt-enhanced-t2i")
-    suffix = uuid.uuid4().hex[:6]
-    release = Release(name=f"cx-{suffix}", namespace=f"cx-{suffix}-system", apps=f"cx-{suffix}-apps")
-    for ns in (release.namespace, release.apps):
-        cluster.kubectl("create", "namespace", ns)
-    helm(cluster, "install", release.name, str(REPO / "charts" / "omnikube"), "--namespace", release.namespace,
-         "--set", "crds.install=false")  # fmt: skip
-    release.installed = True
-    operator = ServiceAccountOperator(cluster, release, tmp_path_factory.mktemp("cx-operator"), [release.apps]).start()
-    try:
+    with operator_release(cluster, "cx", tmp_path_factory.mktemp("cx-operator")) as (release, operator):
         yield Env(cluster, release, operator)
-    finally:
-        operator.stop()
-        helm(cluster, "uninstall", release.name, "--namespace", release.namespace, check=False)
-        for ns in (release.apps, release.namespace):
-            cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 def _advertised_hosts(env: Env) -> dict[str, str]:

@@ -16,7 +16,6 @@ import os
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,8 +23,8 @@ import httpx
 import openai
 import psutil
 import pytest
-from chartlib import Release, ServiceAccountOperator, helm
-from clusterlib import REPO, apply, kubectl_json, wait_for
+from chartlib import Release, ServiceAccountOperator, operator_release
+from clusterlib import apply, kubectl_json, wait_for
 from PIL import Image
 from podrunner.node import RUNNER_LABEL
 
@@ -157,34 +156,13 @@ class Env:
 def env(cluster, podrunner, tmp_path_factory) -> Iterator[Env]:
     for model in ("tiny-qwen2-chat", "tiny-sd3", "tiny-prompt-enhanced-t2i"):
         ensure(model)
-    suffix = uuid.uuid4().hex[:6]
-    release = Release(name=f"e2e-{suffix}", namespace=f"e2e-{suffix}-system", apps=f"e2e-{suffix}-apps")
-    for ns in (release.namespace, release.apps):
-        cluster.kubectl("create", "namespace", ns)
     # The cluster fixture installed the CRDs already; the chart brings the operator's identity and RBAC.
-    helm(
-        cluster,
-        "install",
-        release.name,
-        str(REPO / "charts" / "omnikube"),
-        "--namespace",
-        release.namespace,
-        "--set",
-        "crds.install=false",
-    )
-    release.installed = True
-    operator = ServiceAccountOperator(cluster, release, tmp_path_factory.mktemp("e2e-operator"), [release.apps]).start()
-    e = Env(cluster, podrunner, release, operator)
-    try:
+    with operator_release(cluster, "e2e", tmp_path_factory.mktemp("e2e-operator")) as (release, operator):
+        e = Env(cluster, podrunner, release, operator)
         apply(cluster, release.apps, {"apiVersion": "v1", "kind": "List", "items": PIPELINES})
         for p in PIPELINES:
             e.wait_ready(p["metadata"]["name"])
         yield e
-    finally:
-        operator.stop()
-        helm(cluster, "uninstall", release.name, "--namespace", release.namespace, check=False)
-        for ns in (release.apps, release.namespace):
-            cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 def _png(b64: str) -> Image.Image:

@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from chartlib import Release, ServiceAccountOperator, helm
-from clusterlib import REPO, apply, condition, kubectl_json, wait_for
+from chartlib import Release, ServiceAccountOperator, operator_release
+from clusterlib import apply, condition, kubectl_json, wait_for
 from PIL import Image
 from podrunner.node import RUNNER_LABEL
 
@@ -99,17 +99,16 @@ def restarts(pod: dict) -> int:
 @pytest.fixture(scope="module")
 def env(cluster, podrunner, tmp_path_factory) -> Iterator[Env]:
     ensure("tiny-sd3")
-    suffix = uuid.uuid4().hex[:6]
-    release = Release(name=f"rt-{suffix}", namespace=f"rt-{suffix}-system", apps=f"rt-{suffix}-apps")
-    for ns in (release.namespace, release.apps):
-        cluster.kubectl("create", "namespace", ns)
-    helm(cluster, "install", release.name, str(REPO / "charts" / "omnikube"), "--namespace", release.namespace,
-         "--set", "crds.install=false")  # fmt: skip
-    release.installed = True
-    operator = ServiceAccountOperator(cluster, release, tmp_path_factory.mktemp("rt-operator"), [release.apps]).start()
-    cache = tmp_path_factory.mktemp("rt-cache") / "models"  # appears later: see the module docstring
-    e = Env(cluster, release, operator, cache)
-    pipeline = {
+    with operator_release(cluster, "rt", tmp_path_factory.mktemp("rt-operator")) as (release, operator):
+        cache = tmp_path_factory.mktemp("rt-cache") / "models"  # appears later: see the module docstring
+        e = Env(cluster, release, operator, cache)
+        apply(cluster, release.apps, {"apiVersion": "v1", "kind": "List", "items": [secret(e.key), pipeline(cache)]})
+        yield e
+
+
+def pipeline(cache: Path) -> dict:
+    """tiny-sd3 behind a router with an API key, its model cache at `cache` (absent at first)."""
+    return {
         "apiVersion": "omnikube.io/v1alpha1",
         "kind": "OmniPipeline",
         "metadata": {"name": NAME},
@@ -132,14 +131,6 @@ def env(cluster, podrunner, tmp_path_factory) -> Iterator[Env]:
             ],
         },
     }
-    try:
-        apply(cluster, release.apps, {"apiVersion": "v1", "kind": "List", "items": [secret(e.key), pipeline]})
-        yield e
-    finally:
-        operator.stop()
-        helm(cluster, "uninstall", release.name, "--namespace", release.namespace, check=False)
-        for ns in (release.apps, release.namespace):
-            cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 def test_router_outlives_a_slow_stage_without_a_restart_and_is_ready_once_the_stage_is(env) -> None:
