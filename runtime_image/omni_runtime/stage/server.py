@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 
 PEER_TIMEOUT_S = 15.0
 """Works of a router that has sent nothing (not even a ping) for this long are aborted."""
+HOUSEKEEPING_S = 1.0
+"""Period of the housekeeping tick (router silence, peers to forget, engine stats, connector trim)."""
+STALL_S = 2.0
+"""A housekeeping tick this much later than due means this process was stalled: see `_housekeeping`."""
 DRAIN_POLL_S = 0.05
 DRAIN_SETTLE_S = 0.25
 """A drain ends only after the replica stayed idle this long: a submit a router sent before it heard
@@ -89,6 +93,8 @@ class _Work:
     audio_seen: bool = False
     phase: str = "queued"
     """Where the work is (inputs, engine, outputs, aborting...), for /readyz and debugging."""
+    stopped_because: str | None = None
+    """Why this stage stopped the work on its own (no router asked): the router is told, with this."""
 
     @property
     def id(self) -> str:
@@ -459,7 +465,11 @@ class StageServer:
 
     async def _close_work(self, work: _Work, status: str) -> None:
         """Abort the engine and release created handles unless the work finished; then release every
-        input handle it holds (chunks fed after it stopped reading included) and forget it."""
+        input handle it holds (chunks fed after it stopped reading included) and forget it. A work this
+        stage stopped on its own is failed to its router first, which otherwise waits for it until its
+        request times out."""
+        if status == "aborted" and work.stopped_because is not None:
+            await self._fail(work, "unavailable", work.stopped_because)
         work.phase = "releasing"
         if status != "ok":
             await self._abort_engine(work)
@@ -671,9 +681,19 @@ class StageServer:
     # -- housekeeping --------------------------------------------------------------------------
 
     async def _housekeeping(self) -> None:
+        tick = time.monotonic()
         while True:
-            await asyncio.sleep(1.0)
-            now = time.monotonic()
+            await asyncio.sleep(HOUSEKEEPING_S)
+            now, last = time.monotonic(), tick
+            tick = now
+            if now - last > HOUSEKEEPING_S + STALL_S:
+                # This process did not run for a while (a loaded machine, a long call on the event loop).
+                # What routers sent meanwhile is still unread, and on a stalled machine they did not run
+                # either: the silence measures the stall, not a router gone. The next tick judges it, once
+                # the receive loop and the routers' pings have had their turn.
+                log.info("stage %s: housekeeping %.1fs late; silence checks wait a tick", self.stage,
+                         now - last - HOUSEKEEPING_S)  # fmt: skip
+                continue
             busy = {w.peer for w in self.works.values()}
             for peer, seen in list(self._peers.items()):
                 if now - seen > self.peer_timeout_s and peer not in busy:
@@ -683,6 +703,11 @@ class StageServer:
                 if now - seen > self.peer_timeout_s and work.task is not None and not work.closing:
                     log.warning("stage %s: router silent for %.0fs; aborting %s", self.stage,
                                 now - seen, work.id)  # fmt: skip
+                    work.stopped_because = (
+                        f"stage {self.stage} replica {self.replica} stopped work {work.id}: its router sent "
+                        f"nothing for {now - seen:.0f}s (more than {self.peer_timeout_s:g}s, not even a ping); "
+                        "retry the request"
+                    )
                     work.task.cancel()
             if self.engine is not None and self.ready:
                 self._engine_stats(self.engine)

@@ -1,0 +1,145 @@
+"""A stage stops the works of a router that went silent, and says so; its own stall is not the router's silence.
+
+Real stage server (EchoEngine, see its docstring for why), real ZeroMQ; the test speaks the stage protocol
+itself over a DEALER socket with the pipeline's key, as a router does, so it decides when the "router" is
+silent. The stage's silence limit is lowered to one second for the test (attribute `peer_timeout_s`).
+
+A work stopped without the router asking used to end silently: the router, which still waited for it,
+answered its client only when the request timeout hit (a 504 after two minutes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq
+import zmq.asyncio
+from servelib import echo_cluster, echo_pipeline
+
+from omni_runtime.spec import PipelineSpec, StageSpec
+from omni_runtime.stage import protocol as P
+from omni_runtime.stage.auth import Channel
+
+pytestmark = pytest.mark.timeout(60)
+
+SILENCE_S = 1.0
+
+
+def one_stage() -> PipelineSpec:
+    return PipelineSpec(name="silence", stages=[StageSpec(name="llm", kind="ar", final_output=True)])
+
+
+class FakeRouter:
+    """One router connection to a stage: Hello/Welcome, then Submit and Ping; collects what comes back."""
+
+    def __init__(self, cluster, port: int) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.channel = Channel(cluster.key, "router")
+        self.received: list[P.Message] = []
+
+    async def hello(self) -> None:
+        await self.sock.send_multipart(self.channel.seal(P.encode(P.Hello())))
+        welcome, _ = P.decode(self.channel.open(await asyncio.wait_for(self.sock.recv_multipart(), 10)))
+        assert isinstance(welcome, P.Welcome)
+
+    async def send(self, message: P.Message, payload: dict | None = None) -> None:
+        await self.sock.send_multipart(self.channel.seal(P.encode(message, payload)))
+
+    async def ping(self) -> None:
+        await self.send(P.Ping(nonce=0, sent_at=time.monotonic()))
+
+    async def collect(self) -> None:
+        while True:
+            message, _ = P.decode(self.channel.open(await self.sock.recv_multipart()))
+            self.received.append(message)
+
+    def failures(self, work_id: str) -> list[P.Failed]:
+        return [m for m in self.received if isinstance(m, P.Failed) and m.id == work_id]
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@contextlib.asynccontextmanager
+async def router_to(cluster, stage) -> AsyncIterator[FakeRouter]:
+    router = FakeRouter(cluster, stage.port)
+    collector: asyncio.Task | None = None
+    try:
+        await router.hello()
+        collector = asyncio.create_task(router.collect())
+        yield router
+    finally:
+        if collector is not None:
+            collector.cancel()
+            await asyncio.gather(collector, return_exceptions=True)
+        router.close()
+
+
+def long_work(work_id: str) -> tuple[P.Submit, dict]:
+    """A work of 40 words at 0.25 s each: about ten seconds, far beyond the silence limit."""
+    submit = P.Submit(
+        id=work_id, request_id=work_id, stage="llm", role="primary", data=True, final=True, params={"delay": 0.25}
+    )  # fmt: skip
+    return submit, {"prompt": " ".join(f"w{i}" for i in range(40))}
+
+
+async def until(predicate, what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+async def test_a_work_stopped_because_its_router_went_silent_is_reported_to_that_router() -> None:
+    async with echo_cluster(echo_pipeline(one_stage(), name="silent-router")) as cluster:
+        stage = cluster.servers["llm"][0]
+        stage.peer_timeout_s = SILENCE_S
+        async with router_to(cluster, stage) as router:
+            submit, payload = long_work("silent-1")
+            await router.send(submit, payload)
+            await until(lambda: submit.id in stage.works, "the stage never ran the work")
+            # The router now sends nothing, not even a ping.
+            await until(lambda: submit.id not in stage.works, "the work of a silent router kept running")
+            await until(lambda: router.failures(submit.id), "the stage stopped the work without telling its router")
+            (failed,) = router.failures(submit.id)
+            assert failed.kind == "unavailable"  # the router answers a retriable 503 at once
+            assert "sent nothing for" in failed.message and "retry" in failed.message
+            assert [i for i in cluster.engines["llm"][0].aborted if i == submit.id], "the engine kept generating"
+
+
+async def test_a_stall_of_the_whole_machine_longer_than_the_silence_limit_stops_no_work() -> None:
+    """The stall is a blocking sleep on the event loop that runs both the stage and this test's router, as
+    when a loaded machine runs neither for a while: the router sends no ping during it, and after it the
+    stage's housekeeping is due at the same moment the router's next ping is. A stage that took that
+    silence for the router's used to stop every work of every router then."""
+    async with echo_cluster(echo_pipeline(one_stage(), name="stalled-stage")) as cluster:
+        stage = cluster.servers["llm"][0]
+        stage.peer_timeout_s = SILENCE_S
+        async with router_to(cluster, stage) as router:
+            submit, payload = long_work("stalled-1")
+            await router.send(submit, payload)
+            await until(lambda: submit.id in stage.works, "the stage never ran the work")
+            pinger = asyncio.create_task(ping_every(router, 0.2))
+            await asyncio.sleep(2 * SILENCE_S)  # pinging steadily
+            time.sleep(5 * SILENCE_S)
+            await asyncio.sleep(3 * SILENCE_S)  # the pings resume; the stage's housekeeping ticks again
+            pinger.cancel()
+            await asyncio.gather(pinger, return_exceptions=True)
+            assert router.failures(submit.id) == [], router.failures(submit.id)
+            assert submit.id in stage.works or any(
+                isinstance(m, P.Output) and m.id == submit.id and m.finished for m in router.received
+            ), "the work of a router that kept pinging was stopped"
+
+
+async def ping_every(router: FakeRouter, period: float) -> None:
+    while True:
+        await router.ping()
+        await asyncio.sleep(period)
