@@ -12,17 +12,25 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionChunk
 from servelib import Serve, http_get, metric_values
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 
-MAX_MODEL_LEN = 256
-LONG = 200
-"""Tokens of the request the stage is given SIGTERM in the middle of (ignore_eos: exactly these)."""
+MAX_MODEL_LEN = 2048
+"""The tiny model's max_position_embeddings: room for the longest stream below."""
+SHORTEST, LONGEST = 200, 1800
+"""Bounds of the tokens of the stream the tests interrupt (ignore_eos: exactly these); see `long_stream`."""
+STREAM_SECONDS = 8
+"""About how long that stream should run on this machine, far above the few tenths of a second the tests
+need between its first chunk and the end of their checks on the draining process."""
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +45,7 @@ def serve(tiny_chat_model, tmp_path_factory):
                 "engine_args": {"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": 64 * 1024**2, "seed": 0},
             }
         ],
-        "limits": {"request_timeout_s": 120},
+        "limits": {"request_timeout_s": 300},  # the longest stream under the heaviest load
     }
     # A drain period far above what the requests need, however slow the machine: the tests check that
     # work finishes during a drain; test_drain.py checks what happens when the period ends first.
@@ -56,25 +64,83 @@ def api(serve):
 
 
 def running(probe: str) -> float:
-    status, text = http_get(probe.replace("/readyz", "/metrics"))
+    """Works the replica of `probe` runs; 0 for one not up (restarting after the stage drain test)."""
+    try:
+        status, text = http_get(probe.replace("/readyz", "/metrics"))
+    except OSError:
+        return 0.0
     return sum(metric_values(text, "omnikube_stage_requests_running")) if status == 200 else 0.0
 
 
-def test_a_stage_given_sigterm_mid_stream_finishes_it_takes_no_new_work_and_exits_cleanly(serve, api) -> None:
-    stream = api.chat.completions.create(
+@dataclass
+class LongStream:
+    """A streamed chat request caught while a stage replica runs it."""
+
+    tokens: int
+    """Its max_tokens (ignore_eos: it ends after exactly these)."""
+    chunks: Iterator[ChatCompletionChunk]
+    received: list[ChatCompletionChunk]
+    """The chunks read so far (the first one)."""
+    replica: dict[str, Any]
+    """The stage process that runs it (processes.json entry)."""
+
+    def finish(self) -> list[ChatCompletionChunk]:
+        """Every chunk of the stream, read to its end; asserts it ran to its length."""
+        self.received += list(self.chunks)
+        usage = [c.usage for c in self.received if c.usage]
+        assert usage and usage[-1].completion_tokens == self.tokens, "the stream ran to its end"
+        return self.received
+
+
+def tokens_per_second(api: openai.OpenAI) -> float:
+    """How fast the stage generates on this machine now (one 100-token request, overheads included)."""
+    started = time.monotonic()
+    reply = api.chat.completions.create(
         model="chat-drain",
-        messages=[{"role": "user", "content": "Tell me a long story."}],
-        max_tokens=LONG,
-        temperature=0.0,
-        stream=True,
-        stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "count"}],
+        max_tokens=100,
         extra_body={"ignore_eos": True},
     )
-    chunks = iter(stream)
-    received = [next(chunks)]
-    busy = [p for p in serve.stage_processes("llm") if running(p["probe"]) == 1]
-    assert len(busy) == 1, "one replica runs the stream"
-    victim = busy[0]
+    assert reply.usage is not None and reply.usage.completion_tokens == 100
+    return 100 / (time.monotonic() - started)
+
+
+def long_stream(serve: Serve, api: openai.OpenAI, prompt: str) -> LongStream:
+    """A stream whose first chunk has arrived while exactly one replica runs it, with seconds to go.
+
+    The stage counts a work as running from its Submit until it has sent its last output, so a replica
+    reads 1 when the first chunk arrives unless the whole stream was generated first. The tiny model's
+    speed varies by two orders of magnitude with the machine's load (about 6 tokens/s under heavy load,
+    hundreds idle, where a fixed 200 tokens were over before the client had read the first chunk), so the
+    length is measured: about STREAM_SECONDS of generation. A stream over already anyway is read to its
+    end (it must be complete, else the gauge is wrong) and one three times as long tried.
+    """
+    tokens = max(SHORTEST, min(LONGEST, int(tokens_per_second(api) * STREAM_SECONDS)))
+    while True:
+        stream = api.chat.completions.create(
+            model="chat-drain",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        received = [next(chunks)]
+        loads = {p["name"]: running(p["probe"]) for p in serve.stage_processes("llm")}
+        busy = [p for p in serve.stage_processes("llm") if loads[p["name"]] == 1]
+        if busy:
+            assert len(busy) == 1 and sum(loads.values()) == 1, f"one replica runs the stream: {loads}"
+            return LongStream(tokens, chunks, received, busy[0])
+        LongStream(tokens, chunks, received, {}).finish()
+        assert tokens < LONGEST, f"even a stream of {tokens} tokens was over before its first chunk was read"
+        tokens = min(LONGEST, tokens * 3)
+
+
+def test_a_stage_given_sigterm_mid_stream_finishes_it_takes_no_new_work_and_exits_cleanly(serve, api) -> None:
+    stream = long_stream(serve, api, "Tell me a long story.")
+    victim = stream.replica
     os.kill(victim["pid"], signal.SIGTERM)
     deadline = time.monotonic() + 30
     while http_get(victim["probe"])[0] != 503:  # readiness turns false at once
@@ -88,9 +154,7 @@ def test_a_stage_given_sigterm_mid_stream_finishes_it_takes_no_new_work_and_exit
             model="chat-drain", messages=[{"role": "user", "content": f"quick {i}"}], max_tokens=4
         )
         assert reply.choices[0].message.content is not None
-    received += list(chunks)
-    usage = [c.usage for c in received if c.usage]
-    assert usage and usage[-1].completion_tokens == LONG, "the stream ran to its end"
+    received = stream.finish()
     finish = [c.choices[0].finish_reason for c in received if c.choices and c.choices[0].finish_reason]
     assert finish == ["length"]
     deadline = time.monotonic() + 60
@@ -103,17 +167,7 @@ def test_a_stage_given_sigterm_mid_stream_finishes_it_takes_no_new_work_and_exit
 
 
 def test_the_router_given_sigterm_mid_stream_refuses_new_connections_and_finishes_it(serve, api) -> None:
-    stream = api.chat.completions.create(
-        model="chat-drain",
-        messages=[{"role": "user", "content": "Tell me another long story."}],
-        max_tokens=LONG,
-        temperature=0.0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
-    chunks = iter(stream)
-    received = [next(chunks)]
+    stream = long_stream(serve, api, "Tell me another long story.")
     (router,) = [p for p in serve.processes() if p["name"] == "router"]
     os.kill(router["pid"], signal.SIGTERM)
     deadline = time.monotonic() + 30
@@ -124,9 +178,7 @@ def test_the_router_given_sigterm_mid_stream_refuses_new_connections_and_finishe
             break
         assert time.monotonic() < deadline, "the draining router still accepts connections"
         time.sleep(0.05)
-    received += list(chunks)
-    usage = [c.usage for c in received if c.usage]
-    assert usage and usage[-1].completion_tokens == LONG, "the stream ran to its end"
+    stream.finish()
     deadline = time.monotonic() + 60
     while "router exited with code" not in serve.log.read_text(errors="replace"):
         assert time.monotonic() < deadline, f"the router did not exit:\n{serve.logs_tail(60)}"
