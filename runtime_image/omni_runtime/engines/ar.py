@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
+from omni_runtime.engines.ar_extras import TOKEN_OPS, detokenize, logprob_rows, structured_outputs, tokenize
 from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 
@@ -343,6 +344,15 @@ class AREngine(Engine):
                 )
         from vllm.exceptions import VLLMClientError
 
+        if merged.get("structured_outputs") is not None:
+            merged["structured_outputs"] = structured_outputs(merged["structured_outputs"], self.stage.name)
+        if isinstance(merged.get("logit_bias"), dict):  # JSON object keys are strings; vLLM wants ids
+            try:
+                merged["logit_bias"] = {int(k): float(v) for k, v in merged["logit_bias"].items()}
+            except (TypeError, ValueError):
+                raise InvalidRequest(
+                    f"logit_bias must map token ids to numbers; got {merged['logit_bias']!r}"
+                ) from None
         try:
             return SamplingParams(**merged, output_kind=RequestOutputKind.DELTA)
         except (ValueError, TypeError, VLLMClientError) as exc:
@@ -351,7 +361,8 @@ class AREngine(Engine):
     async def render_prompt(self, data: dict[str, Any]) -> dict[str, Any]:
         """vLLM's engine input (with `prompt_token_ids`) for `{"prompt"}`, `{"messages"}` (rendered
         with the model's chat template and a generation prompt, as `vllm serve` does; optional
-        `chat_template_kwargs` go to the template) or `{"prompt_token_ids"}`.
+        `chat_template_kwargs` go to the template) or `{"prompt_token_ids"}`; `add_special_tokens`
+        overrides vLLM's default for the text (true for a prompt, false for a chat).
 
         Raises InvalidRequest when the input is malformed or longer than max_model_len allows."""
         from vllm.renderers.params import ChatParams
@@ -367,11 +378,17 @@ class AREngine(Engine):
                     raise InvalidRequest("messages must be a non-empty list of {role, content} objects")
                 kwargs = {"add_generation_prompt": True, **(data.get("chat_template_kwargs") or {})}
                 chat = ChatParams(chat_template_kwargs=kwargs)
-                _, (prompt,) = await renderer.render_chat_async([messages], chat, self._chat_tok)
+                tok = self._chat_tok
+                if "add_special_tokens" in data:
+                    tok = dataclasses.replace(tok, add_special_tokens=bool(data["add_special_tokens"]))
+                _, (prompt,) = await renderer.render_chat_async([messages], chat, tok)
             elif "prompt" in data:
                 if not isinstance(data["prompt"], str):
                     raise InvalidRequest(f"prompt must be a string, not {type(data['prompt']).__name__}")
-                (prompt,) = await renderer.render_cmpl_async([{"prompt": data["prompt"]}], self._cmpl_tok)
+                tok = self._cmpl_tok
+                if "add_special_tokens" in data:
+                    tok = dataclasses.replace(tok, add_special_tokens=bool(data["add_special_tokens"]))
+                (prompt,) = await renderer.render_cmpl_async([{"prompt": data["prompt"]}], tok)
             else:
                 raise InvalidRequest(
                     f"stage {self.stage.name!r} needs 'prompt', 'messages' or 'prompt_token_ids' in its "
@@ -398,6 +415,10 @@ class AREngine(Engine):
         from vllm.exceptions import VLLMClientError
 
         rid = request.request_id
+        op = next((k for k in TOKEN_OPS if k in request.data), None)
+        if op is not None:
+            yield await self._token_op(rid, op, request.data[op])
+            return
         sampling = self.sampling_params(request.params)
         if self._rows is not None and sampling.n > 1:
             raise InvalidRequest(
@@ -421,6 +442,7 @@ class AREngine(Engine):
         finish_reason: str | None = None
         sent_prompt = False
         rows = self._rows.open(rid) if self._rows is not None else None
+        tokenizer = self.llm.renderer.tokenizer if sampling.logprobs is not None else None
         try:
             async for out in self.llm.generate(prompt, sampling, rid):
                 if rid in self._abort_pending:  # vLLM has it now; the abort output follows
@@ -435,6 +457,8 @@ class AREngine(Engine):
                     )
                     finish_reason = completion.finish_reason or finish_reason
                     data: dict[str, Any] = {"text": completion.text, "token_ids": list(completion.token_ids)}
+                    if completion.logprobs is not None:
+                        data["logprobs"] = logprob_rows(completion.logprobs, tokenizer)
                     if sampling.n > 1:
                         data["index"] = completion.index
                     pieces.append(data)
@@ -459,10 +483,11 @@ class AREngine(Engine):
                         if last
                         else None,
                     )
-        except VLLMClientError as exc:
-            raise InvalidRequest(f"stage {self.stage.name!r} rejected the request: {exc}") from exc
         except (InvalidRequest, EngineError, asyncio.CancelledError, GeneratorExit):
             raise
+        # vLLM's input checks (a structured-output schema it cannot compile) raise ValueError
+        except (VLLMClientError, ValueError) as exc:
+            raise InvalidRequest(f"stage {self.stage.name!r} rejected the request: {exc}") from exc
         except Exception as exc:
             raise EngineError(f"stage {self.stage.name!r} failed on request {rid!r}: {exc}") from exc
         finally:
@@ -470,6 +495,14 @@ class AREngine(Engine):
             self._abort_pending.discard(rid)
             if self._rows is not None:
                 self._rows.close(rid)
+
+    async def _token_op(self, rid: str, op: str, spec: Any) -> EngineOutput:
+        """One finished piece answering `/tokenize` or `/detokenize` (no generation runs)."""
+        if not isinstance(spec, dict):
+            raise InvalidRequest(f"{op} must be an object, not {type(spec).__name__}")
+        renderer = self.llm.renderer
+        data = await (tokenize(renderer, spec, self.max_model_len) if op == "tokenize" else detokenize(renderer, spec))
+        return EngineOutput(rid, data, finished=True, finish_reason="stop")
 
     async def _attach_rows(self, rows: Any, data: dict[str, Any], prompt_tokens: int, generated: int, out: Any) -> None:
         """Put the rows that arrived for this output into `data["hidden_states"]`.
