@@ -681,3 +681,16 @@ def test_router_api_key_is_a_secret_file_the_router_command_reads_and_liveness_i
     del manifest["spec"]["router"]["apiKeySecret"]
     plain = containers(find(render(manifest), "Deployment", "keyed-router"))["router"]
     assert build_parser().parse_args(plain["command"][1:]).api_key_file is None
+
+
+# --- router.unknownFields --------------------------------------------------------------------------
+
+
+def test_router_unknown_fields_reaches_the_routers_config() -> None:
+    """`router.unknownFields` is what the router pod reads (its resolved config), default `reject`."""
+    default = render(minimal("text-chat"))
+    assert resolved_config(default, "p")["limits"]["unknown_fields"] == "reject"
+    lenient = render(minimal("text-chat", router={"unknownFields": "ignore"}))
+    assert resolved_config(lenient, "p")["limits"]["unknown_fields"] == "ignore"
+    with pytest.raises(RenderError, match="unknownFields"):
+        render(minimal("text-chat", router={"unknownFields": "sometimes"}))

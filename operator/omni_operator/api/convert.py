@@ -98,8 +98,10 @@ def connectors_spec(connectors: ConnectorsConfig, base: ConnectorsSpec | None = 
     return ConnectorsSpec.model_validate(merged)
 
 
-def router_limits(limits: RouterLimitsConfig) -> RouterLimits:
+def router_limits(limits: RouterLimitsConfig, unknown_fields: str = "reject") -> RouterLimits:
+    """The runtime's limits from the CRD's `router.limits`, with `router.unknownFields`."""
     return RouterLimits(
+        unknown_fields="ignore" if unknown_fields == "ignore" else "reject",
         max_concurrent_requests=limits.max_concurrent_requests,
         max_queued_requests=limits.max_queued_requests,
         request_timeout_s=float(limits.request_timeout_seconds),
@@ -126,7 +128,7 @@ def resolve_args(spec: OmniPipelineSpec, topology_connectors: ConnectorsSpec | N
         stages=stage_overrides(spec.stages),
         edges=edge_overrides(spec.connectors),
         connectors=connectors_spec(spec.connectors, topology_connectors),
-        limits=router_limits(spec.router.limits),
+        limits=router_limits(spec.router.limits, spec.router.unknown_fields.value),
     )
 
 

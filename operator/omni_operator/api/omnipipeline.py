@@ -80,6 +80,13 @@ class ServiceType(str, Enum):
     LOAD_BALANCER = "LoadBalancer"
 
 
+class UnknownFields(str, Enum):
+    """What the router does with a request field it does not know."""
+
+    REJECT = "reject"
+    IGNORE = "ignore"
+
+
 class RuntimeSpec(KubeModel):
     """The runtime image and what every pod of the pipeline mounts and reads."""
 
@@ -212,6 +219,13 @@ class RouterSpec(KubeModel):
     )
     limits: RouterLimitsConfig = Field(
         default_factory=RouterLimitsConfig, description="Concurrency, queue, timeout and body limits."
+    )
+    unknown_fields: UnknownFields = Field(
+        UnknownFields.REJECT,
+        description="A request field the router does not know (say `temprature`, or another vendor's extra): "
+        "`reject` answers 400 naming it, so a misspelt or unsupported field never silently does nothing; "
+        "`ignore` drops it, for clients that send extras this server has no use for. Fields the router "
+        "knows and cannot honour (tools, beam search, ...) get a 400 either way.",
     )
     node_selector: dict[str, str] = Field(
         default_factory=dict,

@@ -7,7 +7,7 @@ server read it (`--config resolved.json`). It is the only configuration the runt
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -102,6 +102,12 @@ class RouterLimits(BaseModel):
         32768, ge=1, description="Largest `max_tokens` / `max_completion_tokens` a request may ask of an AR stage."
     )
     media: MediaLimits = Field(default_factory=MediaLimits, description="Bounds on a request's media inputs.")
+    unknown_fields: Literal["reject", "ignore"] = Field(
+        "reject",
+        description="A request field the router does not know: `reject` answers 400 naming it (a misspelt "
+        "field never silently does nothing); `ignore` drops it (for clients that send vendor extras). "
+        "Fields the router knows and refuses are refused either way.",
+    )
 
 
 class ResolvedPipeline(BaseModel):
