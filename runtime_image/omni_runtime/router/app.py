@@ -22,6 +22,7 @@ from omni_runtime.router.pool import StagePool
 from omni_runtime.router.routes import ROUTES, router
 from omni_runtime.router.serving.base import RouterContext
 from omni_runtime.router.serving.chat import ServingChat
+from omni_runtime.router.serving.completions import ServingCompletions
 from omni_runtime.router.serving.images import ServingImages
 from omni_runtime.router.serving.models import ServingModels
 from omni_runtime.router.serving.speech import ServingSpeech
@@ -34,6 +35,7 @@ __all__ = ["build_app"]
 @dataclass
 class _Serving:
     chat: ServingChat
+    completions: ServingCompletions
     images: ServingImages
     models: ServingModels
     speech: ServingSpeech
@@ -79,7 +81,9 @@ def build_app(
     app = FastAPI(title=f"omnikube router: {pipeline.served_model_name}", lifespan=lifespan, docs_url=None,
                   redoc_url=None)  # fmt: skip
     app.state.context = ctx
-    app.state.serving = _Serving(ServingChat(ctx), ServingImages(ctx), ServingModels(ctx), ServingSpeech(ctx))
+    app.state.serving = _Serving(
+        ServingChat(ctx), ServingCompletions(ctx), ServingImages(ctx), ServingModels(ctx), ServingSpeech(ctx)
+    )
     app.include_router(router)
 
     async def handle(request: Request, exc: Exception):

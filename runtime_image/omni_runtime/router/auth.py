@@ -86,9 +86,14 @@ class ApiKeyFile:
         return self._key
 
 
+GUARDED_OUTSIDE_V1 = ("/tokenize", "/detokenize")
+"""Routes outside `/v1` that need the key too: they run work on a stage (vLLM leaves them open)."""
+
+
 class BearerAuth:
-    """Refuses `/v1/*` requests whose Bearer token is not the key (401, OpenAI's error shape), before
-    their body is read. The comparison takes the same time wherever the first differing byte is."""
+    """Refuses `/v1/*` (and `GUARDED_OUTSIDE_V1`) requests whose Bearer token is not the key (401,
+    OpenAI's error shape), before their body is read. The comparison takes the same time wherever the
+    first differing byte is."""
 
     def __init__(self, app: ASGIApp, key: ApiKeyFile) -> None:
         self.app = app
@@ -96,7 +101,8 @@ class BearerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or not (path == "/v1" or path.startswith("/v1/")):
+        guarded = path == "/v1" or path.startswith("/v1/") or path in GUARDED_OUTSIDE_V1
+        if scope["type"] != "http" or not guarded:
             await self.app(scope, receive, send)
             return
         problem = self._problem(dict(scope.get("headers") or []).get(b"authorization"))

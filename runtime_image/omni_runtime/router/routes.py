@@ -8,6 +8,7 @@ from starlette.responses import JSONResponse, Response
 from omni_runtime.metrics import render
 from omni_runtime.router.protocol.audio import SpeechRequest, VoiceList
 from omni_runtime.router.protocol.chat import ChatCompletionRequest
+from omni_runtime.router.protocol.completions import CompletionRequest, DetokenizeRequest, TokenizeRequest
 from omni_runtime.router.protocol.images import ImageGenerationRequest
 from omni_runtime.router.protocol.models import ModelList
 
@@ -15,13 +16,31 @@ __all__ = ["ROUTES", "router"]
 
 router = APIRouter()
 
-ROUTES = ("/v1/chat/completions", "/v1/images/generations", "/v1/images/edits", "/v1/audio/speech",
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/images/generations",
+          "/v1/images/edits", "/v1/audio/speech",
           "/v1/audio/voices", "/v1/models", "/health", "/livez", "/metrics")  # fmt: skip
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
     return await raw.app.state.serving.chat.create(body, raw)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, raw: Request) -> Response:
+    return await raw.app.state.serving.completions.create(body, raw)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, raw: Request) -> Response:
+    """vLLM's: the token ids of a prompt or of a chat rendered with the model's template."""
+    return await raw.app.state.serving.completions.tokenize(body, raw)
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, raw: Request) -> Response:
+    """vLLM's: the text of token ids."""
+    return await raw.app.state.serving.completions.detokenize(body, raw)
 
 
 @router.post("/v1/images/generations")

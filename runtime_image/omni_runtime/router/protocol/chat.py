@@ -1,9 +1,12 @@
-"""`POST /v1/chat/completions`: request, response and stream chunk models.
+"""`POST /v1/chat/completions`: request, response and stream chunk models, and the field lists.
 
-Besides OpenAI's fields the request accepts vLLM's sampling extras (`top_k`, `min_p`, `ignore_eos`,
-`min_tokens`, `repetition_penalty`), vLLM-Omni's `sampling_params_list` (one dict per stage, in the
-pipeline's topological order) and, for image-producing pipelines, `negative_prompt`, `size`,
-`height`/`width`, `num_inference_steps` and `guidance_scale` (send them with the SDK's `extra_body`).
+Besides OpenAI's fields the request accepts vLLM's sampling and structured-output extras (`top_k`,
+`min_p`, `ignore_eos`, `structured_outputs`, ...), vLLM-Omni's `sampling_params_list` (one dict per
+stage, in the pipeline's topological order) and, for image-producing pipelines, `negative_prompt`,
+`size`, `height`/`width`, `num_inference_steps` and `guidance_scale` (send them with the SDK's
+`extra_body`). `FORWARDED` says where each accepted field goes, `REFUSED` which of vLLM's fields get a
+400 and why; any other field is a 400 naming it, unless the pipeline sets `router.unknownFields:
+ignore`.
 """
 
 from __future__ import annotations
@@ -11,10 +14,15 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "AUDIO_FORMATS",
+    "FORWARDED",
+    "REFUSED",
+    "TEXT_ONLY",
+    "ChatLogProbs",
+    "ResponseFormat",
     "AudioParam",
     "ChatCompletionRequest",
     "ChatCompletionResponse",
@@ -49,7 +57,85 @@ class AudioParam(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    """A last chunk with the request's usage and no choices."""
+    continuous_usage_stats: bool = False
+    """vLLM's: every chunk carries the usage so far."""
+
+
+class JsonSchema(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema (a JSON Schema object)")
+        return self
+
+    def structured_outputs(self) -> dict[str, Any] | None:
+        """The same constraint as vLLM's `StructuredOutputsParams` fields (None for text)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema" and self.json_schema is not None:
+            return {"json": self.json_schema.json_schema}
+        return None
+
+
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+"""vLLM's `structured_outputs` constraints (exactly one per request)."""
+_ENGINE_WIDE = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+"""`StructuredOutputsParams` fields vLLM's backends read from the engine's config, never the request's."""
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one constraint (`json`, `regex`, `choice`, `grammar`,
+    `json_object`, `structural_tag`) and its options; decoded by vLLM's structured-output backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputs:
+        engine_wide = [k for k in _ENGINE_WIDE if getattr(self, k) not in (None, False)]
+        if engine_wide:
+            raise ValueError(
+                f"structured_outputs {engine_wide} are not honoured per request (vLLM reads them only from "
+                "the engine's structured_outputs_config); remove them"
+            )
+        given = [k for k in STRUCTURED_KEYS if getattr(self, "json_" if k == "json" else k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of {list(STRUCTURED_KEYS)}; got {given or 'none'}")
+        return self
+
+    def params(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_defaults=True)
 
 
 class ChatCompletionRequest(BaseModel):
@@ -73,13 +159,37 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    user: str | None = None
+    user: str | None = Field(None, description="An end-user id; OpenAI's and vLLM's servers only record it.")
+    logprobs: bool = Field(False, description="Return the log probability of each generated token.")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="With logprobs: this many most likely tokens.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id -> bias added to its logit.")
+    response_format: ResponseFormat | None = None
     # vLLM sampling extras
     top_k: int | None = None
     min_p: float | None = None
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
     repetition_penalty: float | None = Field(None, gt=0.0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM prompt rendering extras
+    echo: bool = Field(False, description="Prefix the reply with the last message when it has the reply's role.")
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true; send both, or drop top_logprobs")
+        return self
+
     # vLLM-Omni extras
     sampling_params_list: list[dict[str, Any]] | None = None
     negative_prompt: str | None = None
@@ -102,11 +212,27 @@ class AssistantMessage(BaseModel):
     audio: dict[str, Any] | None = None
 
 
+class TopLogProb(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogProb(TopLogProb):
+    top_logprobs: list[TopLogProb] = Field(default_factory=list)
+
+
+class ChatLogProbs(BaseModel):
+    """OpenAI's `choices[].logprobs` of a chat reply."""
+
+    content: list[TokenLogProb] | None = None
+
+
 class Choice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogProbs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -128,7 +254,7 @@ class ChunkChoice(BaseModel):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogProbs | None = None
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -138,3 +264,113 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+
+
+_SAMPLING = "the sampling parameters of every AR stage the request runs"
+_TEXT = "the AR stage that produces the reply's text (400 when the pipeline's text comes from no AR stage)"
+_RENDER = "the prompt rendering of the entry AR stage (400 when the entry stage is not AR)"
+
+FORWARDED: dict[str, str] = {
+    "model": "checked against the served model name",
+    "messages": "the entry stage's input (a chat for an AR stage, the last user text for the others)",
+    "modalities": "which final stages run",
+    "audio": "the speech stages' voice and the reply's audio encoding",
+    "n": "one pipeline run per choice (at most router.limits.maxN)",
+    "stream": "server-sent events, one chunk per output piece",
+    "stream_options": "include_usage: a usage chunk at the end; continuous_usage_stats: usage in every chunk",
+    "max_tokens": _SAMPLING + " (at most router.limits.maxTokens)",
+    "max_completion_tokens": _SAMPLING + " (as max_tokens)",
+    "temperature": _SAMPLING,
+    "top_p": _SAMPLING,
+    "seed": _SAMPLING + ", and the diffusion stages (plus the choice index)",
+    "stop": _SAMPLING,
+    "presence_penalty": _SAMPLING,
+    "frequency_penalty": _SAMPLING,
+    "top_k": _SAMPLING,
+    "min_p": _SAMPLING,
+    "min_tokens": _SAMPLING,
+    "ignore_eos": _SAMPLING,
+    "repetition_penalty": _SAMPLING,
+    "user": "accepted and recorded nowhere; it changes no reply (as in OpenAI's and vLLM's servers)",
+    "logprobs": _TEXT,
+    "top_logprobs": _TEXT,
+    "logit_bias": _TEXT,
+    "response_format": _TEXT + ", as vLLM's structured_outputs",
+    "structured_outputs": _TEXT,
+    "stop_token_ids": _TEXT,
+    "include_stop_str_in_output": _TEXT,
+    "skip_special_tokens": _TEXT,
+    "spaces_between_special_tokens": _TEXT,
+    "bad_words": _TEXT,
+    "allowed_token_ids": _TEXT,
+    "echo": "the router: the reply starts with the last message when that has the reply's role",
+    "add_generation_prompt": _RENDER,
+    "continue_final_message": _RENDER,
+    "add_special_tokens": _RENDER,
+    "chat_template_kwargs": _RENDER,
+    "sampling_params_list": "per stage, in topological order, over the fields above",
+    "negative_prompt": "the diffusion stages and CFG companions",
+    "size": "the diffusion stages (height and width)",
+    "height": "the diffusion stages",
+    "width": "the diffusion stages",
+    "num_inference_steps": "the diffusion stages",
+    "guidance_scale": "the diffusion stages",
+}
+"""Every request field the router accepts, and where it goes."""
+
+TEXT_ONLY = frozenset({"echo", *(k for k, v in FORWARDED.items() if v.startswith(_TEXT))})
+"""Fields only the AR stage producing the reply's text can honour."""
+RENDER_ONLY = frozenset(k for k, v in FORWARDED.items() if v == _RENDER)
+"""Fields only an AR entry stage (one that renders the chat) can honour."""
+
+_TOOLS = "tool calling is not served by this router yet; send the request without tools"
+_NOT_SERVED = "not served by this router"
+
+REFUSED: dict[str, tuple[str, object]] = {
+    "tools": (_TOOLS, None),
+    "tool_choice": (_TOOLS, "none"),
+    "parallel_tool_calls": (_TOOLS, True),
+    "functions": ("deprecated by OpenAI and not served; use tools", None),
+    "function_call": ("deprecated by OpenAI and not served; use tool_choice", None),
+    "chat_template": (
+        "a request may not bring its own template (it runs in the stage); set the stage's "
+        "chat template in its engine args",
+        None,
+    ),  # fmt: skip
+    "use_beam_search": ("beam search is " + _NOT_SERVED + "; use n with sampling", False),
+    "length_penalty": ("it only applies to beam search, which is " + _NOT_SERVED, 1.0),
+    "prompt_logprobs": ("prompt logprobs are " + _NOT_SERVED + "; use /v1/completions with echo", None),
+    "logprob_token_ids": ("logprobs of chosen token ids are " + _NOT_SERVED + "; use top_logprobs", None),
+    "return_tokens_as_token_ids": (_NOT_SERVED, None),
+    "return_token_ids": ("token ids in replies are " + _NOT_SERVED + "; use /tokenize", None),
+    "truncate_prompt_tokens": ("prompt truncation is " + _NOT_SERVED + "; shorten the messages", None),
+    "documents": ("retrieval documents are " + _NOT_SERVED + "; put them in the messages", None),
+    "mm_processor_kwargs": ("per-request multimodal processor arguments are " + _NOT_SERVED, None),
+    "media_io_kwargs": ("per-request media loading arguments are " + _NOT_SERVED, None),
+    "reasoning_effort": ("reasoning controls are " + _NOT_SERVED + "; use chat_template_kwargs", None),
+    "thinking_token_budget": ("reasoning budgets are " + _NOT_SERVED, None),
+    "priority": ("request priorities are " + _NOT_SERVED + "; the router admits requests in order", 0),
+    "request_id": ("the router assigns request ids", None),
+    "cache_salt": ("prefix-cache salts are " + _NOT_SERVED, None),
+    "kv_transfer_params": ("KV transfer between stages is the router's, not the client's", None),
+    "vllm_xargs": ("vLLM's free-form extra arguments are " + _NOT_SERVED, None),
+    "watermarking": ("watermarking is " + _NOT_SERVED, None),
+    "service_tier": ("service tiers are " + _NOT_SERVED, None),
+    "store": ("stored completions are " + _NOT_SERVED, None),
+    "metadata": ("stored-completion metadata is " + _NOT_SERVED, None),
+    "prediction": ("predicted outputs are " + _NOT_SERVED, None),
+    "web_search_options": ("web search is " + _NOT_SERVED, None),
+}
+"""Fields of OpenAI's or vLLM's chat request the router refuses with a 400 naming them: the reason,
+and the field's default value, which is accepted (clients send `parallel_tool_calls: true` unasked)."""
+
+
+def refused_fields(body: BaseModel, refused: dict[str, tuple[str, object]] = REFUSED) -> list[tuple[str, str]]:
+    """(field, reason) for each refused field the request sets to something other than its default."""
+    extra = body.model_extra or {}
+    return [(k, refused[k][0]) for k, v in extra.items() if k in refused and v != refused[k][1]]
+
+
+def unknown_fields(body: BaseModel, refused: dict[str, tuple[str, object]] = REFUSED) -> list[str]:
+    """Fields neither forwarded nor refused (the request model allows extras so these can be named)."""
+    return sorted(k for k in (body.model_extra or {}) if k not in refused)

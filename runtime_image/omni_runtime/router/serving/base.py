@@ -7,10 +7,11 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -20,9 +21,11 @@ from omni_runtime.router.admission import Admission
 from omni_runtime.router.errors import BadRequest, ClientGone, NotFound, RequestTimedOut
 from omni_runtime.router.lifecycle import Lifecycle
 from omni_runtime.router.orchestrator import Orchestrator, PipelineRequest, RunResult, StageEvent
-from omni_runtime.router.plan import producible_modalities
+from omni_runtime.router.plan import Plan, producible_modalities
 from omni_runtime.router.pool import StagePool
-from omni_runtime.spec import ResolvedPipeline
+from omni_runtime.router.protocol.chat import REFUSED, refused_fields, unknown_fields
+from omni_runtime.router.serving.inputs import text_stages
+from omni_runtime.spec import ResolvedPipeline, StageKind
 
 __all__ = ["EventStream", "ManagedStream", "RouterContext", "ServingBase"]
 
@@ -80,6 +83,47 @@ class ServingBase:
                 "request (router.limits.maxTokens); ask for fewer",
                 param=where.split(".")[0].split("[")[0],
             )
+
+    def check_fields(self, body: BaseModel, refused_list: dict[str, tuple[str, object]] = REFUSED) -> None:
+        """400 naming a refused field (`protocol.chat.REFUSED` or the endpoint's list), or an unknown one
+        unless the pipeline sets `router.unknownFields: ignore`."""
+        refused = refused_fields(body, refused_list)
+        if refused:
+            name, reason = refused[0]
+            raise BadRequest(f"{name} is not supported: {reason}", param=name)
+        unknown = unknown_fields(body, refused_list)
+        if unknown and self.limits.unknown_fields == "reject":
+            raise BadRequest(
+                f"unknown fields {unknown} in the request to {self.endpoint}; remove them (the fields this "
+                "server accepts are in GET /openapi.json), or set router.unknownFields: ignore on the pipeline "
+                "to have them ignored",
+                param=unknown[0],
+            )
+
+    def check_text_fields(
+        self, body: BaseModel, plan: Plan, text_only: Iterable[str], render_only: Iterable[str]
+    ) -> None:
+        """400 naming a set field that no planned stage can honour: one about the reply's text when no
+        AR stage produces it (a DiT's image, a talker's audio), one about chat rendering when the entry
+        stage is not AR."""
+        set_fields = body.model_fields_set
+        texts = text_stages(self.topology, plan)
+        for name in sorted(set(text_only) & set_fields):
+            if not texts and getattr(body, name) != type(body).model_fields[name].default:
+                raise BadRequest(
+                    f"{name} needs an AR stage producing the reply's text, and this request's final stages "
+                    f"{plan.final} (pipeline {self.topology.name}) produce none; remove {name}"
+                    + (" or ask for modalities ['text']" if "text" in self.producible() else ""),
+                    param=name,
+                )
+        ar_entry = any(self.topology.stage(n).kind is StageKind.AR for n in plan.entry)
+        for name in sorted(set(render_only) & set_fields):
+            if not ar_entry:
+                raise BadRequest(
+                    f"{name} shapes the chat an AR stage renders, and this request's entry stages {plan.entry} "
+                    f"(pipeline {self.topology.name}) render none; remove {name}",
+                    param=name,
+                )
 
     def check_stage_params(self, per_stage: list[dict[str, Any]] | None) -> None:
         """vLLM-Omni's `sampling_params_list` must not lift the limits the top-level fields obey."""

@@ -30,10 +30,13 @@ from omni_runtime.router.orchestrator import PipelineRequest, RunResult, StageEv
 from omni_runtime.router.plan import Plan, plan_request
 from omni_runtime.router.protocol.chat import (
     AUDIO_FORMATS,
+    RENDER_ONLY,
+    TEXT_ONLY,
     AssistantMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
+    ChatLogProbs,
     Choice,
     ChunkChoice,
     Delta,
@@ -42,7 +45,15 @@ from omni_runtime.router.protocol.chat import (
 from omni_runtime.router.protocol.images import parse_size
 from omni_runtime.router.serving.base import ManagedStream, ServingBase
 from omni_runtime.router.serving.clock import RequestClock
-from omni_runtime.router.serving.inputs import AR_FIELDS, entry_inputs, normalize_messages, stage_params
+from omni_runtime.router.serving.inputs import (
+    AR_FIELDS,
+    entry_inputs,
+    normalize_messages,
+    render_inputs,
+    stage_params,
+    text_params,
+)
+from omni_runtime.router.serving.logprobs import chat_logprobs
 from omni_runtime.router.serving.media_inputs import check_media, media_parts
 from omni_runtime.router.serving.voices import voice_params
 from omni_runtime.spec import Modality, PipelineSpec
@@ -57,6 +68,10 @@ class _Acc:
     pending: set[str]
     """Final stages of this choice that have not finished yet."""
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    """Generated tokens of the text stage, with their logprob rows when the request asked for them."""
+    logprob_rows: list[list[list[Any]]] = field(default_factory=list)
+    prompt_tokens: int = 0
     images: list[bytes] = field(default_factory=list)
     audio: list[np.ndarray] = field(default_factory=list)
     rate: int = 0
@@ -66,6 +81,10 @@ class _Acc:
         data = event.data or {}
         if isinstance(data.get("text"), str):
             self.text += data["text"]
+        if event.modality == "text":
+            self.token_ids.extend(data.get("token_ids") or [])
+            self.logprob_rows.extend(data.get("logprobs") or [])
+            self.prompt_tokens = len(data.get("prompt_token_ids") or []) or self.prompt_tokens
         self.images.extend(images_of(data))
         audio = audio_of(data)
         if audio is not None:
@@ -86,9 +105,11 @@ class ServingChat(ServingBase):
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
+        self.check_fields(body)
         modalities = self.check_modalities(body.modalities)
         audio_format = _audio_format(body)
         plan = plan_request(self.topology, modalities)
+        self.check_text_fields(body, plan, TEXT_ONLY, RENDER_ONLY)
         voice = body.audio.voice if body.audio else None
         voices = voice_params(self.ctx.pool, plan, voice, "audio.voice")
         messages = normalize_messages(body.messages)
@@ -99,7 +120,7 @@ class ServingChat(ServingBase):
         requests = self._requests(body, messages, plan, request_id, voices)
         clock = RequestClock(self.pipeline.name, self.endpoint)
         if body.stream:
-            return await self._stream(body, plan, request_id, requests, clock, audio_format)
+            return await self._stream(body, plan, request_id, requests, clock, audio_format, _echo(body, messages))
         accs = {r.choice: _Acc(set(plan.final)) for r in requests}
 
         def collect(event: StageEvent) -> None:
@@ -109,8 +130,15 @@ class ServingChat(ServingBase):
         results = await self.run_to_end(raw, requests, collect)
         usage = _usage(plan, self.topology, results)
         clock.done(usage.completion_tokens)
+        echo = _echo(body, messages)
+        top = _top(body)
         choices = [
-            Choice(index=i, message=_message(a, audio_format), finish_reason=a.finish_reason)
+            Choice(
+                index=i,
+                message=_message(a, audio_format, echo),
+                finish_reason=a.finish_reason,
+                logprobs=chat_logprobs(a.token_ids, a.logprob_rows, top) if top is not None else None,
+            )
             for i, a in sorted(accs.items())
         ]
         response = ChatCompletionResponse(id=request_id, model=body.model, choices=choices, usage=usage)
@@ -132,7 +160,8 @@ class ServingChat(ServingBase):
         self.check_stage_params(body.sampling_params_list)
         ar = {k: getattr(body, k) for k in AR_FIELDS}
         ar["max_tokens"] = body.max_completion_tokens or body.max_tokens
-        ar.update({k: v for k, v in (body.model_extra or {}).items() if k in _AR_EXTRA})
+        text = text_params(body)
+        render = {k: getattr(body, k) for k in sorted(RENDER_ONLY) if k in body.model_fields_set}
         try:
             size = parse_size(body.size)
         except ValueError as err:
@@ -144,7 +173,8 @@ class ServingChat(ServingBase):
             "num_inference_steps": body.num_inference_steps,
             "guidance_scale": body.guidance_scale,
         }
-        entry = entry_inputs(self.topology, plan, messages=messages, negative_prompt=body.negative_prompt)
+        entry = entry_inputs(self.topology, plan, messages=messages, negative_prompt=body.negative_prompt,
+                             chat=render_inputs(render))  # fmt: skip
         return [
             PipelineRequest(
                 request_id=request_id,
@@ -155,6 +185,7 @@ class ServingChat(ServingBase):
                     plan,
                     ar=ar,
                     image=image,
+                    text=text,
                     per_stage=body.sampling_params_list,
                     choice=i,
                     extra=extra,
@@ -176,18 +207,25 @@ class ServingChat(ServingBase):
         requests: list,
         clock: RequestClock,
         audio_format: str,
+        echo: str,
     ) -> Response:
         stream = await self.open_stream(requests)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+        top = _top(body)
         model = body.model
         accs = {r.choice: _Acc(set(plan.final)) for r in requests}
 
-        def chunk(index: int, delta: Delta, finish: str | None = None) -> str:
+        def chunk(index: int, delta: Delta, finish: str | None = None, logprobs: ChatLogProbs | None = None) -> str:
             c = ChatCompletionStreamResponse(
                 id=request_id,
                 model=model,
-                choices=[ChunkChoice(index=index, delta=delta, finish_reason=finish)],
+                choices=[ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)],
             )
+            if continuous:
+                prompt = max((a.prompt_tokens for a in accs.values()), default=0)
+                done = sum(len(a.token_ids) for a in accs.values())
+                c.usage = Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
             return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
 
         async def body_iter() -> AsyncIterator[str]:
@@ -196,14 +234,20 @@ class ServingChat(ServingBase):
                 async for event in stream:
                     clock.saw(event)
                     index = event.choice
+                    acc = accs[index]
+                    acc.fold(event)
                     if index not in opened:
                         opened.add(index)
                         yield chunk(index, Delta(role="assistant", content=""))
+                        if echo:
+                            yield chunk(index, Delta(content=echo))
                     delta = _delta(event, audio_format)
                     if delta is not None:
-                        yield chunk(index, delta)
-                    acc = accs[index]
-                    acc.fold(event)
+                        data = event.data or {}
+                        logprobs = None
+                        if top is not None and event.modality == "text":
+                            logprobs = chat_logprobs(data.get("token_ids") or [], data.get("logprobs") or [], top)
+                        yield chunk(index, delta, logprobs=logprobs)
                     if event.finished and acc.done:
                         yield chunk(index, Delta(), acc.finish_reason or "stop")
                 usage = _usage(plan, self.topology, stream.results)
@@ -219,7 +263,24 @@ class ServingChat(ServingBase):
         return ManagedStream(body_iter(), stream.close, media_type="text/event-stream")
 
 
-_AR_EXTRA = {"bad_words", "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "top_k"}
+def _top(body: ChatCompletionRequest) -> int | None:
+    """How many alternatives each token's logprobs lists (None: no logprobs asked)."""
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def _echo(body: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:
+    """vLLM's `echo`: the last message's text when it has the reply's role (`assistant`, or the last
+    message's own role without a generation prompt)."""
+    if not body.echo or not messages:
+        return ""
+    last = messages[-1]
+    role = "assistant" if body.add_generation_prompt else last.get("role")
+    content = last.get("content")
+    if last.get("role") != role or not content:
+        return ""
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text", "")) for p in content if p.get("type") == "text")
+    return str(content)
 
 
 def _audio_format(body: ChatCompletionRequest) -> str:
@@ -231,14 +292,14 @@ def _audio_format(body: ChatCompletionRequest) -> str:
     return fmt
 
 
-def _message(acc: _Acc, audio_format: str) -> AssistantMessage:
+def _message(acc: _Acc, audio_format: str, echo: str = "") -> AssistantMessage:
     if acc.images:
         return AssistantMessage(content=[image_url_part(p) for p in acc.images])
     if acc.audio:
         samples = np.concatenate([np.atleast_1d(a) for a in acc.audio], axis=-1)
         audio = _audio(encode_audio(samples, acc.rate, audio_format), audio_format, acc.text)
         return AssistantMessage(content=acc.text or None, audio=audio)
-    return AssistantMessage(content=acc.text)
+    return AssistantMessage(content=echo + acc.text)
 
 
 def _delta(event: StageEvent, audio_format: str) -> Delta | None:
