@@ -292,6 +292,8 @@ BAD_CHAT = {
     "two structured constraints": {
         "model": MODEL, "messages": user("hi"), "structured_outputs": {"regex": "a+", "choice": ["a"]}},
     "no choices": {"model": MODEL, "messages": user("hi"), "n": 0},
+    "stream_options without stream": {
+        "model": MODEL, "messages": user("hi"), "stream_options": {"include_usage": True}},
     "top_logprobs without logprobs": {"model": MODEL, "messages": user("hi"), "top_logprobs": 2},
     "invalid regex": {"model": MODEL, "messages": user("hi"), "structured_outputs": {"regex": "(unclosed"}},
 }  # fmt: skip

@@ -119,6 +119,10 @@ async def test_refused_and_unknown_fields_are_400s_naming_them() -> None:
             refused = await h.post("/v1/completions", json={"model": "echo", "prompt": "x", name: "on"})
             assert refused.status_code == 400 and refused.json()["error"]["param"] == name, name
 
+        for path, body in [("/v1/chat/completions", {"messages": user("x")}), ("/v1/completions", {"prompt": "x"})]:
+            unstreamed = await h.post(path, json={"model": "echo", **body, "stream_options": {"include_usage": True}})
+            assert unstreamed.status_code == 400 and "stream_options only applies" in unstreamed.text, path
+
         per_request = {"regex": "a+", "disable_any_whitespace": True}  # vLLM reads it engine-wide only
         ignored = await h.post(
             "/v1/chat/completions", json={"model": "echo", "messages": user("x"), "structured_outputs": per_request}

@@ -22,6 +22,7 @@ __all__ = [
     "REFUSED",
     "TEXT_ONLY",
     "ChatLogProbs",
+    "check_stream_options",
     "ResponseFormat",
     "AudioParam",
     "ChatCompletionRequest",
@@ -63,6 +64,12 @@ class StreamOptions(BaseModel):
     """A last chunk with the request's usage and no choices."""
     continuous_usage_stats: bool = False
     """vLLM's: every chunk carries the usage so far."""
+
+
+def check_stream_options(options: StreamOptions | None, stream: bool) -> None:
+    """Stream options on a request that does not stream would do nothing: refused, as vLLM does."""
+    if options is not None and options.model_fields_set and not stream:
+        raise ValueError("stream_options only applies with stream: true; set stream, or drop stream_options")
 
 
 class JsonSchema(BaseModel):
@@ -184,12 +191,6 @@ class ChatCompletionRequest(BaseModel):
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true; send both, or drop top_logprobs")
-        return self
-
     # vLLM-Omni extras
     sampling_params_list: list[dict[str, Any]] | None = None
     negative_prompt: str | None = None
@@ -198,6 +199,13 @@ class ChatCompletionRequest(BaseModel):
     width: int | None = Field(None, ge=1)
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, ge=0.0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true; send both, or drop top_logprobs")
+        check_stream_options(self.stream_options, self.stream)
+        return self
 
 
 class Usage(BaseModel):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from omni_runtime.router.protocol.chat import (
     FORWARDED as CHAT_FORWARDED,
@@ -25,6 +25,7 @@ from omni_runtime.router.protocol.chat import (
     StreamOptions,
     StructuredOutputs,
     Usage,
+    check_stream_options,
 )
 
 __all__ = [
@@ -74,6 +75,11 @@ class CompletionRequest(BaseModel):
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputs | None = None
     add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CompletionRequest:
+        check_stream_options(self.stream_options, self.stream)
+        return self
 
 
 _TEXT = "the AR stage that produces the text"
