@@ -40,6 +40,18 @@ def enhancer_then_dit() -> PipelineSpec:
     )
 
 
+def thinker_then_talker() -> PipelineSpec:
+    """A thinker whose text is a final output and a talker that speaks it."""
+    return PipelineSpec(
+        name="speech",
+        stages=[
+            StageSpec(name="thinker", kind="ar", final_output=True),
+            StageSpec(name="talker", kind="generation", final_output=True, output_modality="audio"),
+        ],
+        edges=[EdgeSpec(**{"from": "thinker", "to": "talker", "connector": "shm"})],
+    )
+
+
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
@@ -168,6 +180,21 @@ async def test_text_fields_on_a_pipeline_without_text_are_400s() -> None:
             reply = await h.post(path, json=body)
             assert reply.status_code == 400, path
             assert "no text output" in reply.json()["error"]["message"] and "/v1/chat/completions" in reply.text
+
+
+async def test_text_fields_on_an_audio_only_reply_are_400s_naming_the_way_out() -> None:
+    """Asked for audio alone, the talker makes the reply: logprobs of its codec frames do not exist."""
+    async with (
+        echo_cluster(echo_pipeline(thinker_then_talker(), name="speech")) as cluster,
+        httpx.AsyncClient(base_url=cluster.base) as h,
+    ):
+        body = {"model": "speech", "messages": user("x"), "modalities": ["audio"], "logprobs": True}
+        reply = await h.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "logprobs"
+        assert "or ask for modalities ['text']" in reply.json()["error"]["message"]
+        both = await h.post("/v1/chat/completions", json={**body, "modalities": ["text"], "max_tokens": 2})
+        assert both.status_code == 200, both.text
+        assert cluster.engines["thinker"][0].seen[-1].params["logprobs"] == 0
 
 
 async def test_echo_and_completions_on_the_echo_engine() -> None:
