@@ -19,7 +19,7 @@ import io
 import json
 import uuid
 import wave
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -235,16 +235,28 @@ def wav_frames(data: bytes) -> int:
         return w.getnframes()
 
 
-def stream_order(stream) -> list[str]:
-    """The kinds of deltas of a streamed chat reply, in the order they came."""
+def stream_order(stream, until: Callable[[list[str]], bool] = lambda order: False) -> tuple[list[str], bytes]:
+    """The kinds of deltas of a streamed chat reply in the order they came, and the PCM of its audio deltas;
+    the stream is closed (the client goes away) as soon as `until(order)` holds."""
     order: list[str] = []
-    for chunk in stream:
-        for choice in chunk.choices:
-            if choice.delta.content:
-                order.append("text")
-            if getattr(choice.delta, "audio", None):
-                order.append("audio")
-    return order
+    pcm = b""
+    with stream:
+        for chunk in stream:
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    order.append("text")
+                audio = getattr(choice.delta, "audio", None)
+                if audio:
+                    order.append("audio")
+                    pcm += base64.b64decode(audio.data)
+            if until(order):
+                break
+    return order, pcm
+
+
+def spoke_while_writing(order: list[str]) -> bool:
+    """More than one audio delta, and text still coming after the first."""
+    return order.count("audio") > 1 and "text" in order[order.index("audio") :]
 
 
 def assert_nothing_held(env: Env) -> None:
@@ -268,6 +280,8 @@ def test_stages_are_placed_as_asked(env: Env) -> None:
 
 
 def test_text_and_speech_in_one_reply(env: Env) -> None:
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        assert env.m.voice in http.get(f"{env.base}/v1/audio/voices").json()["voices"]
     with env.client() as api:
         reply = api.chat.completions.create(
             model=env.name, messages=user("Tell me about the sea."), modalities=["text", "audio"],
@@ -288,10 +302,11 @@ def test_streamed_text_and_audio_interleave(env: Env) -> None:
             audio={"format": "pcm16"}, stream=True, max_tokens=400, temperature=0.0,
             extra_body={"ignore_eos": True, "sampling_params_list": [{}, {"max_tokens": 60, "seed": 0}]},
         )  # fmt: skip
-        order = stream_order(stream)
-    assert order.count("audio") > 1 and order.count("text") > 1, order
-    last_text = len(order) - 1 - order[::-1].index("text")
-    assert order.index("audio") < last_text, "no audio arrived before the thinker finished"
+        # Read until the audio has been seen to interleave with the text, then leave: the rest of the 400
+        # tokens would only cost time (a stream read to its end is the one after the talker pod's kill).
+        order, pcm = stream_order(stream, until=spoke_while_writing)
+    assert spoke_while_writing(order), f"no audio before the thinker finished: {order}"
+    assert order[0] == "text" and len(pcm) > 0 and len(pcm) % 2 == 0, (order[:3], len(pcm))  # 16-bit samples
     assert_nothing_held(env)
 
 
@@ -364,7 +379,7 @@ def test_talker_pod_killed_mid_request_fails_it_retriably_and_the_next_succeeds(
     env.wait_ready(since={talker})
     assert env.stage_pod("talker")["metadata"]["name"] != talker
     with env.client() as api:
-        order = stream_order(
+        order, pcm = stream_order(
             api.chat.completions.create(
                 model=env.name,
                 messages=user("Again, please."),
@@ -375,5 +390,5 @@ def test_talker_pod_killed_mid_request_fails_it_retriably_and_the_next_succeeds(
                 **GREEDY,
             )  # fmt: skip
         )
-    assert "audio" in order and "text" in order, order
+    assert "audio" in order and "text" in order and len(pcm) > 0, order
     assert_nothing_held(env)
