@@ -1,11 +1,15 @@
-"""A stage stops the works of a router that went silent, and says so; its own stall is not the router's silence.
+"""Silence between router and stage: a stage stops the works of a router that went silent, and says so;
+neither side takes a stall of its own machine for the other's silence.
 
-Real stage server (EchoEngine, see its docstring for why), real ZeroMQ; the test speaks the stage protocol
-itself over a DEALER socket with the pipeline's key, as a router does, so it decides when the "router" is
-silent. The stage's silence limit is lowered to one second for the test (attribute `peer_timeout_s`).
+Real stage servers (EchoEngine, see its docstring for why), real ZeroMQ, the real router app on uvicorn.
+In the stage tests the test speaks the stage protocol itself over a DEALER socket with the pipeline's key,
+as a router does, so it decides when the "router" is silent. Silence limits are lowered to a second or
+so for the tests (the stage's `peer_timeout_s` attribute, the router pool's `ping_timeout_s`). A stall of
+the machine is a blocking sleep on the one event loop that runs stage, router and client here.
 
 A work stopped without the router asking used to end silently: the router, which still waited for it,
-answered its client only when the request timeout hit (a 504 after two minutes).
+answered its client only when the request timeout hit (a 504 after two minutes). After a stall longer
+than the limits, the stage stopped every work and the router dropped every replica (a 502 per request).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 import zmq
 import zmq.asyncio
@@ -143,3 +148,23 @@ async def ping_every(router: FakeRouter, period: float) -> None:
     while True:
         await router.ping()
         await asyncio.sleep(period)
+
+
+async def test_a_stall_of_the_whole_machine_longer_than_the_ping_timeout_fails_no_request() -> None:
+    async with echo_cluster(echo_pipeline(one_stage(), name="stalled-router"), ping_timeout_s=SILENCE_S) as cluster:
+        await cluster.wait_ready()
+        stage = cluster.servers["llm"][0]
+        words = " ".join(f"w{i}" for i in range(16))
+        async with httpx.AsyncClient(base_url=cluster.base, trust_env=False, timeout=60) as http:
+            body = {
+                "model": "stalled-router",
+                "messages": [{"role": "user", "content": words}],
+                "sampling_params_list": [{"delay": 0.25}],
+            }
+            request = asyncio.create_task(http.post("/v1/chat/completions", json=body))
+            await until(lambda: len(stage.works) == 1, "the stage never ran the request")
+            await asyncio.sleep(2 * SILENCE_S)  # pinging steadily
+            time.sleep(4 * SILENCE_S)
+            reply = await request
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"].split() == words.split()

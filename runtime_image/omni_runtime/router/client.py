@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 HELLO_RETRY_S = 5.0
 """A `Hello` unanswered this long is sent again, from a new session (the stage may have restarted)."""
+STALL_S = 2.0
+"""A ping-loop wake-up this much later than due means this process was stalled: see `_ping_loop`."""
 
 WorkSink = Callable[[P.Message | None, list[Any], str | None], None]
 """Called with (message, payload frames, None) for each message of a work, or (None, [], reason) once
@@ -266,6 +268,7 @@ class ReplicaClient:
         self._hello_at = time.monotonic()
 
     async def _ping_loop(self) -> None:
+        resumed = 0.0  # when this process last ran again after a stall
         while True:
             if self._channel.established:
                 self.try_send(P.Ping(nonce=next(self._nonce), sent_at=time.monotonic()))
@@ -279,8 +282,15 @@ class ReplicaClient:
             # Until it first answers, ping often: during a roll the old replica leaves discovery moments
             # after the new one joins, and the new one is only used once it has answered.
             unheard = self._last_pong == 0.0
-            await asyncio.sleep(min(self.ping_interval_s, 0.02) if unheard else self.ping_interval_s)
-            silent = time.monotonic() - self._last_pong
+            period = min(self.ping_interval_s, 0.02) if unheard else self.ping_interval_s
+            asleep = time.monotonic()
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            if now - asleep > period + STALL_S:
+                # This process did not run for a while (a loaded machine): no ping left meanwhile and the
+                # replica's answers may be unread, so the stall does not count as the replica's silence.
+                resumed = now
+            silent = now - max(self._last_pong, resumed)
             if self.state is ReplicaState.UP and silent > self.ping_timeout_s:
                 self._mark(ReplicaState.DOWN, f"it stopped answering pings ({silent:.1f}s without a pong)")
 

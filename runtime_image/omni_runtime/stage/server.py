@@ -682,6 +682,7 @@ class StageServer:
 
     async def _housekeeping(self) -> None:
         tick = time.monotonic()
+        resumed = 0.0  # when this process last ran again after a stall
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
             now, last = time.monotonic(), tick
@@ -689,17 +690,15 @@ class StageServer:
             if now - last > HOUSEKEEPING_S + STALL_S:
                 # This process did not run for a while (a loaded machine, a long call on the event loop).
                 # What routers sent meanwhile is still unread, and on a stalled machine they did not run
-                # either: the silence measures the stall, not a router gone. The next tick judges it, once
-                # the receive loop and the routers' pings have had their turn.
-                log.info("stage %s: housekeeping %.1fs late; silence checks wait a tick", self.stage,
-                         now - last - HOUSEKEEPING_S)  # fmt: skip
-                continue
+                # either: the stall does not count as their silence.
+                log.info("stage %s: housekeeping ran %.1fs late", self.stage, now - last - HOUSEKEEPING_S)
+                resumed = now
             busy = {w.peer for w in self.works.values()}
             for peer, seen in list(self._peers.items()):
-                if now - seen > self.peer_timeout_s and peer not in busy:
+                if now - max(seen, resumed) > self.peer_timeout_s and peer not in busy:
                     self._forget_peer(peer)
             for work in list(self.works.values()):
-                seen = self._peers.get(work.peer, now)
+                seen = max(self._peers.get(work.peer, now), resumed)
                 if now - seen > self.peer_timeout_s and work.task is not None and not work.closing:
                     log.warning("stage %s: router silent for %.0fs; aborting %s", self.stage,
                                 now - seen, work.id)  # fmt: skip
