@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -17,6 +18,7 @@ from omni_runtime.metrics import Router as M
 from omni_runtime.router.admission import Admission
 from omni_runtime.router.auth import ApiKeyFile, BearerAuth
 from omni_runtime.router.errors import OmniError, RequestTooLarge, error_response
+from omni_runtime.router.openapi import document
 from omni_runtime.router.orchestrator import Orchestrator
 from omni_runtime.router.pool import StagePool
 from omni_runtime.router.routes import ROUTES, router
@@ -85,6 +87,13 @@ def build_app(
         ServingChat(ctx), ServingCompletions(ctx), ServingImages(ctx), ServingModels(ctx), ServingSpeech(ctx)
     )
     app.include_router(router)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = document(get_openapi(title=app.title, version=app.version, routes=app.routes))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to replace the document
 
     async def handle(request: Request, exc: Exception):
         return error_response(exc)

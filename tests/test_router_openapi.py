@@ -1,0 +1,39 @@
+"""The router's OpenAPI document says what the routes really answer (fuzzers and client generators read it)."""
+
+from __future__ import annotations
+
+import json
+
+from servelib import echo_pipeline
+
+from omni_runtime.router.app import build_app
+from omni_runtime.router.errors import BadRequest, error_response
+from omni_runtime.spec import PipelineSpec, StageSpec
+from omni_runtime.stage.auth import PipelineKey
+
+
+def document() -> dict:
+    topology = PipelineSpec(name="echo", stages=[StageSpec(name="llm", kind="ar", final_output=True)])
+    return build_app(echo_pipeline(topology), key=PipelineKey.generate()).openapi()
+
+
+def test_errors_are_documented_as_openai_errors_not_422() -> None:
+    doc = document()
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    for path, operations in doc["paths"].items():
+        for method, operation in operations.items():
+            assert "422" not in operation["responses"], f"{method} {path} documents a 422 it never answers"
+            if method == "post":
+                bad = operation["responses"]["400"]["content"]["application/json"]["schema"]
+                assert bad == {"$ref": "#/components/schemas/ErrorResponse"}, path
+    # the documented shape is the one error_response writes
+    body = json.loads(error_response(BadRequest("no", param="n")).body)
+    error_schema = doc["components"]["schemas"]["ErrorResponse"]["properties"]["error"]
+    assert set(body["error"]) == set(error_schema["required"])
+
+
+def test_images_edit_documents_its_multipart_form() -> None:
+    body = document()["paths"]["/v1/images/edits"]["post"]["requestBody"]
+    form = body["content"]["multipart/form-data"]["schema"]
+    assert form["required"] == ["image", "prompt"]
+    assert form["properties"]["image"]["format"] == "binary"
