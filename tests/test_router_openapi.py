@@ -37,3 +37,16 @@ def test_images_edit_documents_its_multipart_form() -> None:
     form = body["content"]["multipart/form-data"]["schema"]
     assert form["required"] == ["image", "prompt"]
     assert form["properties"]["image"]["format"] == "binary"
+
+
+def test_model_names_and_closed_bodies() -> None:
+    """`model` lists the served names (others are 404s); unknown chat/completion fields are 400s (reject)."""
+    schemas = document()["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]
+    assert chat["additionalProperties"] is False
+    assert schemas["CompletionRequest"]["additionalProperties"] is False
+    assert chat["properties"]["model"]["enum"] == ["echo"]  # required in chat
+    assert schemas["DetokenizeRequest"]["properties"]["model"]["anyOf"] == [
+        {"type": "string", "enum": ["echo"]},
+        {"type": "null"},
+    ]

@@ -18,7 +18,7 @@ from omni_runtime.metrics import Router as M
 from omni_runtime.router.admission import Admission
 from omni_runtime.router.auth import ApiKeyFile, BearerAuth
 from omni_runtime.router.errors import OmniError, RequestTooLarge, error_response
-from omni_runtime.router.openapi import document
+from omni_runtime.router.openapi import REJECTING_BODIES, document
 from omni_runtime.router.orchestrator import Orchestrator
 from omni_runtime.router.pool import StagePool
 from omni_runtime.router.routes import ROUTES, router
@@ -90,7 +90,11 @@ def build_app(
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = document(get_openapi(title=app.title, version=app.version, routes=app.routes))
+            app.openapi_schema = document(
+                get_openapi(title=app.title, version=app.version, routes=app.routes),
+                model_names=sorted({pipeline.served_model_name, pipeline.name}),
+                closed_bodies=REJECTING_BODIES if limits.unknown_fields == "reject" else (),
+            )
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to replace the document

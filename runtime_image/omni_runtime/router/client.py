@@ -145,7 +145,8 @@ class ReplicaClient:
     # -- works ---------------------------------------------------------------------------------
 
     def submit(self, submit: P.Submit, payload: dict[str, Any] | None, sink: WorkSink) -> None:
-        """Send a work; its messages go to `sink`. Raises ConnectionError when it cannot be sent."""
+        """Send a work; its messages go to `sink`. Raises ConnectionError when it cannot be sent, and
+        OverflowError (nothing sent) when an integer in it does not fit msgpack's 64 bits."""
         if not self.usable:
             raise ConnectionError(f"stage {self.stage!r} replica {self.address} is {self.state.value}")
         self._sinks[submit.id] = sink
@@ -153,7 +154,7 @@ class ReplicaClient:
         M.stage_outstanding.labels(*self._labels).set(self.outstanding)
         try:
             self.send(submit, payload)
-        except ConnectionError:
+        except (ConnectionError, OverflowError):
             self.finish(submit.id)
             raise
 

@@ -3,14 +3,15 @@
 FastAPI's generated document says a bad body is a 422 `HTTPValidationError`; the router answers every
 error with OpenAI's shape (`errors.error_response`) and the statuses below, and fuzzers and client
 generators read this document. `/v1/images/edits` reads a multipart form by hand, so its body is
-described here too.
+described here too. `model` lists the names this server answers to (any other is a 404), and the chat
+and completion bodies are closed (`additionalProperties: false`) when unknown fields are refused.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ERROR_SCHEMA", "document"]
+__all__ = ["ERROR_SCHEMA", "REJECTING_BODIES", "document"]
 
 ERROR_SCHEMA: dict[str, Any] = {
     "title": "ErrorResponse",
@@ -49,6 +50,9 @@ _STATUSES = {
 _INFO_ROUTES = {"/v1/models": ("401",), "/v1/audio/voices": ("401",), "/health": ("503",)}
 """Routes that run nothing on the stages, with the errors they can still answer."""
 
+REJECTING_BODIES = ("ChatCompletionRequest", "CompletionRequest")
+"""Request bodies whose unknown fields are a 400 under `router.unknownFields: reject`."""
+
 _EDIT_FORM: dict[str, Any] = {
     "type": "object",
     "required": ["image", "prompt"],
@@ -73,13 +77,25 @@ def _error_responses(statuses: tuple[str, ...]) -> dict[str, Any]:
     }
 
 
-def document(schema: dict[str, Any]) -> dict[str, Any]:
-    """`schema` (FastAPI's generated document) with the router's real error responses and the images
-    edit form. Pure: returns the changed document."""
+def document(schema: dict[str, Any], *, model_names: list[str], closed_bodies: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`schema` (FastAPI's generated document) with the router's real error responses, the images edit
+    form, `model` limited to `model_names`, and the bodies named in `closed_bodies` refusing unknown
+    fields. Pure: returns the changed document."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components.pop("HTTPValidationError", None)
     components.pop("ValidationError", None)
     components["ErrorResponse"] = ERROR_SCHEMA
+    for name, body in components.items():
+        model = body.get("properties", {}).get("model") if name.endswith("Request") else None
+        if model is not None:
+            names = {"type": "string", "enum": list(model_names)}
+            nullable = "model" not in body.get("required", [])
+            body["properties"]["model"] = {
+                **{k: v for k, v in model.items() if k in ("title", "description", "default")},
+                **({"anyOf": [names, {"type": "null"}]} if nullable else names),
+            }
+        if name in closed_bodies:
+            body["additionalProperties"] = False
     for path, operations in schema.get("paths", {}).items():
         for method, operation in operations.items():
             responses = operation.setdefault("responses", {})
@@ -89,8 +105,7 @@ def document(schema: dict[str, Any]) -> dict[str, Any]:
             elif path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
                 responses.update(_error_responses(tuple(_STATUSES)))
             if path == "/v1/images/edits" and method == "post":
-                operation["requestBody"] = {
-                    "required": True,
-                    "content": {"multipart/form-data": {"schema": _EDIT_FORM}},
-                }
+                form = {**_EDIT_FORM, "properties": {**_EDIT_FORM["properties"]}}
+                form["properties"]["model"] = {"type": "string", "enum": list(model_names)}
+                operation["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": form}}}
     return schema

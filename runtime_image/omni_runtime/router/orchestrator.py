@@ -18,7 +18,7 @@ from typing import Any
 
 from omni_runtime.metrics import Router as M
 from omni_runtime.router.client import ReplicaClient
-from omni_runtime.router.errors import StageLost, StageUnavailable, from_stage_failure
+from omni_runtime.router.errors import BadRequest, StageLost, StageUnavailable, from_stage_failure
 from omni_runtime.router.plan import PRIMARY, Plan, companion_inputs
 from omni_runtime.router.pool import StagePool
 from omni_runtime.spec import ConnectorKind, ResolvedPipeline
@@ -210,6 +210,12 @@ class _Run:
             work.lost = True
             work.done = True
             raise StageUnavailable(f"stage {stage!r}: {err}; retry shortly") from err
+        except OverflowError as err:  # an unbounded integer from the request (seed, token id, kwargs...)
+            work.done = True
+            raise BadRequest(
+                f"the request holds an integer the stages cannot take ({err}); integers must lie between "
+                "-2**63 and 2**64-1; send a smaller number"
+            ) from err
         return work
 
     # -- handles -------------------------------------------------------------------------------

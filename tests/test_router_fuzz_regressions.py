@@ -1,0 +1,43 @@
+"""Bugs the schema fuzzer (tests/test_router_fuzz.py) found, each pinned by a fast test.
+
+Run on the in-process echo cluster (EchoEngine: see its docstring for why); the fuzzer itself drives
+the real engines.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from servelib import echo_cluster, echo_pipeline
+
+from omni_runtime.spec import PipelineSpec, StageSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def chat_topology() -> PipelineSpec:
+    return PipelineSpec(name="echo", stages=[StageSpec(name="llm", kind="ar", final_output=True)])
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/chat/completions", {"model": "echo", "messages": [{"role": "user", "content": "hi"}], "seed": 2**70}),
+        ("/v1/completions", {"model": "echo", "prompt": [2**64]}),
+        ("/detokenize", {"tokens": [-(2**63) - 1]}),
+    ],
+)
+async def test_integer_past_64_bits_is_a_400_not_a_500(route: str, body: dict) -> None:
+    """Found by the fuzzer: msgpack cannot encode the integer, which was a 500 with an OverflowError."""
+    async with echo_cluster(echo_pipeline(chat_topology())) as cluster:
+        async with httpx.AsyncClient(base_url=cluster.base, trust_env=False) as http:
+            reply = await http.post(route, json=body)
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["type"] == "BadRequestError" and "-2**63 and 2**64-1" in error["message"]
+            # nothing was left on the stage, and it still answers
+            assert sum(len(s.works) for s in cluster.servers["llm"]) == 0
+            ok = await http.post(
+                "/v1/chat/completions", json={"model": "echo", "messages": [{"role": "user", "content": "hi there"}]}
+            )
+            assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "hi there "
