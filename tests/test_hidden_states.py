@@ -21,7 +21,7 @@ import pytest_asyncio
 import torch
 import zmq
 
-from omni_runtime.engines.ar import HIDDEN_STATE_ARG, AREngine
+from omni_runtime.engines.ar import HIDDEN_STATE_ARG, MEDIA_HIDDEN_ARG, AREngine
 from omni_runtime.engines.base import EngineError, EngineInput, EngineOutput
 from omni_runtime.engines.hidden_states import (
     CONNECTOR_NAME,
@@ -139,6 +139,8 @@ def test_internal_request_ids_are_the_callers_plus_eight_chars() -> None:
 
 
 def _thinker(model: str, **engine_args) -> AREngine:
+    """The registry's qwen3-omni thinker with `engine_args` over it (its media_hidden_layer off unless given)."""
+    engine_args = {MEDIA_HIDDEN_ARG: None, **engine_args}
     pipeline = resolve_pipeline(
         get_pipeline("qwen3-omni"),
         name="t",
@@ -159,6 +161,26 @@ def test_hidden_state_layers_never_reach_vllm_and_refuse_what_they_replace() -> 
         _thinker("/models/none", hidden_state_layers=[0], speculative_config={"method": "ngram"}).engine_args()
     with pytest.raises(EngineError, match="enable_prefix_caching"):
         _thinker("/models/none", hidden_state_layers=[0], enable_prefix_caching=True).engine_args()
+
+
+def test_media_hidden_layer_never_reaches_vllm_and_refuses_what_it_cannot_run_with() -> None:
+    engine = _thinker("/models/none", media_hidden_layer="talker")
+    args = engine.engine_args()
+    assert MEDIA_HIDDEN_ARG not in args and args["mm_processor_cache_gb"] == 0  # cached items carry no grid
+    assert engine.requested_media_layer() == "talker"
+    for bad in ("24", [2], True, 2.0):
+        with pytest.raises(EngineError, match="give a layer index .* or 'talker'"):
+            _thinker("/models/none", media_hidden_layer=bad).engine_args()
+    with pytest.raises(EngineError, match="hidden_state_layers and media_hidden_layer cannot be combined"):
+        _thinker("/models/none", media_hidden_layer=2, hidden_state_layers=[0]).engine_args()
+    with pytest.raises(EngineError, match="mm_processor_cache_gb cannot be combined"):
+        _thinker("/models/none", media_hidden_layer=2, mm_processor_cache_gb=4).engine_args()
+    with pytest.raises(EngineError, match="enable_prefix_caching"):
+        _thinker("/models/none", media_hidden_layer=2, enable_prefix_caching=True).engine_args()
+    from omni_runtime.engines.ar import media_grids
+
+    with pytest.raises(EngineError, match="came from vLLM's processor cache"):
+        media_grids({"mm_kwargs": {"image": [None]}})
 
 
 def test_route_args_name_this_module_as_the_connector() -> None:
@@ -404,3 +426,123 @@ async def test_qwen2_5_omni_last_layer_rows_equal_transformers(qwen2_5_omni: Pat
             assert got.shape == (len(prompt) + len(tokens) - 1, want.shape[1])
             diff = (got - want).abs().max().item()
             assert diff <= ROW_ATOL, f"max |vLLM - HF| = {diff}"
+
+
+# --- Qwen3-Omni media prompts: rows at media positions, through the stages ------------------------
+
+
+@pytest.mark.models
+@in_module_loop
+async def test_qwen3_omni_media_prompt_speaks_as_transformers_through_the_stages(qwen3_omni: Path) -> None:
+    """The registry's thinker (`media_hidden_layer: talker`) on vLLM with an image prompt (a PNG data URL)
+    beside a text-only prompt, then the edge's processor, the talker and code2wav engines. Prompt ids and
+    thinker tokens equal transformers' generate() of the whole model for both; the first piece of the image
+    request carries rows at the image positions and the image grid (equal transformers'), and it is spoken;
+    the text-only one carries neither, and its codes (exact) and waveform (1e-4) equal transformers'.
+
+    Known gap: vLLM's layer-2 rows at the image positions are NOT transformers' (max |diff| 0.072 where
+    |HF| reaches 0.113, on this tiny random checkpoint; text rows agree to 1e-7, greedy tokens agree; cause
+    not found: vLLM's vision tower or its loading of the tiny vision weights are suspects), so the image
+    request's codes follow vLLM's rows, not transformers'. The talker's handling of media rows is anchored
+    to transformers' in test_speech_engines, fed transformers' own rows."""
+    import base64
+    import io
+
+    from PIL import Image
+    from transformers import AutoProcessor, Qwen3OmniMoeForConditionalGeneration
+
+    from omni_runtime.engines.factory import make_engine
+    from omni_runtime.processors import ProcessorContext, apply_processor
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    image_messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                   {"type": "text", "text": "what is this?"}]}]  # fmt: skip
+    text_messages = [{"role": "user", "content": PROMPTS[0]}]
+    args = {**ENGINE_ARGS, "limit_mm_per_prompt": {"image": 1, "video": 0, "audio": 0}}
+    pipeline = resolve_pipeline(
+        get_pipeline("qwen3-omni"), name="m", model=str(qwen3_omni),
+        stages=[StageOverride(name="thinker", engine_args=args)],
+    )  # fmt: skip
+    topology = pipeline.topology
+    frames = 8
+
+    # transformers' own generate() of the whole model
+    processor = AutoProcessor.from_pretrained(qwen3_omni)
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(qwen3_omni, dtype=torch.float32).eval()
+    captured: dict[str, object] = {}
+    decode, thinker_generate = model.code2wav.chunked_decode, model.thinker.generate
+
+    def capture_codes(codes, **kwargs):
+        captured["codes"] = codes[0].T.tolist()
+        return decode(codes, **kwargs)
+
+    def capture_thinker(*a, **kw):
+        captured["thinker"] = result = thinker_generate(*a, **kw)
+        return result
+
+    model.code2wav.chunked_decode, model.thinker.generate = capture_codes, capture_thinker
+    references = []
+    for messages, images in ((image_messages, [Image.open(io.BytesIO(buf.getvalue())).convert("RGB")]),
+                             (text_messages, None)):  # fmt: skip
+        hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"}]}]
+        text = processor.apply_chat_template(hf_messages if images else messages, add_generation_prompt=True)
+        inputs = processor(text=[text], images=images, return_tensors="pt")
+        sequences, wav = model.generate(
+            **inputs, speaker="Ethan", thinker_max_new_tokens=MAX_TOKENS, talker_max_new_tokens=frames + 1,
+            talker_do_sample=False, return_audio=True,
+        )  # fmt: skip
+        prompt = inputs["input_ids"][0].tolist()
+        rows = captured["thinker"].hidden_states[0][model.config.talker_config.accept_hidden_layer][0]
+        media = [i for i, t in enumerate(prompt) if t == model.config.thinker_config.image_token_id]
+        references.append({"prompt": prompt, "tokens": sequences[0, len(prompt) :].tolist(),
+                           "codes": captured["codes"], "wav": wav[0, 0].numpy(), "rows": rows[media],
+                           "grid": inputs["image_grid_thw"].tolist() if images else []})  # fmt: skip
+
+    thinker = AREngine(pipeline, topology.stage("thinker"))
+    talker, code2wav = make_engine(pipeline, "talker"), make_engine(pipeline, "code2wav")
+    await thinker.start()
+    await talker.start()
+    await code2wav.start()
+
+    async def staged(rid: str, messages: list) -> tuple[list[EngineOutput], list[list[int]], np.ndarray]:
+        request = EngineInput(rid, {"messages": messages}, {"temperature": 0.0, "max_tokens": MAX_TOKENS})
+        outs = [o async for o in thinker.generate(request)]
+        chunks = [apply_processor("thinker_to_talker", topology.stage("thinker"), {"primary": o.data},
+                                  ProcessorContext(rid)) for o in outs]  # fmt: skip
+
+        async def rest():
+            for chunk in chunks[1:]:
+                yield chunk
+
+        params = {"temperature": 0.0, "max_tokens": frames, "voice": "ethan"}
+        codes = [o.data["codes"] async for o in talker.generate(EngineInput(rid, chunks[0], params, chunks=rest()))
+                 if "codes" in o.data]  # fmt: skip
+        joined = np.concatenate(codes).astype(np.int64)
+        audio = [o.data["audio"] async for o in code2wav.generate(EngineInput(rid, {"codes": joined}, {}))
+                 if "audio" in o.data]  # fmt: skip
+        return outs, joined.tolist(), np.concatenate(audio)
+
+    try:
+        assert thinker.media_layer == 2  # tiny-qwen3-omni's talker_config.accept_hidden_layer
+        results = await asyncio.gather(staged("img", image_messages), staged("txt", text_messages))
+    finally:
+        await thinker.stop()
+        await talker.stop()
+        await code2wav.stop()
+    for ref, (outs, codes, wav) in zip(references, results, strict=True):
+        assert outs[0].data["prompt_token_ids"] == ref["prompt"]
+        assert [t for o in outs for t in o.data["token_ids"]] == ref["tokens"]
+        assert all("media_hidden_states" not in o.data and "hidden_states" not in o.data for o in outs[1:])
+        if ref["grid"]:
+            got = outs[0].data["media_hidden_states"]
+            assert got.shape == ref["rows"].shape and outs[0].data["media_grids"]["image_grid_thw"] == ref["grid"]
+            assert bool(torch.isfinite(got).all())
+            # Not compared with transformers' rows: see the docstring. The codes must come out and decode.
+            assert codes and wav.shape == (len(codes) * 1920 - 555,)
+        else:
+            assert "media_hidden_states" not in outs[0].data
+            assert codes == ref["codes"]  # the text request beside it: exact
+            assert wav.shape == ref["wav"].shape
+            np.testing.assert_allclose(wav, ref["wav"], atol=1e-4)

@@ -143,10 +143,10 @@ def test_text_only_runs_the_thinker_alone(omni: Serve) -> None:
     assert {s: stage_total(omni, s, "omnikube_stage_requests_total") for s in ("talker", "code2wav")} == before
 
 
-def test_an_image_reaches_the_thinker(omni: Serve) -> None:
-    """vLLM's Qwen3-Omni thinker reads images on CPU (the audio and video towers are not exercised here).
-    Only a text reply is asked for: the talker refuses prompts with media until the thinker's hidden states
-    for media positions reach it (see the module docstring of processors)."""
+def test_an_image_reaches_the_thinker_and_is_spoken_about(omni: Serve) -> None:
+    """vLLM's Qwen3-Omni thinker reads images on CPU and sends its rows at the image positions to the talker
+    with the first chunk, over this connector: text and audio come back. (Audio parts are not exercised:
+    vLLM decodes them with PyAV, which this environment lacks.)"""
     from PIL import Image
 
     buf = io.BytesIO()
@@ -161,6 +161,14 @@ def test_an_image_reaches_the_thinker(omni: Serve) -> None:
             **GREEDY,
         )  # fmt: skip
         assert reply.usage.prompt_tokens > plain.usage.prompt_tokens + 2  # the image's placeholder tokens
+        spoken = api.chat.completions.create(
+            model=omni.model, messages=[{"role": "user", "content": content}], modalities=["text", "audio"],
+            audio={"voice": "ethan", "format": "wav"}, max_tokens=8, **GREEDY,
+        )  # fmt: skip
+        message = spoken.choices[0].message
+        assert message.content and spoken.usage.completion_tokens == 8
+        with wave.open(io.BytesIO(base64.b64decode(message.audio.data))) as w:
+            assert w.getframerate() == 24000 and w.getnframes() > 0
         with pytest.raises(openai.BadRequestError) as err:
             api.chat.completions.create(
                 model=omni.model, messages=[{"role": "user", "content": content + content[1:]}], max_tokens=2

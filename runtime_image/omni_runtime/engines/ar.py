@@ -16,6 +16,14 @@ was the input at position i; the last generated token has none). The first piece
 row; a piece has at least the rows up to its second-to-last token (a row may come one step after
 its token), the finished piece all of them.
 
+With `media_hidden_layer` instead (Qwen3-Omni's thinker: `talker` means the checkpoint's
+`talker_config.accept_hidden_layer`), a request whose prompt holds media placeholder tokens (image,
+audio, video) gets, in its first piece, that layer's rows at those positions only,
+`data["media_hidden_states"]` (float32 (media positions, hidden), prompt order), and the media
+shapes its talker's rope index reads, `data["media_grids"]` (`image_grid_thw`, `video_grid_thw`,
+`video_second_per_grid`, `audio_feature_lengths`, `use_audio_in_video`, as vLLM's processor made
+them). Text prompts carry neither and wait for no rows.
+
 On CPU, `cpu_defaults` fills in what a CPU deployment needs and vLLM's GPU-minded defaults get
 wrong, only where the user set nothing (see `CPU_ENGINE_DEFAULTS` and `cpu_defaults`).
 """
@@ -42,6 +50,7 @@ __all__ = [
     "CPU_ENGINE_DEFAULTS",
     "CPU_ENV_DEFAULTS",
     "HIDDEN_STATE_ARG",
+    "MEDIA_HIDDEN_ARG",
     "REGISTRY_ONLY_ENGINE_ARGS",
     "SHUTDOWN_TIMEOUT_S",
     "companion_id",
@@ -66,6 +75,12 @@ HIDDEN_STATE_ARG = "hidden_state_layers"
 HF `output_hidden_states` indices (0 the embeddings, k the output of layer k-1, N the last layer
 *before* the final norm; -1 means N). vLLM's `speculative_config` (extract_hidden_states) and
 `kv_transfer_config` are then ours; see `omni_runtime.engines.hidden_states` for the costs."""
+
+MEDIA_HIDDEN_ARG = "media_hidden_layer"
+"""omnikube's engine arg (never passed to vLLM): the layer whose rows at a prompt's media positions go
+out with the request's first piece (an index as in `hidden_state_layers`, or `talker`: the checkpoint's
+`talker_config.accept_hidden_layer`). It uses the same route and has the same costs as
+`hidden_state_layers`, for every request; the two cannot be combined."""
 
 ROWS_TIMEOUT_S = 120.0
 """How long a step's hidden-state rows may lag its tokens (they are pushed before the tokens go out,
@@ -141,6 +156,36 @@ def companion_requests(stage: StageSpec, request: EngineInput) -> list[EngineInp
     return out
 
 
+def _field_values(items: Any, modality: str, key: str) -> list[Any]:
+    values = []
+    for item in (items.get(modality) if items else None) or []:
+        elem = item.get(key) if item is not None else None
+        if elem is not None:
+            data = elem.data
+            values.append(data.tolist() if hasattr(data, "tolist") else data)
+    return values
+
+
+def media_grids(prompt: dict[str, Any]) -> dict[str, Any]:
+    """The media shapes of a rendered vLLM prompt (its `mm_kwargs`), in prompt order per modality, as
+    plain lists: what the Qwen3-Omni talker's rope index reads (transformers' names). Needs every item
+    rendered, none from vLLM's media processor cache (EngineError otherwise)."""
+    items = prompt.get("mm_kwargs")
+    if items and any(item is None for values in items.values() for item in values or []):
+        raise EngineError(
+            "a media item of the prompt came from vLLM's processor cache without its fields; the talker needs "
+            "its grid, so set engine_args.mm_processor_cache_gb to 0 on this stage"
+        )
+    use_audio_in_video = _field_values(items, "video", "use_audio_in_video")
+    return {
+        "image_grid_thw": _field_values(items, "image", "image_grid_thw"),
+        "video_grid_thw": _field_values(items, "video", "video_grid_thw"),
+        "video_second_per_grid": [float(v) for v in _field_values(items, "video", "second_per_grid_ts")],
+        "audio_feature_lengths": [int(v) for v in _field_values(items, "audio", "audio_feature_lengths")],
+        "use_audio_in_video": any(bool(v) for v in use_audio_in_video),
+    }
+
+
 def _cgroup_cpu_limit() -> int | None:
     """Whole CPUs allowed by the cgroup v2 quota (`cpu.max`), or None when unlimited or unknown."""
     try:
@@ -209,7 +254,10 @@ class AREngine(Engine):
         self._procs: list[Any] = []
         self.hidden_layers: list[int] = []
         """Resolved `hidden_state_layers` (sorted, 0..N) once started; [] when the route is off."""
-        self._rows: Any = None  # hidden_states.RowReceiver when hidden_layers
+        self._rows: Any = None  # hidden_states.RowReceiver when hidden_layers or media_layer
+        self.media_layer: int | None = None
+        """Resolved `media_hidden_layer` once started; None when off."""
+        self._media_ids: frozenset[int] = frozenset()
 
     def requested_hidden_layers(self) -> list[int] | None:
         """The stage's `hidden_state_layers` as given (ints), or None when unset.
@@ -228,6 +276,53 @@ class AREngine(Engine):
                 "list of layer indices (0 = embeddings, k = output of layer k-1, -1 = last layer)"
             )
         return list(value)
+
+    def requested_media_layer(self) -> int | str | None:
+        """The stage's `media_hidden_layer` as given, or None when unset.
+
+        Raises EngineError when it is not an integer or `talker`, or is combined with `hidden_state_layers`."""
+        value = self.stage.engine_args.get(MEDIA_HIDDEN_ARG)
+        if value is None:
+            return None
+        if not (value == "talker" or (isinstance(value, int) and not isinstance(value, bool))):
+            raise EngineError(
+                f"stage {self.stage.name!r}: engine_args.{MEDIA_HIDDEN_ARG} is {value!r}; give a layer index "
+                "(0 = embeddings, k = output of layer k-1, -1 = last layer) or 'talker' (the checkpoint's "
+                "talker_config.accept_hidden_layer)"
+            )
+        if self.stage.engine_args.get(HIDDEN_STATE_ARG) is not None:
+            raise EngineError(
+                f"stage {self.stage.name!r}: engine_args {HIDDEN_STATE_ARG} and {MEDIA_HIDDEN_ARG} cannot be "
+                f"combined (one sends every row, the other media rows only); keep one, set the other to null"
+            )
+        return value
+
+    def _resolve_media_layer(self, value: int | str) -> tuple[int, int, frozenset[int]]:
+        """(layer as 0..N, hidden size, the media placeholder token ids) from config.json."""
+        from transformers import AutoConfig
+
+        full = AutoConfig.from_pretrained(self.model_path)
+        thinker = getattr(full, "thinker_config", None) or full
+        if value == "talker":
+            talker = getattr(full, "talker_config", None)
+            if talker is None or getattr(talker, "accept_hidden_layer", None) is None:
+                raise EngineError(
+                    f"stage {self.stage.name!r}: engine_args.{MEDIA_HIDDEN_ARG} is 'talker' but "
+                    f"{self.model_path} has no talker_config.accept_hidden_layer; give a layer index"
+                )
+            value = int(talker.accept_hidden_layer)
+        ids = frozenset(
+            int(i)
+            for i in (getattr(thinker, f"{k}_token_id", None) for k in ("audio", "image", "video"))
+            if i is not None
+        )
+        if not ids:
+            raise EngineError(
+                f"stage {self.stage.name!r}: engine_args.{MEDIA_HIDDEN_ARG} needs a model with media "
+                f"placeholder tokens (audio/image/video_token_id); {self.model_path} has none"
+            )
+        (layer,), hidden = self._resolve_hidden_layers([int(value)])
+        return layer, hidden, ids
 
     def _resolve_hidden_layers(self, layers: list[int]) -> tuple[list[int], int]:
         """`layers` as 0..N (N = the text model's layer count) and the hidden size, from config.json."""
@@ -263,17 +358,27 @@ class AREngine(Engine):
         args = {
             k: v
             for k, v in self.stage.engine_args.items()
-            if k not in REGISTRY_ONLY_ENGINE_ARGS and k != HIDDEN_STATE_ARG
+            if k not in REGISTRY_ONLY_ENGINE_ARGS and k not in (HIDDEN_STATE_ARG, MEDIA_HIDDEN_ARG)
         }
-        if self.requested_hidden_layers() is not None:
+        if self.requested_hidden_layers() is not None or self.requested_media_layer() is not None:
             taken = [k for k in ("speculative_config", "kv_transfer_config") if args.get(k)]
             taken += [k for k in ("enable_prefix_caching", "async_scheduling") if args.get(k)]
             if taken:
                 raise EngineError(
                     f"stage {self.stage.name!r}: engine_args {taken} cannot be combined with "
-                    f"{HIDDEN_STATE_ARG} (the hidden-state route sets the speculative and KV transfer configs "
-                    "and is not verified with prefix caching or async scheduling); remove them or the layers"
+                    f"{HIDDEN_STATE_ARG} / {MEDIA_HIDDEN_ARG} (the hidden-state route sets the speculative and KV "
+                    "transfer configs and is not verified with prefix caching or async scheduling); remove them or "
+                    "the layers"
                 )
+        if self.requested_media_layer() is not None:
+            # A cached media item comes back from vLLM's renderer without its fields, and the talker needs
+            # every item's grid (image_grid_thw...), so the media processor cache is off with this arg.
+            if args.get("mm_processor_cache_gb"):
+                raise EngineError(
+                    f"stage {self.stage.name!r}: engine_args mm_processor_cache_gb cannot be combined with "
+                    f"{MEDIA_HIDDEN_ARG} (a cached media item carries no grid for the talker); remove it"
+                )
+            args["mm_processor_cache_gb"] = 0
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
         unknown = sorted(set(args) - known)
         if unknown:
@@ -303,6 +408,15 @@ class AREngine(Engine):
             self._rows = RowReceiver(self.hidden_layers, hidden_size)
             await self._rows.start()
             kwargs.update(vllm_engine_args(self.hidden_layers, self._rows.address))
+        media = self.requested_media_layer()
+        if media is not None:
+            from omni_runtime.engines.hidden_states import RowReceiver, vllm_engine_args
+
+            layer, hidden_size, self._media_ids = await asyncio.to_thread(self._resolve_media_layer, media)
+            self.media_layer = layer
+            self._rows = RowReceiver([layer], hidden_size)
+            await self._rows.start()
+            kwargs.update(vllm_engine_args([layer], self._rows.address))
         args = AsyncEngineArgs(model=self.model_path, **kwargs)
         if current_platform.is_cpu():
             cpu_defaults({})  # the CPU environment defaults, before vLLM spawns its processes
@@ -420,7 +534,7 @@ class AREngine(Engine):
             yield await self._token_op(rid, op, request.data[op])
             return
         sampling = self.sampling_params(request.params)
-        if self._rows is not None and sampling.n > 1:
+        if self.hidden_layers and sampling.n > 1:
             raise InvalidRequest(
                 f"stage {self.stage.name!r} streams hidden states, which needs one sequence per request; "
                 f"got n={sampling.n}, send n=1"
@@ -441,7 +555,8 @@ class AREngine(Engine):
         prompt_tokens = len(prompt["prompt_token_ids"])
         finish_reason: str | None = None
         sent_prompt = False
-        rows = self._rows.open(rid) if self._rows is not None else None
+        media_rows = self.media_layer is not None and bool(self._media_ids & set(prompt["prompt_token_ids"]))
+        rows = self._rows.open(rid) if self.hidden_layers or media_rows else None
         tokenizer = self.llm.renderer.tokenizer if sampling.logprobs is not None else None
         try:
             async for out in self.llm.generate(prompt, sampling, rid):
@@ -467,7 +582,11 @@ class AREngine(Engine):
                 if not sent_prompt:  # what a downstream stage streamed per step needs first (a talker)
                     sent_prompt = True
                     pieces[0]["prompt_token_ids"] = list(prompt["prompt_token_ids"])
-                if rows is not None:
+                if rows is not None and media_rows:
+                    await self._attach_media_rows(rows, pieces[0], prompt, out)
+                    self._rows.close(rid)  # the later rows are not needed: dropped as they come
+                    rows = None
+                elif rows is not None:
                     await self._attach_rows(rows, pieces[0], prompt_tokens, completion_tokens.get(0, 0), out)
                 for i, data in enumerate(pieces):
                     last = out.finished and i == len(pieces) - 1
@@ -503,6 +622,34 @@ class AREngine(Engine):
         renderer = self.llm.renderer
         data = await (tokenize(renderer, spec, self.max_model_len) if op == "tokenize" else detokenize(renderer, spec))
         return EngineOutput(rid, data, finished=True, finish_reason="stop")
+
+    async def _attach_media_rows(self, rows: Any, data: dict[str, Any], prompt: dict[str, Any], out: Any) -> None:
+        """Put the media positions' rows and the media grids into the first piece's `data`."""
+        from omni_runtime.engines.hidden_states import HiddenStatesError
+
+        ids = prompt["prompt_token_ids"]
+        if out.finished and out.outputs and out.outputs[0].finish_reason == "abort":
+            return  # the prompt may never have run; nothing downstream will read it
+        try:
+            await rows.wait_for(len(ids), ROWS_TIMEOUT_S)
+        except (TimeoutError, HiddenStatesError) as exc:
+            raise EngineError(
+                f"stage {self.stage.name!r}: hidden-state rows of request {out.request_id!r} stopped at "
+                f"{rows.received} of {len(ids)} prompt rows ({exc or 'timed out'}); the engine is stalled or "
+                "the route broke"
+            ) from exc
+        taken = rows.take()
+        layer = taken[str(self.media_layer)] if taken is not None else None
+        if layer is None or layer.shape[0] < len(ids):
+            raise EngineError(
+                f"stage {self.stage.name!r}: request {out.request_id!r} got {rows.received} hidden-state rows "
+                f"for a prompt of {len(ids)} tokens; the route broke"
+            )
+        import torch
+
+        positions = [i for i, t in enumerate(ids) if t in self._media_ids]
+        data["media_hidden_states"] = layer[torch.tensor(positions)].contiguous()
+        data["media_grids"] = media_grids(prompt)
 
     async def _attach_rows(self, rows: Any, data: dict[str, Any], prompt_tokens: int, generated: int, out: Any) -> None:
         """Put the rows that arrived for this output into `data["hidden_states"]`.
