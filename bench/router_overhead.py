@@ -1,11 +1,18 @@
 """Router overhead: chat through omnikube's router + stage vs the same model behind vLLM's own server.
 
-    .venv/bin/python bench/router_overhead.py [--requests 32] [--max-tokens 32]
+    nice -n 10 .venv/bin/python bench/router_overhead.py [--rounds 5] [--requests 16] [--max-tokens 32]
 
-Both sides serve the tiny Qwen2 chat model with the same engine arguments, one after the other (never
-at once: they would fight over the cores). The same streaming workload, sent with the official `openai`
-client, measures TTFT (request sent -> first content token) and TPOT ((last - first token) / (tokens - 1))
-at concurrency 1 and 16. Prints medians and the ratios omnikube / vLLM; the target is <= 1.10.
+Both sides serve the tiny Qwen2 chat model with the same engine arguments and stay up together; rounds
+alternate between them (vLLM, omnikube, vLLM, omnikube, ...), each round sending the same streaming
+workload with the official `openai` client, so that a noisy neighbour slows both sides alike instead of
+one run. A round measures the median TTFT (request sent -> first content token) and TPOT
+((last - first token) / (tokens - 1)) at concurrency 1 and 16; the ratio omnikube / vLLM is taken per
+pair of neighbouring rounds, and the median ratio is printed with its range (min..max). The target is
+<= 1.10.
+
+The workload (`WORKLOAD`) mixes plain chat with structured output (`response_format` json_schema, which
+vLLM's structured-output backend constrains on both sides). Tool calls go into `TOOL_CALL_REQUESTS` once
+the router serves them.
 """
 
 from __future__ import annotations
@@ -120,19 +127,53 @@ def start_omnikube(model: Path, port: int, workdir: Path) -> subprocess.Popen:
 CHUNKS: list[tuple[int, int]] = []
 """(content chunks, completion tokens) per request: shows whether a server coalesces tokens."""
 
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"number": {"type": "integer"}, "fact": {"type": "string", "maxLength": 40}},
+    "required": ["number", "fact"],
+    "additionalProperties": False,
+}
+
+
+def plain_chat(i: int) -> dict:
+    """A free-text answer that runs to max_tokens (ignore_eos), the baseline path."""
+    return {
+        "messages": [{"role": "user", "content": f"Tell me about the number {i}."}],
+        "extra_body": {"ignore_eos": True},
+    }
+
+
+def structured_output(i: int) -> dict:
+    """`response_format` json_schema (strict): the structured-output path of the text stage."""
+    return {
+        "messages": [{"role": "user", "content": f"Give one fact about the number {i} as JSON."}],
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "fact", "schema": ANSWER_SCHEMA, "strict": True},
+        },
+    }
+
+
+TOOL_CALL_REQUESTS: list = []
+"""Builders (i -> request kwargs) of tool-call requests (`tools` + `tool_choice`), added to the workload
+once the router serves tools (issue 11 item 3). Empty until then."""
+
+WORKLOAD = [plain_chat, plain_chat, plain_chat, structured_output, *TOOL_CALL_REQUESTS]
+"""Request i is built by WORKLOAD[i % len(WORKLOAD)]: the same prompts in every round, on both sides."""
+
 
 async def one_request(client: AsyncOpenAI, i: int, max_tokens: int) -> tuple[float, float] | None:
+    kwargs = WORKLOAD[i % len(WORKLOAD)](i)
     started = time.perf_counter()
     first = last = None
     chunks = tokens = 0
     stream = await client.chat.completions.create(
         model="tiny",
-        messages=[{"role": "user", "content": f"Tell me about the number {i}."}],
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        **kwargs,
     )
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -144,7 +185,7 @@ async def one_request(client: AsyncOpenAI, i: int, max_tokens: int) -> tuple[flo
             tokens = chunk.usage.completion_tokens
     tokens = tokens or chunks  # TPOT is per token, whatever the chunking
     CHUNKS.append((chunks, tokens))
-    if first is None or tokens < 2:
+    if first is None or last is None or tokens < 2:
         return None
     return first - started, (last - first) / (tokens - 1)
 
@@ -165,55 +206,67 @@ async def workload(base_url: str, concurrency: int, requests: int, max_tokens: i
     return statistics.median(r[0] for r in results), statistics.median(r[1] for r in results)
 
 
-def measure(name: str, base_url: str, args: argparse.Namespace) -> dict[int, tuple[float, float]]:
-    out = {}
-    for c in (1, 16):
-        ttft, tpot = asyncio.run(workload(base_url, c, args.requests, args.max_tokens))
-        out[c] = (ttft, tpot)
-        chunks = statistics.median(ch for ch, _ in CHUNKS)
-        tokens = statistics.median(t for _, t in CHUNKS)
-        CHUNKS.clear()
-        print(
-            f"{name:9} concurrency {c:2}: TTFT {ttft * 1000:8.1f} ms   TPOT {tpot * 1000:7.2f} ms   "
-            f"(median {tokens:.0f} tokens in {chunks:.0f} chunks)",
-            flush=True,
-        )
-    return out
+def one_round(name: str, base_url: str, concurrency: int, args: argparse.Namespace) -> tuple[float, float]:
+    ttft, tpot = asyncio.run(workload(base_url, concurrency, args.requests, args.max_tokens))
+    chunks = statistics.median(ch for ch, _ in CHUNKS)
+    tokens = statistics.median(t for _, t in CHUNKS)
+    CHUNKS.clear()
+    print(
+        f"  {name:9} concurrency {concurrency:2}: TTFT {ttft * 1000:8.1f} ms   TPOT {tpot * 1000:7.2f} ms   "
+        f"(median {tokens:.0f} tokens in {chunks:.0f} chunks)",
+        flush=True,
+    )
+    return ttft, tpot
+
+
+def summary(label: str, ratios: list[float]) -> str:
+    return f"{label} ratio {statistics.median(ratios):.2f} (range {min(ratios):.2f}..{max(ratios):.2f})"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per side and concurrency (A/B pairs)")
+    parser.add_argument("--requests", type=int, default=16, help="requests per round")
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from omni_runtime.tiny_models import ensure
 
     model = ensure("tiny-qwen2-chat")
+    procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        port = free_port()
-        proc = start_vllm(model, port, work / "vllm.log")
         try:
-            wait_http(f"http://127.0.0.1:{port}/health", proc)
-            vllm = measure("vLLM", f"http://127.0.0.1:{port}/v1", args)
-        finally:
-            stop(proc)
-        port = free_port()
-        proc = start_omnikube(model, port, work)
-        try:
-            wait_http(f"http://127.0.0.1:{port}/health", proc)
-            ours = measure("omnikube", f"http://127.0.0.1:{port}/v1", args)
+            vllm_port, ours_port = free_port(), free_port()
+            vllm_proc = start_vllm(model, vllm_port, work / "vllm.log")
+            procs.append(vllm_proc)
+            wait_http(f"http://127.0.0.1:{vllm_port}/health", vllm_proc)
+            ours_proc = start_omnikube(model, ours_port, work)
+            procs.append(ours_proc)
+            wait_http(f"http://127.0.0.1:{ours_port}/health", ours_proc)
+            sides = {"vLLM": f"http://127.0.0.1:{vllm_port}/v1", "omnikube": f"http://127.0.0.1:{ours_port}/v1"}
+            ratios: dict[int, tuple[list[float], list[float]]] = {}
+            for c in (1, 16):
+                ttft_ratios, tpot_ratios = ratios.setdefault(c, ([], []))
+                for r in range(args.rounds):
+                    print(f"round {r + 1}/{args.rounds}, concurrency {c}", flush=True)
+                    base = one_round("vLLM", sides["vLLM"], c, args)
+                    ours = one_round("omnikube", sides["omnikube"], c, args)
+                    ttft_ratios.append(ours[0] / base[0])
+                    tpot_ratios.append(ours[1] / base[1])
         except Exception:
-            print((work / "serve.log").read_text()[-3000:], file=sys.stderr)
+            for log in (work / "vllm.log", work / "serve.log"):
+                if log.exists():
+                    print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}", file=sys.stderr)
             raise
         finally:
-            stop(proc)
+            for proc in procs:
+                stop(proc)
     print()
-    for c in (1, 16):
+    for c, (ttft_ratios, tpot_ratios) in ratios.items():
         print(
-            f"concurrency {c:2}: TTFT ratio {ours[c][0] / vllm[c][0]:.2f}   TPOT ratio {ours[c][1] / vllm[c][1]:.2f}"
-            "   (omnikube / vLLM; target <= 1.10)"
+            f"concurrency {c:2}: {summary('TTFT', ttft_ratios)}   {summary('TPOT', tpot_ratios)}"
+            f"   (omnikube / vLLM over {len(ttft_ratios)} round pairs; target <= 1.10)"
         )
     return 0
 
