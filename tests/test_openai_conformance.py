@@ -34,6 +34,8 @@ MAX_MODEL_LEN = 256
 KV_BYTES = 64 * 1024**2
 LOGPROB_TOL = 1e-3
 READY_TIMEOUT_S = 600
+TOOL_PARSER = "hermes"
+"""Qwen2.5's tool-call format (the tiny model's template has Qwen2.5's tool section)."""
 
 
 def _free_port() -> int:
@@ -53,6 +55,7 @@ class VllmServer:
             "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
             "--kv-cache-memory-bytes", str(KV_BYTES), "--enforce-eager", "--seed", "0",
             "--host", "127.0.0.1", "--port", str(self.port),
+            "--enable-auto-tool-choice", "--tool-call-parser", TOOL_PARSER,
         ]  # fmt: skip
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
         self._log = open(self.log, "wb")  # noqa: SIM115
@@ -96,7 +99,12 @@ def servers(tiny_chat_model, tmp_path_factory):
         "stages": [
             {
                 "name": "llm",
-                "engine_args": {"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": KV_BYTES, "seed": 0},
+                "engine_args": {
+                    "max_model_len": MAX_MODEL_LEN,
+                    "kv_cache_memory_bytes": KV_BYTES,
+                    "seed": 0,
+                    "tool_call_parser": TOOL_PARSER,
+                },  # fmt: skip
             }
         ],
     }
@@ -282,6 +290,107 @@ def test_tokenize_and_detokenize_match(servers) -> None:
         assert ours.json() == theirs.json(), path
 
 
+def _function(name: str, properties: dict) -> dict:
+    parameters = {"type": "object", "properties": properties, "required": sorted(properties),
+                  "additionalProperties": False}  # fmt: skip
+    return {"type": "function", "function": {"name": name, "description": f"{name} of the sea",
+                                             "parameters": parameters, "strict": True}}  # fmt: skip
+
+
+TOOLS = [
+    _function("get_tide", {"harbour": {"type": "string", "enum": ["Brest", "Dover"]}, "rising": {"type": "boolean"}}),
+    _function("get_wind", {"sea": {"type": "string", "enum": ["north", "irish"]}}),
+]
+TOOL_CHOICES = {
+    "required": "required",
+    "named": {"type": "function", "function": {"name": "get_wind"}},
+    "auto": "auto",
+    "none": "none",
+}
+
+
+def calls_of(message) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+
+def check_call(name: str, arguments: str) -> None:
+    """A call a client can run: a tool that exists, arguments that obey its schema."""
+    tool = next(t["function"] for t in TOOLS if t["function"]["name"] == name)
+    args = json.loads(arguments)
+    props = tool["parameters"]["properties"]
+    assert set(args) == set(props), (name, args)
+    for key, value in args.items():
+        if "enum" in props[key]:
+            assert value in props[key]["enum"], (name, args)
+        else:
+            assert isinstance(value, bool), (name, args)
+
+
+def test_tool_calls_match_for_every_tool_choice(apis) -> None:
+    """required and a named function constrain even a random model to a valid call (vLLM's structural
+    tags); auto and none leave it free. Same content, calls and finish reason as vLLM's server."""
+
+    def run(client):
+        out = {}
+        for name, choice in TOOL_CHOICES.items():
+            reply = client.chat.completions.create(messages=user("What is the sea doing?"), tools=TOOLS,
+                                                   tool_choice=choice, max_tokens=60, **GREEDY)  # fmt: skip
+            c = reply.choices[0]
+            assert all(t.id and t.type == "function" for t in c.message.tool_calls or []), name
+            out[name] = (c.message.content, calls_of(c.message), c.finish_reason)
+        return out
+
+    ours, theirs = both(apis, run)
+    assert ours == theirs
+    assert ours["required"][1] and ours["required"][2] == "tool_calls"
+    assert [n for n, _ in ours["named"][1]] == ["get_wind"] and ours["named"][2] == "stop"
+    for name, arguments in ours["required"][1] + ours["named"][1]:
+        check_call(name, arguments)
+    assert ours["none"][1] == [] and ours["none"][0]
+
+
+def test_streamed_tool_calls_match(apis) -> None:
+    """`delta.tool_calls` pieces, put together as an OpenAI client does, give the same calls as the
+    unstreamed reply and as vLLM's server."""
+
+    def run(client):
+        out = {}
+        for name in ("required", "named"):
+            calls: dict[int, list[str]] = {}
+            finish = None
+            for chunk in client.chat.completions.create(messages=user("What is the sea doing?"), tools=TOOLS,
+                                                        tool_choice=TOOL_CHOICES[name], max_tokens=60, stream=True,
+                                                        **GREEDY):  # fmt: skip
+                for choice in chunk.choices:
+                    finish = choice.finish_reason or finish
+                    for piece in choice.delta.tool_calls or []:
+                        entry = calls.setdefault(piece.index, ["", ""])
+                        entry[0] += (piece.function.name or "") if piece.function else ""
+                        entry[1] += (piece.function.arguments or "") if piece.function else ""
+            out[name] = ([tuple(calls[i]) for i in sorted(calls)], finish)
+        return out
+
+    ours, theirs = both(apis, run)
+    assert ours == theirs
+    unstreamed = apis[0].chat.completions.create(messages=user("What is the sea doing?"), tools=TOOLS,
+                                                 tool_choice="required", max_tokens=60, **GREEDY)  # fmt: skip
+    assert ours["required"][0] == calls_of(unstreamed.choices[0].message)
+    assert ours["required"][1] == "tool_calls" and ours["named"][1] == "stop"
+
+
+def test_a_conversation_with_tool_results_matches(apis) -> None:
+    """An assistant turn with tool_calls and the `tool` turns answering them render with the model's
+    template on both servers."""
+    call = {"id": "call-1", "type": "function", "function": {"name": "get_wind", "arguments": '{"sea": "north"}'}}
+    messages = [*user("Is it windy?"), {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call-1", "content": "force 6"}]  # fmt: skip
+    ours, theirs = both(apis, lambda c: c.chat.completions.create(
+        messages=messages, tools=TOOLS, max_tokens=8, extra_body={"ignore_eos": True}, **GREEDY))  # fmt: skip
+    assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens
+    assert (ours.choices[0].message.content, calls_of(ours.choices[0].message)) == (
+        theirs.choices[0].message.content, calls_of(theirs.choices[0].message))  # fmt: skip
+
+
 BAD_CHAT = {
     "unknown model": {"model": "nope", "messages": user("hi")},
     "negative temperature": {"model": MODEL, "messages": user("hi"), "temperature": -0.5},
@@ -296,6 +405,11 @@ BAD_CHAT = {
         "model": MODEL, "messages": user("hi"), "stream_options": {"include_usage": True}},
     "top_logprobs without logprobs": {"model": MODEL, "messages": user("hi"), "top_logprobs": 2},
     "invalid regex": {"model": MODEL, "messages": user("hi"), "structured_outputs": {"regex": "(unclosed"}},
+    "empty tools": {"model": MODEL, "messages": user("hi"), "tools": []},
+    "tool_choice without tools": {"model": MODEL, "messages": user("hi"), "tool_choice": "required"},
+    "named tool not among the tools": {"model": MODEL, "messages": user("hi"), "tools": TOOLS,
+                                       "tool_choice": {"type": "function", "function": {"name": "get_rain"}}},
+    "unknown tool_choice": {"model": MODEL, "messages": user("hi"), "tools": TOOLS, "tool_choice": "always"},
 }  # fmt: skip
 
 

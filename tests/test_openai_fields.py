@@ -16,7 +16,14 @@ import httpx
 import pytest
 from servelib import echo_cluster, echo_pipeline
 
-from omni_runtime.router.protocol.chat import FORWARDED, REFUSED, RENDER_ONLY, TEXT_ONLY, ChatCompletionRequest
+from omni_runtime.router.protocol.chat import (
+    FORWARDED,
+    REFUSED,
+    RENDER_ONLY,
+    TEXT_ONLY,
+    TOOL_FIELDS,
+    ChatCompletionRequest,
+)
 from omni_runtime.router.protocol.completions import COMPLETION_FORWARDED, COMPLETION_REFUSED, CompletionRequest
 from omni_runtime.router.serving.logprobs import chat_logprobs, completion_logprobs
 from omni_runtime.spec import EdgeSpec, PipelineSpec, RouterLimits, StageSpec
@@ -89,6 +96,13 @@ RENDER_VALUES: dict[str, tuple[Any, str, Any]] = {
     "add_special_tokens": (True, "add_special_tokens", True),
     "chat_template_kwargs": ({"enable_thinking": False}, "chat_template_kwargs", {"enable_thinking": False}),
 }
+TOOL = {"type": "function", "function": {"name": "get_tide", "parameters": {"type": "object", "properties": {}}}}
+TOOL_VALUES: dict[str, tuple[Any, str, Any]] = {
+    # the chat stage gets them beside the messages (vLLM's request model checks them there)
+    "tools": ([TOOL], "tools", [TOOL]),
+    "tool_choice": ("required", "tool_choice", "required"),  # sent with tools
+    "parallel_tool_calls": (False, "parallel_tool_calls", False),
+}
 ROUTER_SIDE = {"model", "messages", "modalities", "audio", "n", "stream", "stream_options", "user", "echo",
                "sampling_params_list", "negative_prompt", "size", "height", "width", "num_inference_steps",
                "guidance_scale"}  # fmt: skip
@@ -99,21 +113,24 @@ def test_the_lists_cover_the_request_models() -> None:
     assert set(FORWARDED) == set(ChatCompletionRequest.model_fields)
     assert set(COMPLETION_FORWARDED) == set(CompletionRequest.model_fields)
     assert not set(REFUSED) & set(FORWARDED) and not set(COMPLETION_REFUSED) & set(COMPLETION_FORWARDED)
-    assert set(FORWARDED) == set(CHAT_VALUES) | set(RENDER_VALUES) | ROUTER_SIDE
+    assert set(FORWARDED) == set(CHAT_VALUES) | set(RENDER_VALUES) | set(TOOL_VALUES) | ROUTER_SIDE
     assert set(RENDER_VALUES) == RENDER_ONLY and TEXT_ONLY <= set(CHAT_VALUES) | {"echo"}
+    assert set(TOOL_VALUES) == TOOL_FIELDS
 
 
 async def test_every_forwarded_chat_field_reaches_the_stage() -> None:
     async with echo_cluster(echo_pipeline(chat_topology())) as cluster, httpx.AsyncClient(base_url=cluster.base) as h:
         engine = cluster.engines["llm"][0]
-        for name, (value, key, expected) in {**CHAT_VALUES, **RENDER_VALUES}.items():
+        for name, (value, key, expected) in {**CHAT_VALUES, **RENDER_VALUES, **TOOL_VALUES}.items():
             body = {"model": "echo", "messages": user("hello sea"), name: value}
             if name == "top_logprobs":
                 body["logprobs"] = True
+            if name in TOOL_VALUES:
+                body["tools"] = [TOOL]
             reply = await h.post("/v1/chat/completions", json=body)
             assert reply.status_code == 200, (name, reply.text)
             seen = engine.seen[-1]
-            got = (seen.data if name in RENDER_VALUES else seen.params).get(key)
+            got = (seen.data if name in RENDER_VALUES or name in TOOL_VALUES else seen.params).get(key)
             assert got == expected, name
 
 
@@ -156,8 +173,11 @@ async def test_unknown_fields_ignore_mode_drops_them_but_still_refuses() -> None
         ok = await h.post("/v1/chat/completions", json={"model": "echo", "messages": user("a b"), "vendor_x": 1})
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "a b "
         assert "vendor_x" not in cluster.engines["llm"][0].seen[-1].params
-        refused = await h.post("/v1/chat/completions", json={"model": "echo", "messages": user("x"), "tools": []})
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+        functions = [{"name": "f"}]
+        refused = await h.post(
+            "/v1/chat/completions", json={"model": "echo", "messages": user("x"), "functions": functions}
+        )
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "functions"
 
 
 async def test_text_fields_on_a_pipeline_without_text_are_400s() -> None:
@@ -195,6 +215,33 @@ async def test_text_fields_on_an_audio_only_reply_are_400s_naming_the_way_out() 
         both = await h.post("/v1/chat/completions", json={**body, "modalities": ["text"], "max_tokens": 2})
         assert both.status_code == 200, both.text
         assert cluster.engines["thinker"][0].seen[-1].params["logprobs"] == 0
+
+
+async def test_tools_need_the_stage_that_renders_the_chat_and_writes_the_text() -> None:
+    """A prompt enhancer renders the chat but a DiT makes the reply; a talker makes an audio-only reply:
+    nothing could call a tool, so the request is a 400 naming the field."""
+    async with (
+        echo_cluster(echo_pipeline(enhancer_then_dit(), name="t2i")) as cluster,
+        httpx.AsyncClient(base_url=cluster.base) as h,
+    ):
+        for name in sorted(TOOL_FIELDS):
+            body = {"model": "t2i", "messages": user("x"), "tools": [TOOL], name: TOOL_VALUES[name][0]}
+            reply = await h.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 400, name
+            error = reply.json()["error"]
+            assert error["param"] == name
+            assert "renders the chat and writes the reply's text" in error["message"]
+    async with (
+        echo_cluster(echo_pipeline(thinker_then_talker(), name="speech")) as cluster,
+        httpx.AsyncClient(base_url=cluster.base) as h,
+    ):
+        body = {"model": "speech", "messages": user("x"), "modalities": ["audio"], "tools": [TOOL]}
+        reply = await h.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "tools"
+        assert "or ask for modalities ['text']" in reply.json()["error"]["message"]
+        text = await h.post("/v1/chat/completions", json={**body, "modalities": ["text"], "max_tokens": 2})
+        assert text.status_code == 200, text.text
+        assert cluster.engines["thinker"][0].seen[-1].data["tools"] == [TOOL]
 
 
 async def test_echo_and_completions_on_the_echo_engine() -> None:

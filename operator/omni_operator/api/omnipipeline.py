@@ -349,7 +349,11 @@ class PipelineStage(Placement):
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Engine arguments merged over the topology's (vLLM engine args for ar stages, "
-        "diffusers settings for diffusion stages).",
+        "diffusers settings for diffusion stages). For ar stages also omnikube's `tool_call_parser`: the vLLM "
+        "tool-call parser (as `vllm serve --tool-call-parser`, e.g. `hermes` for Qwen2.5/Qwen3) that reads "
+        "tool calls from the stage's text and constrains `tool_choice` required or a named function; "
+        "without it requests with tools are refused unless `tool_choice` is `none`. A name that is not a "
+        "vLLM parser fails the stage at start with the list of names.",
     )
     sampling_params: dict[str, Any] = Field(
         default_factory=dict,

@@ -42,6 +42,13 @@ from pathlib import Path
 from typing import Any
 
 from omni_runtime.engines.ar_extras import TOKEN_OPS, detokenize, logprob_rows, structured_outputs, tokenize
+from omni_runtime.engines.ar_tools import (
+    TOOL_CALL_PARSER_ARG,
+    check_parser_name,
+    open_session,
+    parser_class,
+    template_tools,
+)
 from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 
@@ -258,6 +265,9 @@ class AREngine(Engine):
         self.media_layer: int | None = None
         """Resolved `media_hidden_layer` once started; None when off."""
         self._media_ids: frozenset[int] = frozenset()
+        self.tool_parser: str | None = None
+        """The stage's `tool_call_parser` (a vLLM tool-call parser name), checked at start."""
+        self._tool_parser_cls: Any = None
 
     def requested_hidden_layers(self) -> list[int] | None:
         """The stage's `hidden_state_layers` as given (ints), or None when unset.
@@ -358,7 +368,8 @@ class AREngine(Engine):
         args = {
             k: v
             for k, v in self.stage.engine_args.items()
-            if k not in REGISTRY_ONLY_ENGINE_ARGS and k not in (HIDDEN_STATE_ARG, MEDIA_HIDDEN_ARG)
+            if k not in REGISTRY_ONLY_ENGINE_ARGS
+            and k not in (HIDDEN_STATE_ARG, MEDIA_HIDDEN_ARG, TOOL_CALL_PARSER_ARG)
         }
         if self.requested_hidden_layers() is not None or self.requested_media_layer() is not None:
             taken = [k for k in ("speculative_config", "kv_transfer_config") if args.get(k)]
@@ -388,6 +399,8 @@ class AREngine(Engine):
                 f"stage {self.stage.name!r}: engine_args {named} are not vLLM engine arguments; "
                 "remove them or use the names of vLLM's AsyncEngineArgs"
             )
+        if self.stage.engine_args.get(TOOL_CALL_PARSER_ARG) is not None:
+            self.tool_parser = check_parser_name(self.stage.name, self.stage.engine_args[TOOL_CALL_PARSER_ARG])
         if current_platform.is_cpu():
             args = cpu_defaults(args, dict(os.environ))  # a copy: only start() changes the environment
         args.pop("model", None)
@@ -437,6 +450,8 @@ class AREngine(Engine):
         self._cmpl_tok = dataclasses.replace(renderer.default_cmpl_tok_params, max_total_tokens=None)
         self._chat_tok = dataclasses.replace(renderer.default_chat_tok_params, max_total_tokens=None)
         self._sampling_fields = _sampling_fields()
+        if self.tool_parser is not None:
+            self._tool_parser_cls = parser_class(self.tool_parser, self.llm.model_config, renderer.tokenizer)
         self.load_seconds = time.monotonic() - started
         log.info("stage %s: vLLM loaded %s in %.1fs", self.stage.name, self.model_path, self.load_seconds)
 
@@ -491,6 +506,9 @@ class AREngine(Engine):
                 if not isinstance(messages, list) or not messages:
                     raise InvalidRequest("messages must be a non-empty list of {role, content} objects")
                 kwargs = {"add_generation_prompt": True, **(data.get("chat_template_kwargs") or {})}
+                tools = data.get("template_tools") or template_tools(data)
+                if tools:  # as vLLM's server: the template's `tools`, under the request's own kwargs
+                    kwargs = {"tools": tools, **kwargs}
                 chat = ChatParams(chat_template_kwargs=kwargs)
                 tok = self._chat_tok
                 if "add_special_tokens" in data:
@@ -533,7 +551,17 @@ class AREngine(Engine):
         if op is not None:
             yield await self._token_op(rid, op, request.data[op])
             return
-        sampling = self.sampling_params(request.params)
+        tools = None
+        if "messages" in request.data:
+            tools = open_session(request.data, self._tool_parser_cls, self.llm.renderer.tokenizer,
+                                 self.llm.model_config, self.stage.name)  # fmt: skip
+        params = {**request.params, **tools.sampling_overrides()} if tools is not None else request.params
+        sampling = self.sampling_params(params)
+        if tools is not None and sampling.n > 1:
+            raise InvalidRequest(
+                f"stage {self.stage.name!r} parses tool calls of one sequence per request; got n={sampling.n}, "
+                "send n=1 (the router runs one request per choice)"
+            )
         if self.hidden_layers and sampling.n > 1:
             raise InvalidRequest(
                 f"stage {self.stage.name!r} streams hidden states, which needs one sequence per request; "
@@ -541,7 +569,12 @@ class AREngine(Engine):
             )
         self._active.add(rid)
         try:
-            prompt = await self.render_prompt(request.data)
+            data_in = request.data
+            if tools is not None:
+                data_in = {**request.data, "template_tools": tools.template_tools}
+            prompt = await self.render_prompt(data_in)
+            if tools is not None:
+                tools.prompt_token_ids = list(prompt["prompt_token_ids"])
         except BaseException:
             self._active.discard(rid)
             self._abort_pending.discard(rid)
@@ -576,6 +609,12 @@ class AREngine(Engine):
                         data["logprobs"] = logprob_rows(completion.logprobs, tokenizer)
                     if sampling.n > 1:
                         data["index"] = completion.index
+                    if tools is not None:
+                        done = completion.finish_reason is not None
+                        data.update(tools.delta(completion.text, list(completion.token_ids), done))
+                        if done:
+                            data["message"], data["finish_reason"] = tools.final(completion.finish_reason)
+                            data["stream_finish_reason"] = tools.stream_finish(completion.finish_reason)
                     pieces.append(data)
                 if not pieces:
                     pieces.append({"text": "", "token_ids": []})

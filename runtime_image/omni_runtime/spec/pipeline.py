@@ -76,7 +76,9 @@ class StageSpec(BaseModel):
         "", description="Folder inside the model that holds this stage's component; empty for the root."
     )
     engine_args: dict[str, Any] = Field(
-        default_factory=dict, description="Arguments passed through to the engine (vLLM or diffusers)."
+        default_factory=dict,
+        description="Arguments passed through to the engine (vLLM or diffusers); for ar stages also "
+        "`tool_call_parser`, the vLLM tool-call parser of the stage (as `vllm serve --tool-call-parser`).",
     )
     sampling_params: dict[str, Any] = Field(
         default_factory=dict, description="Default sampling parameters; a request may override them."

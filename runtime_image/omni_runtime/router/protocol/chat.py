@@ -21,6 +21,7 @@ __all__ = [
     "FORWARDED",
     "REFUSED",
     "TEXT_ONLY",
+    "TOOL_FIELDS",
     "ChatLogProbs",
     "check_stream_options",
     "ResponseFormat",
@@ -190,6 +191,16 @@ class ChatCompletionRequest(BaseModel):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # tool calling (checked by vLLM's own request model in the stage)
+    tools: list[dict[str, Any]] | None = Field(
+        None,
+        min_length=1,
+        description="Functions the model may call (OpenAI's shape); rendered with the model's chat template.",
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description='"none", "auto" (the default with tools), "required" or {"type": "function", ...}.'
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call per reply.")
 
     # vLLM-Omni extras
     sampling_params_list: list[dict[str, Any]] | None = None
@@ -218,6 +229,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | list[dict[str, Any]] | None = None
     audio: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """OpenAI's `{id, type: function, function: {name, arguments}}`, as the stage's vLLM parser read them."""
 
 
 class TopLogProb(BaseModel):
@@ -256,6 +269,8 @@ class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | list[dict[str, Any]] | None = None
     audio: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """OpenAI's streamed `{index, id?, type?, function: {name?, arguments}}` pieces."""
 
 
 class ChunkChoice(BaseModel):
@@ -277,6 +292,10 @@ class ChatCompletionStreamResponse(BaseModel):
 _SAMPLING = "the sampling parameters of every AR stage the request runs"
 _TEXT = "the AR stage that produces the reply's text (400 when the pipeline's text comes from no AR stage)"
 _RENDER = "the prompt rendering of the entry AR stage (400 when the entry stage is not AR)"
+_TOOL = (
+    "the AR stage that renders the chat and produces the reply's text (400 when no stage is both): its chat "
+    "template, vLLM's structured outputs for required/named, and its engine_args.tool_call_parser"
+)
 
 FORWARDED: dict[str, str] = {
     "model": "checked against the served model name",
@@ -316,6 +335,9 @@ FORWARDED: dict[str, str] = {
     "continue_final_message": _RENDER,
     "add_special_tokens": _RENDER,
     "chat_template_kwargs": _RENDER,
+    "tools": _TOOL,
+    "tool_choice": _TOOL,
+    "parallel_tool_calls": _TOOL,
     "sampling_params_list": "per stage, in topological order, over the fields above",
     "negative_prompt": "the diffusion stages and CFG companions",
     "size": "the diffusion stages (height and width)",
@@ -330,14 +352,12 @@ TEXT_ONLY = frozenset({"echo", *(k for k, v in FORWARDED.items() if v.startswith
 """Fields only the AR stage producing the reply's text can honour."""
 RENDER_ONLY = frozenset(k for k, v in FORWARDED.items() if v == _RENDER)
 """Fields only an AR entry stage (one that renders the chat) can honour."""
+TOOL_FIELDS = frozenset(k for k, v in FORWARDED.items() if v == _TOOL)
+"""Fields only an AR stage that both renders the chat and produces the reply's text can honour."""
 
-_TOOLS = "tool calling is not served by this router yet; send the request without tools"
 _NOT_SERVED = "not served by this router"
 
 REFUSED: dict[str, tuple[str, object]] = {
-    "tools": (_TOOLS, None),
-    "tool_choice": (_TOOLS, "none"),
-    "parallel_tool_calls": (_TOOLS, True),
     "functions": ("deprecated by OpenAI and not served; use tools", None),
     "function_call": ("deprecated by OpenAI and not served; use tool_choice", None),
     "chat_template": (

@@ -32,6 +32,7 @@ from omni_runtime.router.protocol.chat import (
     AUDIO_FORMATS,
     RENDER_ONLY,
     TEXT_ONLY,
+    TOOL_FIELDS,
     AssistantMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -52,6 +53,7 @@ from omni_runtime.router.serving.inputs import (
     render_inputs,
     stage_params,
     text_params,
+    text_stages,
 )
 from omni_runtime.router.serving.logprobs import chat_logprobs
 from omni_runtime.router.serving.media_inputs import check_media, media_parts
@@ -76,6 +78,10 @@ class _Acc:
     audio: list[np.ndarray] = field(default_factory=list)
     rate: int = 0
     finish_reason: str | None = None
+    tool_message: dict[str, Any] | None = None
+    """With tools: the text stage's whole reply as its vLLM parser read it (`content`, `tool_calls`)."""
+    stream_finish: str | None = None
+    """With tools: the finish reason vLLM's server streams (it decides from what was streamed)."""
 
     def fold(self, event: StageEvent) -> None:
         data = event.data or {}
@@ -85,6 +91,9 @@ class _Acc:
             self.token_ids.extend(data.get("token_ids") or [])
             self.logprob_rows.extend(data.get("logprobs") or [])
             self.prompt_tokens = len(data.get("prompt_token_ids") or []) or self.prompt_tokens
+            if isinstance(data.get("message"), dict):
+                self.tool_message = data["message"]
+                self.stream_finish = data.get("stream_finish_reason")
         self.images.extend(images_of(data))
         audio = audio_of(data)
         if audio is not None:
@@ -94,6 +103,8 @@ class _Acc:
             self.pending.discard(event.stage)
             if event.modality == "text" or self.finish_reason is None:
                 self.finish_reason = event.finish_reason or "stop"
+            if event.modality == "text" and data.get("finish_reason"):
+                self.finish_reason = data["finish_reason"]
 
     @property
     def done(self) -> bool:
@@ -110,6 +121,7 @@ class ServingChat(ServingBase):
         audio_format = _audio_format(body)
         plan = plan_request(self.topology, modalities)
         self.check_text_fields(body, plan, TEXT_ONLY, RENDER_ONLY)
+        self._check_tool_fields(body, plan)
         voice = body.audio.voice if body.audio else None
         voices = voice_params(self.ctx.pool, plan, voice, "audio.voice")
         messages = normalize_messages(body.messages)
@@ -144,6 +156,23 @@ class ServingChat(ServingBase):
         response = ChatCompletionResponse(id=request_id, model=body.model, choices=choices, usage=usage)
         return JSONResponse(response.model_dump(exclude_none=True))
 
+    def _check_tool_fields(self, body: ChatCompletionRequest, plan: Plan) -> None:
+        """Tools need one AR stage that renders the chat (sees the tools) and writes the reply's text
+        (where the calls are constrained and parsed): 400 naming the field otherwise."""
+        asked = sorted(k for k in TOOL_FIELDS & body.model_fields_set if getattr(body, k) is not None)
+        if not asked:
+            return
+        texts = text_stages(self.topology, plan)
+        if texts and all(n in plan.entry for n in texts):
+            return
+        raise BadRequest(
+            f"{asked[0]} needs an AR stage that both renders the chat and writes the reply's text; in this "
+            f"request (pipeline {self.topology.name}) the entry stages are {list(plan.entry)} and the text comes from "
+            f"{texts or 'no AR stage'}; remove {asked[0]}"
+            + (" or ask for modalities ['text']" if "text" in self.producible() else ""),
+            param=asked[0],
+        )
+
     # -- building the request ------------------------------------------------------------------
 
     def _requests(
@@ -162,6 +191,8 @@ class ServingChat(ServingBase):
         ar["max_tokens"] = body.max_completion_tokens or body.max_tokens
         text = text_params(body)
         render = {k: getattr(body, k) for k in sorted(RENDER_ONLY) if k in body.model_fields_set}
+        chat = render_inputs(render)
+        chat.update({k: getattr(body, k) for k in sorted(TOOL_FIELDS) if getattr(body, k) is not None})
         try:
             size = parse_size(body.size)
         except ValueError as err:
@@ -174,7 +205,7 @@ class ServingChat(ServingBase):
             "guidance_scale": body.guidance_scale,
         }
         entry = entry_inputs(self.topology, plan, messages=messages, negative_prompt=body.negative_prompt,
-                             chat=render_inputs(render))  # fmt: skip
+                             chat=chat)  # fmt: skip
         return [
             PipelineRequest(
                 request_id=request_id,
@@ -249,7 +280,7 @@ class ServingChat(ServingBase):
                             logprobs = chat_logprobs(data.get("token_ids") or [], data.get("logprobs") or [], top)
                         yield chunk(index, delta, logprobs=logprobs)
                     if event.finished and acc.done:
-                        yield chunk(index, Delta(), acc.finish_reason or "stop")
+                        yield chunk(index, Delta(), acc.stream_finish or acc.finish_reason or "stop")
                 usage = _usage(plan, self.topology, stream.results)
                 clock.done(usage.completion_tokens)
                 if include_usage:
@@ -293,6 +324,10 @@ def _audio_format(body: ChatCompletionRequest) -> str:
 
 
 def _message(acc: _Acc, audio_format: str, echo: str = "") -> AssistantMessage:
+    if acc.tool_message is not None:
+        content = acc.tool_message.get("content")
+        return AssistantMessage(content=echo + content if content is not None else (echo or None),
+                                tool_calls=list(acc.tool_message.get("tool_calls") or []))  # fmt: skip
     if acc.images:
         return AssistantMessage(content=[image_url_part(p) for p in acc.images])
     if acc.audio:
@@ -311,6 +346,9 @@ def _delta(event: StageEvent, audio_format: str) -> Delta | None:
     if audio is not None and audio[0].size:
         return Delta(audio=_audio(encode_audio(audio[0], audio[1], audio_format), audio_format))
     text = data.get("text")
+    calls = data.get("tool_calls")
+    if isinstance(calls, list) and calls:
+        return Delta(content=text or None, tool_calls=calls)
     if isinstance(text, str) and text:
         return Delta(content=text)
     return None
