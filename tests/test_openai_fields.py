@@ -217,6 +217,31 @@ async def test_text_fields_on_an_audio_only_reply_are_400s_naming_the_way_out() 
         assert cluster.engines["thinker"][0].seen[-1].params["logprobs"] == 0
 
 
+async def test_max_tokens_sizing_goes_to_the_text_stage_only() -> None:
+    """No max_tokens: the text stage sizes it to its context, at most router.limits.maxTokens; a client's
+    max_tokens is checked against that stage's context (by the engine); a prompt enhancer gets neither."""
+    limits = RouterLimits(max_tokens=77)
+    async with (
+        echo_cluster(echo_pipeline(chat_topology(), limits=limits)) as cluster,
+        httpx.AsyncClient(base_url=cluster.base) as h,
+    ):
+        engine = cluster.engines["llm"][0]
+        assert (await h.post("/v1/chat/completions", json={"model": "echo", "messages": user("x")})).status_code == 200
+        params = engine.seen[-1].params
+        assert params["context_max_tokens"] == 77 and "max_tokens" not in params and "check_max_tokens" not in params
+        body = {"model": "echo", "messages": user("x"), "max_completion_tokens": 9}
+        assert (await h.post("/v1/chat/completions", json=body)).status_code == 200
+        params = engine.seen[-1].params
+        assert params["max_tokens"] == 9 and params["check_max_tokens"] is True and "context_max_tokens" not in params
+    async with (
+        echo_cluster(echo_pipeline(enhancer_then_dit(), name="t2i")) as cluster,
+        httpx.AsyncClient(base_url=cluster.base) as h,
+    ):
+        assert (await h.post("/v1/chat/completions", json={"model": "t2i", "messages": user("x")})).status_code == 200
+        params = cluster.engines["enhancer"][0].seen[-1].params
+        assert "context_max_tokens" not in params and "check_max_tokens" not in params
+
+
 async def test_tools_need_the_stage_that_renders_the_chat_and_writes_the_text() -> None:
     """A prompt enhancer renders the chat but a DiT makes the reply; a talker makes an audio-only reply:
     nothing could call a tool, so the request is a 400 naming the field."""

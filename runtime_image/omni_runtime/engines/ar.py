@@ -54,6 +54,8 @@ from omni_runtime.spec import ResolvedPipeline, StageSpec
 
 __all__ = [
     "AREngine",
+    "CHECK_MAX_TOKENS",
+    "CONTEXT_MAX_TOKENS",
     "CPU_ENGINE_DEFAULTS",
     "CPU_ENV_DEFAULTS",
     "HIDDEN_STATE_ARG",
@@ -88,6 +90,14 @@ MEDIA_HIDDEN_ARG = "media_hidden_layer"
 out with the request's first piece (an index as in `hidden_state_layers`, or `talker`: the checkpoint's
 `talker_config.accept_hidden_layer`). It uses the same route and has the same costs as
 `hidden_state_layers`, for every request; the two cannot be combined."""
+
+CONTEXT_MAX_TOKENS = "context_max_tokens"
+"""The router's sampling key (never passed to vLLM) for the stage writing the reply's text when the
+client set no max_tokens: generate up to what remains of max_model_len after the prompt, at most this
+many (vLLM's server default, bounded by router.limits.maxTokens). See stage/PROTOCOL.md."""
+CHECK_MAX_TOKENS = "check_max_tokens"
+"""The router's flag (never passed to vLLM) for the same stage when the client set max_tokens: more
+than max_model_len is refused, as vLLM's server refuses it (a stage default is not the client's ask)."""
 
 ROWS_TIMEOUT_S = 120.0
 """How long a step's hidden-state rows may lag its tokens (they are pushed before the tokens go out,
@@ -555,8 +565,15 @@ class AREngine(Engine):
         if "messages" in request.data:
             tools = open_session(request.data, self._tool_parser_cls, self.llm.renderer.tokenizer,
                                  self.llm.model_config, self.stage.name)  # fmt: skip
-        params = {**request.params, **tools.sampling_overrides()} if tools is not None else request.params
+        params = {**request.params, **tools.sampling_overrides()} if tools is not None else dict(request.params)
+        context_cap = params.pop(CONTEXT_MAX_TOKENS, None)
+        check = params.pop(CHECK_MAX_TOKENS, False)
         sampling = self.sampling_params(params)
+        if check and sampling.max_tokens is not None and sampling.max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"max_tokens={sampling.max_tokens} cannot be greater than max_model_len={self.max_model_len} "
+                f"of stage {self.stage.name!r}; request fewer output tokens"
+            )
         if tools is not None and sampling.n > 1:
             raise InvalidRequest(
                 f"stage {self.stage.name!r} parses tool calls of one sequence per request; got n={sampling.n}, "
@@ -575,6 +592,9 @@ class AREngine(Engine):
             prompt = await self.render_prompt(data_in)
             if tools is not None:
                 tools.prompt_token_ids = list(prompt["prompt_token_ids"])
+            if context_cap is not None and "max_tokens" not in {**self.stage.sampling_params, **params}:
+                room = self.max_model_len - len(prompt["prompt_token_ids"])  # >= 1: render_prompt checked
+                sampling.max_tokens = max(1, min(int(context_cap), room))
         except BaseException:
             self._active.discard(rid)
             self._abort_pending.discard(rid)

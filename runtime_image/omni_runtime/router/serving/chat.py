@@ -190,6 +190,12 @@ class ServingChat(ServingBase):
         ar = {k: getattr(body, k) for k in AR_FIELDS}
         ar["max_tokens"] = body.max_completion_tokens or body.max_tokens
         text = text_params(body)
+        # the stage writing the reply's text sizes a missing max_tokens to its context, and refuses one
+        # beyond it, as vLLM's server does (stage/PROTOCOL.md: context_max_tokens, check_max_tokens)
+        if ar["max_tokens"] is None:
+            text["context_max_tokens"] = self.limits.max_tokens
+        else:
+            text["check_max_tokens"] = True
         render = {k: getattr(body, k) for k in sorted(RENDER_ONLY) if k in body.model_fields_set}
         chat = render_inputs(render)
         chat.update({k: getattr(body, k) for k in sorted(TOOL_FIELDS) if getattr(body, k) is not None})
