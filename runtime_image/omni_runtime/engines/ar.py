@@ -563,8 +563,13 @@ class AREngine(Engine):
             return
         tools = None
         if "messages" in request.data:
-            tools = open_session(request.data, self._tool_parser_cls, self.llm.renderer.tokenizer,
-                                 self.llm.model_config, self.stage.name)  # fmt: skip
+            try:
+                tools = open_session(request.data, self._tool_parser_cls, self.llm.renderer.tokenizer,
+                                     self.llm.model_config, self.stage.name)  # fmt: skip
+            except InvalidRequest:
+                raise
+            except Exception as exc:  # vLLM's parsers and grammar builders raise many types on odd tools
+                raise InvalidRequest(f"stage {self.stage.name!r} could not use the tools: {exc}") from exc
         params = {**request.params, **tools.sampling_overrides()} if tools is not None else dict(request.params)
         context_cap = params.pop(CONTEXT_MAX_TOKENS, None)
         check = params.pop(CHECK_MAX_TOKENS, False)
