@@ -404,11 +404,20 @@ def test_a_conversation_with_tool_results_matches(apis) -> None:
         theirs.choices[0].message.content, calls_of(theirs.choices[0].message))  # fmt: skip
 
 
-def test_max_tokens_default_is_what_remains_of_the_context(apis) -> None:
-    """No max_tokens: vLLM's server generates up to max_model_len - prompt tokens (not the library's 16)."""
+def test_max_tokens_default_is_what_remains_of_the_context(servers, apis) -> None:
+    """No max_tokens: vLLM's server generates up to max_model_len - prompt tokens (not the library's 16).
+    The prompt is sized (with /tokenize) to leave a few tokens of context, so the run stays short."""
+    serve, _ = servers
+
+    def prompt_tokens(words: int) -> int:
+        body = {"model": MODEL, "messages": user("sea " * words), "add_generation_prompt": True}
+        return httpx.post(f"{serve.base}/tokenize", json=body, timeout=60).json()["count"]
+
+    base, per_word = prompt_tokens(0), prompt_tokens(100) - prompt_tokens(0)
+    words = (MAX_MODEL_LEN - 12 - base) * 100 // per_word
     ours, theirs = both(apis, lambda c: c.chat.completions.create(
-        messages=user("Tell me everything."), extra_body={"ignore_eos": True}, **GREEDY))  # fmt: skip
-    assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens
+        messages=user("sea " * words), extra_body={"ignore_eos": True}, **GREEDY))  # fmt: skip
+    assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens < MAX_MODEL_LEN - 1
     assert ours.usage.completion_tokens == theirs.usage.completion_tokens == MAX_MODEL_LEN - ours.usage.prompt_tokens
     assert ours.choices[0].message.content == theirs.choices[0].message.content
     assert ours.choices[0].finish_reason == theirs.choices[0].finish_reason == "length"
