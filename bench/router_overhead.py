@@ -11,8 +11,9 @@ pair of neighbouring rounds, and the median ratio is printed with its range (min
 <= 1.10.
 
 The workload (`WORKLOAD`) mixes plain chat with structured output (`response_format` json_schema, which
-vLLM's structured-output backend constrains on both sides). Tool calls go into `TOOL_CALL_REQUESTS` once
-the router serves them.
+vLLM's structured-output backend constrains on both sides) and tool calls (`TOOL_CALL_REQUESTS`: `tools`
+with `tool_choice` required, both sides parsing with vLLM's `hermes` parser); a streamed tool call's
+`delta.tool_calls` pieces count as its tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ sys.path.insert(0, str(REPO / "e2e" / "cluster"))
 from localcluster import free_port  # noqa: E402
 
 ENGINE_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 256 * 1024**2, "enforce_eager": True, "seed": 0}
+TOOL_PARSER = "hermes"
+"""Both sides: `--enable-auto-tool-choice --tool-call-parser` for vLLM, `tool_call_parser` for the stage."""
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1", "NO_PROXY": "*"}
 
 
@@ -87,6 +90,9 @@ def start_vllm(model: Path, port: int, log: Path) -> subprocess.Popen:
         "--enforce-eager",
         "--seed",
         "0",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        TOOL_PARSER,
     ]
     return subprocess.Popen(
         args, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **ENV}
@@ -99,7 +105,7 @@ def start_omnikube(model: Path, port: int, workdir: Path) -> subprocess.Popen:
         "pipeline": "text-chat",
         "name": "bench",
         "served_model_name": "tiny",
-        "stages": [{"name": "llm", "engine_args": ENGINE_ARGS}],
+        "stages": [{"name": "llm", "engine_args": {**ENGINE_ARGS, "tool_call_parser": TOOL_PARSER}}],
         "limits": {"max_concurrent_requests": 64, "max_queued_requests": 256},
     }
     path = workdir / "pipeline.yaml"
@@ -154,9 +160,31 @@ def structured_output(i: int) -> dict:
     }
 
 
-TOOL_CALL_REQUESTS: list = []
-"""Builders (i -> request kwargs) of tool-call requests (`tools` + `tool_choice`), added to the workload
-once the router serves tools (issue 11 item 3). Empty until then."""
+LOOKUP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {
+            "type": "object",
+            "properties": {"number": {"type": "integer"}},
+            "required": ["number"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def tool_call(i: int) -> dict:
+    """`tools` with `tool_choice` required: vLLM's structural tag constrains the call, its parser reads it."""
+    return {
+        "messages": [{"role": "user", "content": f"Look up the number {i}."}],
+        "tools": [LOOKUP_TOOL],
+        "tool_choice": "required",
+    }
+
+
+TOOL_CALL_REQUESTS: list = [tool_call]
+"""Builders (i -> request kwargs) of tool-call requests (`tools` + `tool_choice`)."""
 
 WORKLOAD = [plain_chat, plain_chat, plain_chat, structured_output, *TOOL_CALL_REQUESTS]
 """Request i is built by WORKLOAD[i % len(WORKLOAD)]: the same prompts in every round, on both sides."""
@@ -176,7 +204,7 @@ async def one_request(client: AsyncOpenAI, i: int, max_tokens: int) -> tuple[flo
         **kwargs,
     )
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
+        if chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].delta.tool_calls):
             now = time.perf_counter()
             first = first or now
             last = now
