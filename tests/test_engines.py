@@ -130,17 +130,28 @@ def test_ar_text_to_prompt_pairs_the_companion_as_negative_prompt() -> None:
         apply_processor("ar_text_to_prompt", plain, {"primary": {"text": "  "}}, ProcessorContext("r"))
 
 
-def test_thinker_to_talker_hands_over_hidden_states_and_tokens() -> None:
-    thinker = get_pipeline("qwen3-omni").stage("thinker")
-    hidden = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float16)  # connectors may give numpy
-    payload = {"hidden_states": hidden, "prompt_token_ids": [1, 2, 3], "token_ids": [4, 5], "text": "hi"}
+def test_thinker_to_talker_hands_over_the_thinkers_rows_and_tokens() -> None:
+    """Qwen2.5-Omni: the ar engine's per-layer rows (layer 0 and the last) reach the talker by name."""
+    thinker = get_pipeline("qwen2-5-omni").stage("thinker")
+    rng = np.random.default_rng(0)
+    embeds, last = (rng.standard_normal((4, 8)).astype(np.float16) for _ in range(2))  # connectors may give numpy
+    payload = {"hidden_states": {"0": embeds, "2": last}, "prompt_token_ids": [1, 2, 3], "token_ids": [4, 5],
+               "text": "hi"}  # fmt: skip
     out = apply_processor("thinker_to_talker", thinker, {"primary": payload}, ProcessorContext("r"))
-    assert out["prompt_embeds"].dtype == torch.float32 and tuple(out["prompt_embeds"].shape) == (5, 8)
-    assert torch.allclose(out["prompt_embeds"], torch.from_numpy(hidden).float())
-    assert out["thinker_token_ids"] == [1, 2, 3, 4, 5] and out["thinker_text"] == "hi"
-    with pytest.raises(ProcessorError, match="5 hidden states for 6 tokens"):
-        bad = {**payload, "token_ids": [4, 5, 6]}
-        apply_processor("thinker_to_talker", thinker, {"primary": bad}, ProcessorContext("r"))
+    assert out["thinker_prompt_ids"] == [1, 2, 3] and out["thinker_token_ids"] == [4, 5]
+    assert out["thinker_text"] == "hi" and out["thinker_hidden_layer"] == 2
+    assert out["thinker_embeds"].dtype == torch.float32 and tuple(out["thinker_hidden"].shape) == (4, 8)
+    assert torch.allclose(out["thinker_hidden"], torch.from_numpy(last).float())
+    assert torch.allclose(out["thinker_embeds"], torch.from_numpy(embeds).float())
+    with pytest.raises(ProcessorError, match="hidden_state_layers to \\[0, -1\\]"):
+        only = {**payload, "hidden_states": {"2": last}}
+        apply_processor("thinker_to_talker", thinker, {"primary": only}, ProcessorContext("r"))
+    with pytest.raises(ProcessorError, match="have shapes \\(4, 8\\) and \\(3, 8\\)"):
+        short = {**payload, "hidden_states": {"0": embeds, "2": last[:3]}}
+        apply_processor("thinker_to_talker", thinker, {"primary": short}, ProcessorContext("r"))
+    with pytest.raises(ProcessorError, match="not a dict of layer index"):
+        apply_processor("thinker_to_talker", thinker, {"primary": {**payload, "hidden_states": last}},
+                        ProcessorContext("r"))  # fmt: skip
     with pytest.raises(ProcessorError, match="'token_ids'"):
         apply_processor("thinker_to_talker", thinker, {"primary": {"text": "hi"}}, ProcessorContext("r"))
 
@@ -157,7 +168,7 @@ def test_thinker_to_talker_hands_over_token_ids_per_chunk() -> None:
 
 
 def test_talker_to_code2wav_gives_codes_without_the_stop_token() -> None:
-    talker = get_pipeline("qwen2-5-omni").stage("talker")  # stop_token_ids: [8294]
+    talker = StageSpec(name="talker", kind="ar", output_modality="hidden", sampling_params={"stop_token_ids": [8294]})
     out = apply_processor(
         "talker_to_code2wav", talker, {"primary": {"token_ids": [7, 8, 9, 8294]}}, ProcessorContext("r")
     )

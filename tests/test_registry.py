@@ -97,8 +97,8 @@ def test_omni_topologies(name: str) -> None:
     spec = get_pipeline(name)
     assert spec.topological_order() == ["thinker", "talker", "code2wav"]
     kinds = {s.name: s.kind for s in spec.stages}
-    talker_kind = StageKind.GENERATION if name == "qwen3-omni" else StageKind.AR  # qwen3: torch decode loop
-    assert kinds == {"thinker": StageKind.AR, "talker": talker_kind, "code2wav": StageKind.GENERATION}
+    # the talkers run their own decode loop in torch (omni_runtime.engines.speech)
+    assert kinds == {"thinker": StageKind.AR, "talker": StageKind.GENERATION, "code2wav": StageKind.GENERATION}
     finals = {s.name: s.output_modality.value for s in spec.stages if s.final_output}
     assert finals == {"thinker": "text", "code2wav": "audio"}
     processors = {(e.source, e.target): e.input_processor for e in spec.edges}
@@ -111,8 +111,10 @@ def test_omni_topologies(name: str) -> None:
     if name == "qwen3-omni":  # talker and code2wav run on omni_runtime.engines.speech
         runners = {s.name: s.engine_args.get("runner") for s in spec.stages}
         assert runners == {"thinker": None, "talker": "qwen3_omni_talker", "code2wav": "qwen3_omni_code2wav"}
-    else:  # qwen2.5: token2wav on omni_runtime.engines.speech; its talker has no engine yet
-        assert spec.stage("code2wav").engine_args == {"runner": "qwen2_5_omni_token2wav"}
+    else:  # qwen2.5: the talker reads the thinker's embeddings and last-layer rows of every token
+        runners = {s.name: s.engine_args.get("runner") for s in spec.stages}
+        assert runners == {"thinker": None, "talker": "qwen2_5_omni_talker", "code2wav": "qwen2_5_omni_token2wav"}
+        assert spec.stage("thinker").engine_args["hidden_state_layers"] == [0, -1]
 
 
 def test_qwen3_omni_streams_codec_chunks_to_code2wav() -> None:

@@ -21,7 +21,7 @@ from servelib import tiny_model
 from omni_runtime.engines.base import EngineError, EngineInput, InvalidRequest
 from omni_runtime.engines.factory import make_engine
 from omni_runtime.registry import get_pipeline
-from omni_runtime.spec import StageOverride, resolve_pipeline
+from omni_runtime.spec import EdgeOverride, StageOverride, resolve_pipeline
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.models
@@ -267,45 +267,173 @@ def test_speech_engines_refuse_what_they_cannot_run(folder: Path, reference) -> 
     asyncio.run(main())
 
 
-def test_qwen2_5_token2wav_equals_transformers() -> None:
-    """Whole-output token2wav (no streaming yet) on random codes: the waveform transformers' own
-    token2wav gives for the same speaker and noise seed (within 1e-5); bad voices and codes are 400s."""
+def test_qwen2_5_token2wav_whole_equals_transformers_and_windows_join() -> None:
+    """Whole output (edge window 0): transformers' own token2wav waveform for the same speaker and noise
+    seed (within 1e-5). Windowed (the registry's edge: 4 codes, then 25): each window gives exactly its
+    codes' samples (480 a code), so the total is the one-shot length, and all but the last 10 codes of
+    each window (which lack the codes after them) equal a one-shot decode with the same noise (1e-4):
+    no sample lost or doubled at a boundary. Bad voices and codes are 400s."""
     import numpy as np
     import torch
     from transformers import Qwen2_5OmniForConditionalGeneration
 
     folder = tiny_model("tiny-qwen2-5-omni")
-    codes = torch.randint(0, 8192, (40,), generator=torch.Generator().manual_seed(3))
+    codes = torch.randint(0, 8192, (80,), generator=torch.Generator().manual_seed(3))
     model = Qwen2_5OmniForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
     speaker = model.speaker_map["Ethan"]
     torch.manual_seed(5)
     with torch.inference_mode():
-        expected = model.token2wav(codes[None], conditioning=speaker["cond"], reference_mel=speaker["ref_mel"])
+        expected = model.token2wav(codes[None, :40], conditioning=speaker["cond"], reference_mel=speaker["ref_mel"])
     expected = expected.reshape(-1).numpy()
-    pipeline = resolve_pipeline(get_pipeline("qwen2-5-omni"), name="q", model=str(folder))
+    streamed = resolve_pipeline(get_pipeline("qwen2-5-omni"), name="q", model=str(folder))
+    whole = resolve_pipeline(
+        get_pipeline("qwen2-5-omni"), name="q", model=str(folder),
+        edges=[EdgeOverride(source="talker", target="code2wav", window=0)],
+    )  # fmt: skip
+    cuts = [0, 4, 29, 54, 79, 80]
 
     async def main():
-        engine = make_engine(pipeline, "code2wav")
+        engine = make_engine(whole, "code2wav")
+        windowed = make_engine(streamed, "code2wav")
         await engine.start()
+        await windowed.start()
         try:
             assert engine.voices() == ["chelsie", "ethan"]
 
             async def rest():
-                yield {"codes": codes[15:].numpy()}
+                yield {"codes": codes[15:40].numpy()}
 
             request = EngineInput("r", {"codes": codes[:15].numpy()}, {"voice": "ethan", "seed": 5}, chunks=rest())
             outputs = [o async for o in engine.generate(request)]
+
+            async def windows():
+                for a, b in zip(cuts[1:], cuts[2:], strict=False):
+                    yield {"codes": codes[a:b].numpy()}
+
+            request = EngineInput("s", {"codes": codes[:4].numpy()}, {"voice": "ethan"}, chunks=windows())
+            pieces = [o.data["audio"] async for o in windowed.generate(request) if "audio" in o.data]
+            oneshot = windowed.model.decode_window(codes, 0, "Ethan", 0, windowed.num_steps, 25).numpy()
+            torch.manual_seed(5)
+            noise = torch.randn(1, 80, 80)
+            mel = windowed.model._sample(codes[None, :40], noise, windowed.model.speakers["Ethan"], 10)
+            again = windowed.model.module.code2wav_bigvgan_model(mel).reshape(-1).detach().numpy()
             with pytest.raises(InvalidRequest, match="voice 'nobody' is not one of"):
                 await anext(engine.generate(EngineInput("x", {"codes": codes.numpy()}, {"voice": "nobody"})))
             with pytest.raises(InvalidRequest, match="must lie in \\[0, 8193\\)"):
                 await anext(engine.generate(EngineInput("y", {"codes": np.array([9000])}, {})))
-            return outputs
+            return outputs, pieces, oneshot, again, windowed.model
         finally:
             await engine.stop()
+            await windowed.stop()
 
-    outputs = asyncio.run(main())
-    assert [o.finished for o in outputs] == [False, True] and outputs[-1].usage == {"codec_tokens": 40}
+    outputs, pieces, oneshot, again, t2w = asyncio.run(main())
+    assert [o.finished for o in outputs] == [False, True] and outputs[-1].usage["codec_tokens"] == 40
     np.testing.assert_allclose(outputs[0].data["audio"], expected, atol=1e-5)
+    np.testing.assert_allclose(again, expected, atol=1e-5)  # the windows' DiT route, given transformers' noise
+    assert [len(p) for p in pieces] == [(b - a) * 480 for a, b in zip(cuts, cuts[1:], strict=False)]
+    joined = np.concatenate(pieces)
+    assert joined.shape == oneshot.shape == (80 * 480,)
+    exact = np.zeros(80, dtype=bool)
+    for start, end in zip(cuts, cuts[1:], strict=False):
+        for code in range(start, end):  # measured: BigVGAN reaches ~15 mel frames (8 codes) ahead
+            exact[code] = end == 80 or code < end - 10
+    assert exact.sum() == 46 and t2w.block_codes == 12
+    mask = np.repeat(exact, 480)
+    np.testing.assert_allclose(joined[mask], oneshot[mask], atol=1e-4)
+
+
+Q25_CASES = [("Hello, who are you?", 8, 30), ("Tell me a story about a cat and a dog, please.", 12, 24), ("Hi", 5, 16)]
+"""(user text, thinker tokens, talker codes): different prompt and answer lengths."""
+
+
+@pytest.fixture(scope="module")
+def q25_reference() -> list[dict]:
+    from qwen25_reference import generate_reference
+
+    return generate_reference(Q25_CASES)
+
+
+async def _talk25(engine, ref: dict, rid: str, streamed: bool) -> list[int]:
+    """Feed the thinker's rows as the ar engine sends them: streamed, one token per chunk, the row of
+    token j-1 with token j (the prompt's rows with the first); or whole, in one input."""
+    prompt, tokens, n = ref["prompt"], ref["tokens"], len(ref["prompt"])
+    params = {"temperature": 0.0, "max_tokens": ref["frames"], "voice": "Ethan"}
+
+    def rows(a: int, b: int) -> dict:
+        return {"thinker_embeds": ref["embeds"][a:b], "thinker_hidden": ref["hidden"][a:b], "thinker_hidden_layer": 2}
+
+    if not streamed:
+        request = EngineInput(rid, {"thinker_prompt_ids": prompt, "thinker_token_ids": tokens, **rows(0, None)}, params)
+    else:
+
+        async def chunks():
+            for j in range(1, len(tokens)):
+                await asyncio.sleep(0)
+                yield {"thinker_token_ids": tokens[j : j + 1], **rows(n + j - 1, n + j)}
+
+        first = {"thinker_prompt_ids": prompt, "thinker_token_ids": tokens[:1], **rows(0, n)}
+        request = EngineInput(rid, first, params, chunks=chunks())
+    codes: list[int] = []
+    async for output in engine.generate(request):
+        if "codes" in output.data:
+            assert output.data["codes"].shape[1] == 1
+            codes.extend(output.data["codes"][:, 0].tolist())
+    return codes
+
+
+def test_qwen2_5_talker_and_token2wav_equal_transformers(q25_reference) -> None:
+    """Greedy codes equal transformers' exactly: alone and with two other requests of other lengths,
+    streamed per thinker step and whole; token2wav of those codes (whole) equals transformers' waveform
+    within 1e-4. A thinker sending the wrong layer, no rows or a media prompt is a 400 naming the fix."""
+    import numpy as np
+
+    pipeline = resolve_pipeline(
+        get_pipeline("qwen2-5-omni"), name="q", model=str(tiny_model("tiny-qwen2-5-omni")),
+        edges=[EdgeOverride(source="talker", target="code2wav", window=0)],  # whole outputs: transformers' decode
+    )  # fmt: skip
+    refs = q25_reference
+
+    async def main():
+        talker = make_engine(pipeline, "talker")
+        token2wav = make_engine(pipeline, "code2wav")
+        await talker.start()
+        await token2wav.start()
+        try:
+            assert talker.voices() == ["chelsie", "ethan"] == token2wav.voices()
+            alone = await _talk25(talker, refs[0], "alone", streamed=True)
+            together = {
+                streamed: await asyncio.gather(
+                    *(_talk25(talker, r, f"{streamed}{i}", streamed) for i, r in enumerate(refs))
+                )
+                for streamed in (True, False)
+            }
+            assert talker.stats()["running_requests"] == 0
+            wavs = []
+            for i, r in enumerate(refs):
+                request = EngineInput(f"w{i}", {"codes": np.asarray(r["codes"], dtype=np.int64)}, {"voice": "ethan"})
+                wavs.append([o.data["audio"] async for o in token2wav.generate(request) if "audio" in o.data][0])
+            ref = refs[0]
+            wrong = {"thinker_prompt_ids": ref["prompt"], "thinker_token_ids": [1], "thinker_embeds": ref["embeds"],
+                     "thinker_hidden": ref["hidden"], "thinker_hidden_layer": 1}  # fmt: skip
+            with pytest.raises(InvalidRequest, match="hidden_state_layers to \\[0, -1\\]"):
+                await anext(talker.generate(EngineInput("x", wrong, {})))
+            with pytest.raises(InvalidRequest, match="needs thinker_prompt_ids and the thinker's rows"):
+                await anext(talker.generate(EngineInput("y", {"thinker_prompt_ids": ref["prompt"]}, {})))
+            media = {**wrong, "thinker_prompt_ids": [*ref["prompt"][:3], 151646, *ref["prompt"][3:]]}
+            with pytest.raises(InvalidRequest, match="media token ids \\[151646\\]"):
+                await anext(talker.generate(EngineInput("z", media, {})))
+            return alone, together, wavs
+        finally:
+            await talker.stop()
+            await token2wav.stop()
+
+    alone, together, wavs = asyncio.run(main())
+    assert alone == refs[0]["codes"] and len(alone) > 10
+    for streamed in (True, False):
+        for ref, codes in zip(refs, together[streamed], strict=True):
+            assert codes == ref["codes"], streamed
+    for ref, wav in zip(refs, wavs, strict=True):
+        np.testing.assert_allclose(wav, ref["wav"].numpy(), atol=1e-4)
 
 
 MEDIA_FRAMES = 8

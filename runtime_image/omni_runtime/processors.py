@@ -119,48 +119,55 @@ def thinker_to_talker(upstream: StageSpec, outputs: dict[str, Payload], context:
     `media_hidden_states` (positions, H) and `media_grids` (the ar engine's `media_hidden_layer`)
     pass on as `thinker_media_rows` (float32) and `thinker_media_grids`.
 
-    Hidden-state route (Qwen2.5-Omni, media prompts): with `hidden_states` (T, H) over prompt and
-    generated tokens it also gives `prompt_embeds` (T, H, float32), and checks their count against the
-    ids; `thinker_token_ids` are then prompt + generated, as that talker conditions on both.
+    Row route (Qwen2.5-Omni): when the thinker streams hidden states (its engine arg
+    `hidden_state_layers`, a dict {layer: (rows, H)}, rows contiguous over prompt + generated tokens)
+    it also gives `thinker_embeds` (layer 0, the embeddings), `thinker_hidden` (the deepest layer
+    sent, before the thinker's final norm: the talker applies it, since it holds the checkpoint) and
+    `thinker_hidden_layer` (that layer's index), float32.
     """
     import torch
 
     payload = _primary(upstream, outputs)
     token_ids = [int(t) for t in _need(upstream, payload, "token_ids", "thinker_to_talker")]
     prompt_ids = [int(t) for t in payload.get("prompt_token_ids") or []]
-    if payload.get("hidden_states") is None:
-        out: Payload = {"thinker_token_ids": token_ids, "thinker_text": payload.get("text", "")}
-        if prompt_ids:
-            out["thinker_prompt_ids"] = prompt_ids
-        if payload.get("media_hidden_states") is not None:
-            rows = _tensor(payload["media_hidden_states"])
-            if rows.dim() != 2:
-                raise ProcessorError(
-                    f"thinker_to_talker: media_hidden_states of stage {upstream.name!r} has shape "
-                    f"{tuple(rows.shape)}; expected (media positions, hidden_size)"
-                )
-            out["thinker_media_rows"] = rows.to(torch.float32)
-            out["thinker_media_grids"] = dict(payload.get("media_grids") or {})
+    out: Payload = {"thinker_token_ids": token_ids, "thinker_text": payload.get("text", "")}
+    if prompt_ids:
+        out["thinker_prompt_ids"] = prompt_ids
+    if payload.get("media_hidden_states") is not None:
+        media = _tensor(payload["media_hidden_states"])
+        if media.dim() != 2:
+            raise ProcessorError(
+                f"thinker_to_talker: media_hidden_states of stage {upstream.name!r} has shape "
+                f"{tuple(media.shape)}; expected (media positions, hidden_size)"
+            )
+        out["thinker_media_rows"] = media.to(torch.float32)
+        out["thinker_media_grids"] = dict(payload.get("media_grids") or {})
+    hidden = payload.get("hidden_states")
+    if hidden is None:
         return out
-    hidden = _tensor(payload["hidden_states"])
-    if hidden.dim() == 3 and hidden.shape[0] == 1:
-        hidden = hidden[0]
-    if hidden.dim() != 2:
+    try:
+        layers = {int(k): _tensor(v) for k, v in dict(hidden).items()}
+    except (TypeError, ValueError) as exc:
         raise ProcessorError(
-            f"thinker_to_talker: hidden_states of stage {upstream.name!r} has shape {tuple(hidden.shape)}; "
-            "expected (tokens, hidden_size)"
-        )
-    all_ids = prompt_ids + token_ids
-    if prompt_ids and len(all_ids) != hidden.shape[0]:
+            f"thinker_to_talker: hidden_states of stage {upstream.name!r} is not a dict of layer index -> "
+            f"(rows, hidden_size) rows as the ar engine sends it ({exc})"
+        ) from None
+    if 0 not in layers or len(layers) < 2:
         raise ProcessorError(
-            f"thinker_to_talker: stage {upstream.name!r} sent {hidden.shape[0]} hidden states for "
-            f"{len(all_ids)} tokens (prompt {len(prompt_ids)} + generated {len(token_ids)}); they must match"
+            f"thinker_to_talker: stage {upstream.name!r} sent hidden-state layers {sorted(layers)}; the talker "
+            "needs layer 0 (the embeddings) and the last layer: set its hidden_state_layers to [0, -1]"
         )
-    return {
-        "prompt_embeds": hidden.to(torch.float32),
-        "thinker_token_ids": all_ids,
-        "thinker_text": payload.get("text", ""),
-    }
+    deepest = max(layers)
+    embeds, rows = layers[0], layers[deepest]
+    if embeds.dim() != 2 or tuple(embeds.shape) != tuple(rows.shape):
+        raise ProcessorError(
+            f"thinker_to_talker: hidden-state layers 0 and {deepest} of stage {upstream.name!r} have shapes "
+            f"{tuple(embeds.shape)} and {tuple(rows.shape)}; expected equal (rows, hidden_size)"
+        )
+    out["thinker_embeds"] = embeds.to(torch.float32)
+    out["thinker_hidden"] = rows.to(torch.float32)
+    out["thinker_hidden_layer"] = deepest
+    return out
 
 
 def talker_to_code2wav(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> Payload:

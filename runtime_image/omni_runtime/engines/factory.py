@@ -33,6 +33,10 @@ def make_engine(pipeline: ResolvedPipeline, stage_name: str) -> Engine:
             from omni_runtime.engines.speech.talker import Qwen3TalkerEngine
 
             return Qwen3TalkerEngine(pipeline, stage)
+        if runner == "qwen2_5_omni_talker":
+            from omni_runtime.engines.speech.talker import Qwen25TalkerEngine
+
+            return Qwen25TalkerEngine(pipeline, stage)
         if runner == "qwen3_omni_code2wav":
             from omni_runtime.engines.speech.code2wav import Code2WavEngine
 

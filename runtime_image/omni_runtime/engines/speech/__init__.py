@@ -1,7 +1,9 @@
 """Speech-output stages of the Qwen omni models: the talker's decode loop and codec-to-waveform decoding.
 
 - `weights`: load one part (talker, code2wav, the thinker's embedding table) of a whole-model checkpoint.
-- `talker`: `Qwen3TalkerEngine`, step-batched decoding of codec frames from the thinker's tokens.
+- `talker`: `TalkerEngine`, the step-batched decode loop both talkers share (`Qwen3TalkerEngine`,
+  `Qwen25TalkerEngine`); `kv_batch`: their per-request KV caches stepped as one batch.
+- `qwen3_talker` / `qwen25_talker`: each model's inputs per step (thinker tokens / thinker rows).
 - `code2wav`: `Code2WavEngine`, windowed decoding of codec frames into a waveform.
-- `token2wav`: `Token2WavEngine`, Qwen2.5-Omni's DiT + BigVGAN decoder, whole output per request.
+- `token2wav`: `Token2WavEngine`, Qwen2.5-Omni's DiT + BigVGAN decoder, windowed or whole output.
 """

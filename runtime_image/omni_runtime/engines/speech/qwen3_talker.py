@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omni_runtime.engines.speech import kv_batch
 from omni_runtime.engines.speech.sampling import Sampling, sample
 from omni_runtime.engines.speech.weights import load_part, read_tensors
 
@@ -301,13 +302,9 @@ class Qwen3Talker:
             codec_rows = torch.cat([codec.new_zeros(3, hidden), codec])
             user_rows, user_ids = self._user_rows(r)
             embeds = torch.cat([user_rows, text_rows + codec_rows]).unsqueeze(0)
-            length = embeds.shape[1]
             # the talker's input ids: user-turn ids, then tts_pad for the assistant part (transformers')
             positions = self._positions(r, user_ids + [self.config.tts_pad_token_id] * text_rows.shape[0])
-            out = self.talker.model(inputs_embeds=embeds, position_ids=positions, use_cache=True)
-            r.kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-            r.length = length
-            r.last_hidden = out.last_hidden_state[0, -1]
+            r.kv, r.length, r.last_hidden = kv_batch.prefill(self.talker.model, embeds, positions)
             self._sample_code0(r, self.talker.codec_head(r.last_hidden))
 
     def _sample_code0(self, r: TalkerRequest, logits: Any) -> None:
@@ -363,43 +360,14 @@ class Qwen3Talker:
     def decode(self, batch: list[tuple[TalkerRequest, Any]]) -> None:
         """One talker step for each (request, its text vector): batched, KV left-padded and masked."""
         import torch
-        import torch.nn.functional as F
-        from transformers import DynamicCache
 
         requests = [r for r, _ in batch]
-        longest = max(r.length for r in requests)
-        cache = DynamicCache()
-        caches = [r.kv for r in requests if r.kv is not None]
-        assert len(caches) == len(requests), "decode() got a request that has not run its prefill"
         with torch.inference_mode():
-            for layer in range(len(caches[0])):
-                keys = [
-                    F.pad(kv[layer][0], (0, 0, longest - r.length, 0)) for kv, r in zip(caches, requests, strict=True)
-                ]
-                values = [
-                    F.pad(kv[layer][1], (0, 0, longest - r.length, 0)) for kv, r in zip(caches, requests, strict=True)
-                ]
-                cache.update(torch.cat(keys), torch.cat(values), layer)
-            mask = torch.zeros(len(requests), longest + 1, dtype=torch.long, device=self.device)
-            for i, r in enumerate(requests):
-                mask[i, longest - r.length :] = 1
-            steps = [r.length + r.rope_delta for r in requests]
-            positions = torch.tensor(steps, device=self.device).view(1, -1, 1).expand(3, -1, 1)
             embeds = torch.stack([r.frame_embeds + text for r, text in batch]).unsqueeze(1)
-            out = self.talker.model(
-                inputs_embeds=embeds, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
-            )
-            hidden = out.last_hidden_state[:, -1]
+            steps = [r.length + r.rope_delta for r in requests]
+            hidden = kv_batch.step(self.talker.model, requests, embeds, steps)
             logits = self.talker.codec_head(hidden)
             for i, r in enumerate(requests):
-                r.kv = [
-                    (
-                        torch.cat([k, layer.keys[i : i + 1, :, -1:]], dim=2),
-                        torch.cat([v, layer.values[i : i + 1, :, -1:]], dim=2),
-                    )
-                    for (k, v), layer in zip(caches[i], out.past_key_values.layers, strict=True)
-                ]
-                r.length += 1
                 r.last_hidden = hidden[i]
                 r.frame_embeds = None
                 r.step += 1

@@ -1,17 +1,24 @@
-"""The talker stage engine (Qwen3-Omni): step-batched codec-frame decoding fed by the thinker's tokens.
+"""The talker stage engines: step-batched codec decoding fed by the thinker, one loop for both models.
 
-API for a stage server or a test (all on the event loop): `add_request(id, prompt_ids, speaker,
-params)`, `push_text(id, token_ids, finished)`, `frames(id)` (an async iterator of frame lists, each
-frame 16 codes, ending when the request finishes), `abort(id)`. `generate(EngineInput)` wires the
-same for the stage server: the first chunk's `thinker_prompt_ids` and `thinker_token_ids` (and, for
-a prompt with media, `thinker_media_rows` and `thinker_media_grids`: see `media_inputs`), then
-each later chunk's `thinker_token_ids` (new tokens), the speaker from param `voice`; it yields
-`{"codes": int64 array (frames, 16)}` as frames are made.
+`TalkerEngine` is the machinery (a model class supplies the inputs): requests join the running batch
+at the next step and leave when done, each with its own KV cache, and stop between steps when
+aborted. API for a stage server or a test (all on the event loop): `add(id, first_payload, speaker,
+params)`, `push(id, payload, finished)`, `frames(id)` (an async iterator of frame lists, ending
+when the request finishes), `abort(id)`. `generate(EngineInput)` wires the same for the stage
+server: the first chunk creates the request and is its first payload, each later chunk is pushed;
+the speaker is param `voice`; it yields `{"codes": int64 array (frames, codes per frame)}`.
 
-One background task runs the decode loop (`Qwen3Talker.advance`) in a worker thread, one iteration
-at a time, over every live request: a new request joins at the next iteration, a finished or
-aborted one leaves at the next. When no request can move (all wait for thinker tokens) the loop
-sleeps until text, a request or an abort arrives. Engine args: `device` (cuda when available),
+- `Qwen3TalkerEngine` (`runner: qwen3_omni_talker`, model `qwen3_talker.Qwen3Talker`): payloads are
+  the thinker's token ids (`thinker_prompt_ids` first, then `thinker_token_ids`; for a prompt with
+  media the first also has `thinker_media_rows` and `thinker_media_grids`: see `media_inputs`); 16
+  codes per frame.
+- `Qwen25TalkerEngine` (`runner: qwen2_5_omni_talker`, model `qwen25_talker.Qwen25Talker`): payloads
+  also carry the thinker's rows (`thinker_embeds`, `thinker_hidden`, `thinker_hidden_layer`, as
+  `processors.thinker_to_talker` gives them); 1 code per frame.
+
+One background task runs the decode loop (the model's `advance`) in a worker thread, one iteration
+at a time, over every live request. When no request can move (all wait for the thinker) the loop
+sleeps until a payload, a request or an abort arrives. Engine args: `device` (cuda when available),
 `torch_dtype` (bfloat16 on cuda, float32 on cpu), `max_requests` (64: more running at once are refused).
 """
 
@@ -30,11 +37,10 @@ from omni_runtime.engines.speech.sampling import Sampling
 from omni_runtime.engines.speech.stage_args import checked_engine_args, stage_device, stage_dtype, stage_model_path
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 
-__all__ = ["Qwen3TalkerEngine", "engine_device_and_dtype"]
+__all__ = ["Qwen25TalkerEngine", "Qwen3TalkerEngine", "TalkerEngine", "engine_device_and_dtype"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SPEAKER = "ethan"
 ENGINE_ARGS = {"runner", "device", "torch_dtype", "max_requests"}
 
 
@@ -89,17 +95,20 @@ def media_inputs(data: dict[str, Any], stage: str) -> Any:
 @dataclass(eq=False)
 class _Live:
     request: Any
+    prompt_tokens: int
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
-    inbox: list[int] = field(default_factory=list)
+    inbox: list[dict[str, Any]] = field(default_factory=list)
     inbox_done: bool = False
     aborted: bool = False
+    failure: str | None = None
     frames: int = 0
 
 
-class Qwen3TalkerEngine(Engine):
-    """`generation` stage with engine arg `runner: qwen3_omni_talker` (see the module docstring)."""
+class TalkerEngine(Engine):
+    """The shared loop (see the module docstring); subclasses load the model and translate payloads."""
 
     streams_input = True
+    default_speaker = ""
 
     def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
         super().__init__(pipeline, stage)
@@ -113,11 +122,31 @@ class Qwen3TalkerEngine(Engine):
         self._task: asyncio.Task | None = None
         self._stats = {"steps_total": 0.0, "frames_total": 0.0, "last_step_seconds": 0.0}
 
-    async def start(self) -> None:
-        from omni_runtime.engines.speech.qwen3_talker import Qwen3Talker
+    # -- what a model supplies -------------------------------------------------------------------
 
+    def load(self) -> Any:
+        """Load the model (in a worker thread)."""
+        raise NotImplementedError
+
+    def new_request(
+        self, request_id: str, first: dict[str, Any], speaker: str, sampling: Sampling, extra: Any = None
+    ) -> Any:
+        """The model's request for the first payload (`extra`: what `add` was given besides it);
+        KeyError / ValueError / InvalidRequest say what is wrong."""
+        raise NotImplementedError
+
+    def absorb(self, request: Any, payloads: list[dict[str, Any]], done: bool) -> None:
+        """Hand payloads that arrived to the model's request (in the loop's thread, between steps)."""
+        raise NotImplementedError
+
+    def check(self, payload: dict[str, Any]) -> None:
+        """Refuse a malformed payload before it reaches the loop (InvalidRequest); default: accept."""
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
         try:
-            self.model = await asyncio.to_thread(Qwen3Talker, self.model_path, self.device, self.dtype)
+            self.model = await asyncio.to_thread(self.load)
         except Exception as exc:
             raise EngineError(f"stage {self.stage.name!r}: cannot load the talker of {self.model_path}: {exc}") from exc
         self._task = asyncio.create_task(self._loop(), name=f"talker-{self.stage.name}")
@@ -127,18 +156,16 @@ class Qwen3TalkerEngine(Engine):
 
     # -- the request API -------------------------------------------------------------------------
 
-    def add_request(
+    def add(
         self,
         request_id: str,
-        prompt_ids: list[int],
+        first: dict[str, Any],
         speaker: str | None,
         params: dict[str, Any],
-        media: Any = None,
+        extra: Any = None,
     ) -> None:
-        """Register a request (`media`: a `qwen3_talker.MediaInputs` for a prompt with media); raises
-        InvalidRequest (unknown speaker, no assistant turn, bad params, media rows that do not fit)."""
-        from omni_runtime.engines.speech.qwen3_talker import MediaPromptError
-
+        """Register a request from its first payload (`extra`: model-specific, see `new_request`); raises
+        InvalidRequest (unknown speaker, bad prompt or params)."""
         if self.model is None:
             raise EngineError(f"stage {self.stage.name!r} is not started")
         if request_id in self._live:
@@ -147,19 +174,20 @@ class Qwen3TalkerEngine(Engine):
             raise EngineError(f"stage {self.stage.name!r} runs {len(self._live)} requests (max_requests); retry later")
         try:
             sampling = Sampling.from_params(params, default_max=4096)
-            request = self.model.new_request(request_id, prompt_ids, speaker or DEFAULT_SPEAKER, sampling, media)
-        except (KeyError, ValueError, MediaPromptError) as exc:
+            request = self.new_request(request_id, first, speaker or self.default_speaker, sampling, extra)
+        except (KeyError, ValueError) as exc:
             raise InvalidRequest(f"stage {self.stage.name!r}: {exc.args[0] if exc.args else exc}") from None
-        self._live[request_id] = _Live(request)
+        self._live[request_id] = _Live(request, len(first.get("thinker_prompt_ids") or []))
         self._wake.set()
 
-    def push_text(self, request_id: str, token_ids: list[int], finished: bool = False) -> None:
-        """Append thinker tokens (and say whether the thinker is done); unknown ids are ignored."""
+    def push(self, request_id: str, payload: dict[str, Any], finished: bool = False) -> None:
+        """Queue a payload for the request (and say whether the thinker is done); unknown ids are ignored."""
         live = self._live.get(request_id)
         if live is None:
             return
+        self.check(payload)
         with self._lock:
-            live.inbox.extend(int(t) for t in token_ids)
+            live.inbox.append(payload)
             live.inbox_done = live.inbox_done or finished
         self._wake.set()
 
@@ -185,16 +213,12 @@ class Qwen3TalkerEngine(Engine):
         import numpy as np
 
         rid = request.request_id
-        data = request.data
-        prompt = data.get("thinker_prompt_ids")
-        if not prompt:
-            raise InvalidRequest(
-                f"stage {self.stage.name!r} needs thinker_prompt_ids (the thinker's prompt token ids) in its "
-                f"first input; got {sorted(data)}"
-            )
-        media = media_inputs(data, self.stage.name)
-        self.add_request(rid, [int(t) for t in prompt], request.params.get("voice"), request.params, media)
-        self.push_text(rid, list(data.get("thinker_token_ids") or []), finished=request.chunks is None)
+        self.add(rid, request.data, request.params.get("voice"), request.params)
+        try:
+            self.push(rid, request.data, finished=request.chunks is None)
+        except InvalidRequest:
+            self._live.pop(rid, None)
+            raise
         feeder = asyncio.create_task(self._feed(rid, request.chunks)) if request.chunks is not None else None
         try:
             async for frames, reason in self.frames(rid):
@@ -204,7 +228,7 @@ class Qwen3TalkerEngine(Engine):
                     raise EngineError(f"stage {self.stage.name!r}: the talker failed on request {rid!r}: {reason}")
                 if reason is not None:
                     live = self._live[rid]
-                    usage = {"prompt_tokens": len(prompt), "completion_tokens": live.frames}
+                    usage = {"prompt_tokens": live.prompt_tokens, "completion_tokens": live.frames}
                     yield EngineOutput(rid, {}, finished=True, finish_reason=reason, usage=usage)
         finally:
             if feeder is not None:
@@ -215,18 +239,21 @@ class Qwen3TalkerEngine(Engine):
     async def _feed(self, rid: str, chunks: AsyncIterator[dict[str, Any]]) -> None:
         try:
             async for chunk in chunks:
-                self.push_text(rid, list(chunk.get("thinker_token_ids") or []))
+                self.push(rid, chunk)
+        except InvalidRequest as exc:  # a malformed later chunk fails its request, not the stage
+            live = self._live.get(rid)
+            if live is not None:
+                live.failure = str(exc)
         finally:
-            self.push_text(rid, [], finished=True)
+            self.push(rid, {}, finished=True)
 
     # -- the loop --------------------------------------------------------------------------------
 
     def _step(self, lives: list[_Live]) -> tuple[dict[str, list[list[int]]], bool]:
         with self._lock:
             for live in lives:
-                live.request.text.extend(live.inbox)
+                self.absorb(live.request, live.inbox, live.inbox_done)
                 live.inbox.clear()
-                live.request.text_done = live.inbox_done
         started = time.monotonic()
         frames, moved = self.model.advance([live.request for live in lives])
         if moved:
@@ -241,6 +268,9 @@ class Qwen3TalkerEngine(Engine):
             while True:
                 lives = []
                 for live in list(self._live.values()):
+                    if live.failure is not None and live.request.finish_reason is None:
+                        live.request.finish_reason = "error"
+                        live.out.put_nowait(([], f"error: {live.failure}"))
                     if live.aborted and live.request.finish_reason is None:
                         live.request.finish_reason = "abort"
                         live.out.put_nowait(([], "abort"))
@@ -278,3 +308,92 @@ class Qwen3TalkerEngine(Engine):
 
     def stats(self) -> dict[str, float]:
         return {"running_requests": float(len(self._live)), **self._stats}
+
+
+class Qwen3TalkerEngine(TalkerEngine):
+    """`generation` stage with engine arg `runner: qwen3_omni_talker` (see the module docstring)."""
+
+    default_speaker = "ethan"
+
+    def load(self) -> Any:
+        from omni_runtime.engines.speech.qwen3_talker import Qwen3Talker
+
+        return Qwen3Talker(self.model_path, self.device, self.dtype)
+
+    def new_request(
+        self, request_id: str, first: dict[str, Any], speaker: str, sampling: Sampling, extra: Any = None
+    ) -> Any:
+        """`extra`: a `qwen3_talker.MediaInputs` (else read from the payload by `media_inputs`)."""
+        prompt = first.get("thinker_prompt_ids")
+        if not prompt:
+            raise InvalidRequest(
+                f"stage {self.stage.name!r} needs thinker_prompt_ids (the thinker's prompt token ids) in its "
+                f"first input; got {sorted(first)}"
+            )
+        media = extra if extra is not None else media_inputs(first, self.stage.name)
+        return self.model.new_request(request_id, [int(t) for t in prompt], speaker, sampling, media)
+
+    def absorb(self, request: Any, payloads: list[dict[str, Any]], done: bool) -> None:
+        for payload in payloads:
+            request.text.extend(int(t) for t in payload.get("thinker_token_ids") or [])
+        request.text_done = done
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        speaker: str | None,
+        params: dict[str, Any],
+        media: Any = None,
+    ) -> None:
+        """`add` from the thinker's prompt ids (`media`: a `qwen3_talker.MediaInputs` for a prompt with media)."""
+        self.add(request_id, {"thinker_prompt_ids": prompt_ids}, speaker, params, media)
+
+    def push_text(self, request_id: str, token_ids: list[int], finished: bool = False) -> None:
+        """`push` of new thinker tokens."""
+        self.push(request_id, {"thinker_token_ids": token_ids}, finished)
+
+
+class Qwen25TalkerEngine(TalkerEngine):
+    """`generation` stage with engine arg `runner: qwen2_5_omni_talker` (see the module docstring).
+
+    Its thinker must stream rows (`hidden_state_layers: [0, -1]`); the registry's qwen2-5-omni does."""
+
+    default_speaker = "chelsie"
+
+    def load(self) -> Any:
+        from omni_runtime.engines.speech.qwen25_talker import Qwen25Talker
+
+        return Qwen25Talker(self.model_path, self.device, self.dtype)
+
+    def new_request(
+        self, request_id: str, first: dict[str, Any], speaker: str, sampling: Sampling, extra: Any = None
+    ) -> Any:
+        prompt = first.get("thinker_prompt_ids")
+        if not prompt or first.get("thinker_embeds") is None:
+            raise InvalidRequest(
+                f"stage {self.stage.name!r} needs thinker_prompt_ids and the thinker's rows (thinker_embeds, "
+                f"thinker_hidden: set the thinker's hidden_state_layers to [0, -1]) in its first input; "
+                f"got {sorted(first)}"
+            )
+        return self.model.new_request(request_id, [int(t) for t in prompt], speaker, sampling)
+
+    def check(self, payload: dict[str, Any]) -> None:
+        import torch
+
+        if payload.get("thinker_embeds") is None:
+            return
+        try:
+            self.model.check_rows(
+                torch.as_tensor(payload["thinker_embeds"]),
+                torch.as_tensor(payload.get("thinker_hidden")),
+                int(payload.get("thinker_hidden_layer", -1)),
+            )
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise InvalidRequest(f"stage {self.stage.name!r}: {exc}") from None
+
+    def absorb(self, request: Any, payloads: list[dict[str, Any]], done: bool) -> None:
+        for payload in payloads:
+            if payload.get("thinker_embeds") is not None:
+                self.model.add_rows(request, payload["thinker_embeds"], payload["thinker_hidden"])
+        request.text_done = done

@@ -1,18 +1,28 @@
-"""The token2wav stage engine (Qwen2.5-Omni): the talker's codec tokens -> 24 kHz waveform, whole output.
+"""The token2wav stage engine (Qwen2.5-Omni): the talker's codec ids -> 24 kHz waveform, whole or windowed.
 
 Qwen2.5-Omni's decoder is a DiT flow-matching model (mel from codes, a speaker's conditioning vector
-and reference mel) followed by BigVGAN. transformers offers no streaming entry point for it (vLLM-Omni
-adds block streaming with past/future caches), so this engine decodes a request's whole code
-sequence once its last chunk has arrived: one audio output per request. Streaming is future work.
+and reference mel) followed by BigVGAN. The DiT attends within blocks of `block_size` mel frames
+(`repeats` = 2 per code), some layers one block back or ahead; BigVGAN is a convolution stack.
 
-The DiT starts from Gaussian noise drawn from torch's global generator (transformers' `sample`
-takes no generator), so each decode seeds it with the request's `seed` (0 unless given), under the
-engine's lock: the same codes, speaker and seed give the same waveform, as in transformers with the
-same seed. Speakers come from the checkpoint's `spk_dict.pt` (param `voice`, default Chelsie).
+- Whole output (the talker -> token2wav edge has `window: 0`): one decode per request once its last
+  chunk has arrived, exactly transformers' `Qwen2_5OmniToken2WavModel` (the DiT's start noise from
+  torch's global generator seeded with the request's `seed`, 0 unless given, under the engine's
+  lock): the same codes, speaker and seed give transformers' waveform.
+- Windowed (the edge has `window` > 0, e.g. first 4 codes then every 25): each chunk is decoded as
+  it arrives, with at least `left_context` (25) earlier codes, the context's start rounded down to
+  a DiT block boundary so the blocks fall as in a one-shot decode. The start noise is drawn per
+  block from a generator seeded by (seed, block index), so a code gets the same noise whichever
+  window decodes it. The window keeps the samples of its new codes only: n codes decode to
+  n * samples_per_code - tail samples (tail measured per call, 0 for BigVGAN), so windows join
+  with no sample lost or doubled. Codes whose DiT block reach (and BigVGAN's) lies inside the
+  window equal a one-shot decode with the same noise; the last block or two of a window lack the
+  codes after it (the DiT looks one block ahead), so they differ there: streaming's price.
 
+Speakers come from the checkpoint's `spk_dict.pt` (param `voice`, default Chelsie).
 Input chunks: `{"codes": (frames,) or (frames, 1)}` or `{"input": (1, frames)}` (int; the talker's
-codec ids, end token excluded). Output: `{"audio": float32 (samples,), "sample_rate": 24000}`.
-Engine args: `device`, `num_steps` (10, the ODE steps of the DiT).
+codec ids, end token excluded). Output: `{"audio": float32 (samples,), "sample_rate": 24000}` per
+window (one for a whole output). Engine args: `device`, `num_steps` (10, the ODE steps of the DiT),
+`left_context` (25 codes).
 """
 
 from __future__ import annotations
@@ -31,7 +41,10 @@ __all__ = ["Qwen25Token2Wav", "Token2WavEngine"]
 
 SAMPLE_RATE = 24000
 DEFAULT_VOICE = "Chelsie"
-ENGINE_ARGS = {"runner", "device", "num_steps"}
+ENGINE_ARGS = {"runner", "device", "num_steps", "left_context"}
+GUIDANCE_SCALE = 0.5
+SWAY_COEFFICIENT = -1.0
+"""transformers' defaults for `Qwen2_5OmniToken2WavModel.forward`."""
 
 
 class Qwen25Token2Wav:
@@ -50,6 +63,12 @@ class Qwen25Token2Wav:
         self.module.to(device).eval()
         self.device = device
         self.num_embeds = config.dit_config.num_embeds
+        dit = config.dit_config
+        self.repeats = int(dit.repeats)
+        self.block = int(dit.block_size)
+        self.mel_dim = int(dit.mel_dim)
+        self.block_codes = max(1, self.block // self.repeats)
+        """Codes per DiT block: a window's context starts on a multiple of this."""
         self.speakers: dict[str, dict[str, Any]] = torch.load(folder / "spk_dict.pt", weights_only=True)
 
     def decode(self, codes: Any, voice: str, seed: int, num_steps: int) -> Any:
@@ -66,6 +85,69 @@ class Qwen25Token2Wav:
             )
         return wav.reshape(-1).float().cpu()
 
+    def _noise(self, seed: int, start: int, end: int) -> Any:
+        """Start noise for mel frames [start, end): per DiT block, from a generator seeded by (seed, block)."""
+        import torch
+
+        first, last = start // self.block, (end - 1) // self.block
+        blocks = [
+            torch.randn(self.block, self.mel_dim, generator=torch.Generator().manual_seed(seed * 1_000_003 + b))
+            for b in range(first, last + 1)
+        ]
+        return torch.cat(blocks)[start - first * self.block : end - first * self.block].unsqueeze(0)
+
+    def _sample(self, codes: Any, noise: Any, speaker: dict[str, Any], num_steps: int) -> Any:
+        """The DiT's mel for `codes` [1, n] from the given start noise (transformers' `sample`, whose
+        noise comes from the global generator, with the noise passed in)."""
+        import math
+
+        import torch
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
+
+        dit = self.module.code2wav_dit_model
+        cond = speaker["cond"].to(self.device).float()
+        ref_mel = speaker["ref_mel"].to(self.device).float()
+        conditioning = cond.unsqueeze(1).repeat(1, noise.shape[1], 1)
+
+        def ode(time_step: Any, hidden: Any) -> Any:
+            out = dit(
+                hidden_states=hidden,
+                quantized_code=codes,
+                speaker_embedding=conditioning,
+                condition_vector=ref_mel,
+                time_step=time_step,
+                apply_cfg=True,
+            )
+            guided, null = torch.chunk(out, 2, dim=0)
+            return guided + (guided - null) * GUIDANCE_SCALE
+
+        times = torch.linspace(0, 1, num_steps, device=self.device, dtype=conditioning.dtype)
+        times += SWAY_COEFFICIENT * (torch.cos(math.pi / 2 * times) - 1 + times)
+        trajectory = RungeKutta4ODESolver(function=ode, initial_value=noise.to(self.device)).integrate(times)
+        return trajectory[-1].permute(0, 2, 1)
+
+    def decode_window(self, codes: Any, start: int, voice: str, seed: int, num_steps: int, left_context: int) -> Any:
+        """Samples of codes[start:] (codes: all of a request's codes so far), decoded with at least
+        `left_context` earlier codes from a DiT block boundary on; see the module docstring."""
+        import torch
+
+        context_start = max(0, (start - left_context) // self.block_codes * self.block_codes) if start else 0
+        window = codes[context_start:].view(1, -1).to(self.device)
+        noise = self._noise(seed, context_start * self.repeats, codes.shape[0] * self.repeats)
+        with torch.inference_mode():
+            mel = self._sample(window, noise, self.speakers[voice], num_steps)
+            wav = self.module.code2wav_bigvgan_model(mel).reshape(-1).float().cpu()
+        per_code = self.repeats * self.samples_per_mel_frame
+        tail = window.shape[1] * per_code - wav.shape[0]
+        context = start - context_start
+        return wav[context * per_code - tail if context else 0 : window.shape[1] * per_code - tail]
+
+    @property
+    def samples_per_mel_frame(self) -> int:
+        import math
+
+        return math.prod(self.module.config.bigvgan_config.upsample_rates)
+
 
 class Token2WavEngine(Engine):
     """`generation` stage with engine arg `runner: qwen2_5_omni_token2wav` (see the module docstring)."""
@@ -78,11 +160,18 @@ class Token2WavEngine(Engine):
         args = checked_engine_args(stage, ENGINE_ARGS)
         self.device = stage_device(args)
         self.num_steps = int(args.get("num_steps", 10))
-        if self.num_steps < 1:
-            raise EngineError(f"stage {stage.name!r}: num_steps {self.num_steps} must be 1 or more")
+        self.left_context = int(args.get("left_context", 25))
+        if self.num_steps < 1 or self.left_context < 0:
+            raise EngineError(
+                f"stage {stage.name!r}: num_steps {self.num_steps} must be 1 or more and left_context "
+                f"{self.left_context} 0 or more"
+            )
+        self.window = max((edge.window for edge in pipeline.topology.upstream(stage.name)), default=0)
+        """The upstream edge's window: 0 decodes whole outputs, more decodes each chunk as it arrives."""
         self.model: Qwen25Token2Wav | None = None
         self._lock = threading.Lock()
         self._aborted: set[str] = set()
+        self._running: set[str] = set()
 
     async def start(self) -> None:
         try:
@@ -127,6 +216,11 @@ class Token2WavEngine(Engine):
         with self._lock:
             return self.model.decode(codes, voice, seed, self.num_steps)
 
+    def _decode_window(self, codes: Any, start: int, voice: str, seed: int) -> Any:
+        assert self.model is not None
+        with self._lock:
+            return self.model.decode_window(codes, start, voice, seed, self.num_steps, self.left_context)
+
     async def generate(self, request: EngineInput) -> AsyncIterator[EngineOutput]:
         import torch
 
@@ -135,28 +229,48 @@ class Token2WavEngine(Engine):
         rid = request.request_id
         voice = self._voice(request.params.get("voice"))
         seed = int(request.params.get("seed") or 0)
-        parts = []
-        first = self._codes(request.data)
-        if first is not None:
-            parts.append(first)
-        if request.chunks is not None:
-            async for chunk in request.chunks:
+
+        async def chunks():
+            yield request.data
+            if request.chunks is not None:
+                async for chunk in request.chunks:
+                    yield chunk
+
+        parts: list[Any] = []
+        emitted = samples = 0
+        self._running.add(rid)
+        try:
+            async for chunk in chunks():
                 codes = self._codes(chunk)
-                if codes is not None:
-                    parts.append(codes)
-        if rid in self._aborted:
+                if codes is None or not codes.numel():
+                    continue
+                parts.append(codes)
+                if not self.window:
+                    continue
+                if rid in self._aborted:
+                    break
+                history = torch.cat(parts)
+                wav = await asyncio.to_thread(self._decode_window, history, emitted, voice, seed)
+                emitted, samples = history.shape[0], samples + wav.shape[0]
+                yield EngineOutput(rid, {"audio": wav.numpy(), "sample_rate": SAMPLE_RATE})
+            if rid in self._aborted:
+                yield EngineOutput(rid, {}, finished=True, finish_reason="abort")
+                return
+            codes = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+            if codes.numel() and not self.window:
+                wav = await asyncio.to_thread(self._decode, codes, voice, seed)
+                samples = wav.shape[0]
+                yield EngineOutput(rid, {"audio": wav.numpy(), "sample_rate": SAMPLE_RATE})
+            usage = {"codec_tokens": int(codes.numel()), "audio_samples": samples}
+            yield EngineOutput(rid, {}, finished=True, finish_reason="stop", usage=usage)
+        finally:
+            self._running.discard(rid)
             self._aborted.discard(rid)
-            yield EngineOutput(rid, {}, finished=True, finish_reason="abort")
-            return
-        codes = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-        if codes.numel():
-            wav = await asyncio.to_thread(self._decode, codes, voice, seed)
-            yield EngineOutput(rid, {"audio": wav.numpy(), "sample_rate": SAMPLE_RATE})
-        yield EngineOutput(rid, {}, finished=True, finish_reason="stop", usage={"codec_tokens": int(codes.numel())})
 
     async def abort(self, request_id: str) -> None:
-        """Skip the decode of a request still receiving its codes (a decode in progress completes)."""
-        self._aborted.add(request_id)
+        """Stop before the request's next decode (a decode in progress completes)."""
+        if request_id in self._running:
+            self._aborted.add(request_id)
 
     async def stop(self) -> None:
         self.model = None

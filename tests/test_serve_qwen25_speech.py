@@ -1,0 +1,131 @@
+"""`omnikube serve` of the tiny Qwen2.5-Omni (thinker on vLLM streaming its rows -> talker -> token2wav),
+through the real OpenAI client: one served pipeline for the whole module (shm connectors).
+
+The anchor: greedy thinker and talker, the reply's text equals transformers' own `generate()` of the
+whole model (`qwen25_reference`) and its waveform equals transformers' codec codes decoded in the
+windows the edge cuts (4, then 25; within 2e-4 after the reply's 16-bit WAV quantization), so the
+staged codes equal transformers' (the thinker's rows come from vLLM here, within about 1e-6 of
+transformers'). Whole-output decoding equal to transformers' waveform is tested on the engine
+(test_speech_engines). Also streamed audio deltas, `/v1/audio/speech` and the voices of the token2wav
+speaker dictionary.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import wave
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from servelib import Serve, http_get, tiny_model
+
+pytestmark = [pytest.mark.models, pytest.mark.timeout(1500)]
+
+THINKER_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 64 * 1024**2, "seed": 0,
+                "limit_mm_per_prompt": {"image": 0, "audio": 0, "video": 0}}  # fmt: skip
+TOKENS = 8
+FRAMES = 30
+PROMPT = "Hello, who are you?"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Iterator[Serve]:
+    spec = {
+        "model": str(tiny_model("tiny-qwen2-5-omni")),
+        "name": "q25",
+        "stages": [
+            {"name": "thinker", "engine_args": THINKER_ARGS, "sampling_params": {"repetition_penalty": 1.0}},
+            # random weights rarely say codec-end: bound the codes (a request may ask for more)
+            {"name": "talker", "sampling_params": {"max_tokens": FRAMES}},
+        ],
+        # shm: the router then relays handles, not the thinker's row tensors (decoding those imports torch
+        # in the router's event loop, which stalled its pings for 10 s on a loaded machine)
+        "connectors": {"default": "shm"},
+        "limits": {"max_concurrent_requests": 8, "request_timeout_s": 300},
+    }
+    run = Serve(spec, tmp_path_factory.mktemp("serve-q25"), args=("--shm-pool-bytes", "0"), ready_timeout=900)
+    try:
+        yield run
+    finally:
+        code = run.stop()
+    assert code == 0, run.log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """transformers' generate() of the whole tiny model: generated ids and the waveform (seed 0)."""
+    from qwen25_reference import generate_reference
+
+    return generate_reference([(PROMPT, TOKENS, FRAMES)])[0]
+
+
+def api_of(run: Serve) -> openai.OpenAI:
+    return openai.OpenAI(base_url=run.endpoint, api_key="none", max_retries=0, timeout=600)
+
+
+def samples(wav_bytes: bytes) -> np.ndarray:
+    with wave.open(io.BytesIO(wav_bytes)) as w:
+        assert w.getframerate() == 24000 and w.getsampwidth() == 2
+        return np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.float32) / 32768
+
+
+GREEDY_TALKER = {"sampling_params_list": [{}, {"temperature": 0.0}]}
+
+
+def test_chat_speaks_what_transformers_speaks(served: Serve, reference: dict) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    from omni_runtime.engines.speech.token2wav import Qwen25Token2Wav
+
+    voices = http_get(f"{served.base}/v1/audio/voices")[1]
+    assert '"voices":["chelsie","ethan"]' in voices.replace(" ", "")
+    with api_of(served) as api:
+        reply = api.chat.completions.create(
+            model=served.model, messages=[{"role": "user", "content": PROMPT}], modalities=["text", "audio"],
+            audio={"voice": "ethan", "format": "wav"}, max_tokens=TOKENS, temperature=0.0, extra_body=GREEDY_TALKER,
+        )  # fmt: skip
+    message = reply.choices[0].message
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model("tiny-qwen2-5-omni"))
+    assert reply.usage.completion_tokens == len(reference["tokens"])
+    assert message.content == tokenizer.decode(reference["tokens"], skip_special_tokens=True)
+    wav = samples(base64.b64decode(message.audio.data))
+    assert wav.shape == reference["wav"].shape
+    # the edge cuts the codes into windows of 4, then 25: decode transformers' codes the same way
+    codes = torch.tensor(reference["codes"])
+    t2w = Qwen25Token2Wav(tiny_model("tiny-qwen2-5-omni"), "cpu")
+    cuts = [*range(0, len(codes), 25), len(codes)] if len(codes) <= 4 else [0, *range(4, len(codes), 25), len(codes)]
+    expected = np.concatenate([t2w.decode_window(codes[:end], start, "Ethan", 0, 10, 25).numpy()
+                               for start, end in zip(cuts, cuts[1:], strict=False)])  # fmt: skip
+    np.testing.assert_allclose(wav, np.clip(expected, -1, 1), atol=2e-4)
+
+
+def test_streamed_chat_sends_audio_deltas(served: Serve) -> None:
+    with api_of(served) as api:
+        stream = api.chat.completions.create(
+            model=served.model, messages=[{"role": "user", "content": "Tell me a story."}],
+            modalities=["text", "audio"], audio={"voice": "chelsie", "format": "pcm16"}, stream=True,
+            max_tokens=TOKENS, temperature=0.0,
+        )  # fmt: skip
+        text, audio = [], []
+        for chunk in stream:
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    text.append(choice.delta.content)
+                if choice.delta.audio and choice.delta.audio.data:
+                    audio.append(base64.b64decode(choice.delta.audio.data))
+    assert text and audio and sum(len(a) for a in audio) > 0
+
+
+def test_speech_route_and_unknown_voice(served: Serve) -> None:
+    body = {"model": served.model, "input": "Say hello.", "voice": "chelsie", "response_format": "wav"}
+    with httpx.Client(base_url=served.base, timeout=600, trust_env=False) as http:
+        response = http.post("/v1/audio/speech", json=body)
+        assert response.status_code == 200, response.text
+        assert len(samples(response.content)) > 0
+        bad = http.post("/v1/audio/speech", json={**body, "voice": "nobody"})
+        assert bad.status_code == 400 and "chelsie" in bad.text
