@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.models, pytest.mark.timeout(1500)]
 
 STAGES = ("thinker", "talker", "code2wav")
 THINKER_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 64 * 1024**2, "seed": 0,
-                "limit_mm_per_prompt": {"image": 1, "audio": 0, "video": 0}}  # fmt: skip
+                "limit_mm_per_prompt": {"image": 1, "audio": 1, "video": 0}}  # fmt: skip
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 TALKER_FRAMES = 40
 
@@ -145,8 +145,7 @@ def test_text_only_runs_the_thinker_alone(omni: Serve) -> None:
 
 def test_an_image_reaches_the_thinker_and_is_spoken_about(omni: Serve) -> None:
     """vLLM's Qwen3-Omni thinker reads images on CPU and sends its rows at the image positions to the talker
-    with the first chunk, over this connector: text and audio come back. (Audio parts are not exercised:
-    vLLM decodes them with PyAV, which this environment lacks.)"""
+    with the first chunk, over this connector: text and audio come back."""
     from PIL import Image
 
     buf = io.BytesIO()
@@ -174,6 +173,30 @@ def test_an_image_reaches_the_thinker_and_is_spoken_about(omni: Serve) -> None:
                 model=omni.model, messages=[{"role": "user", "content": content + content[1:]}], max_tokens=2
             )
         assert err.value.body["message"].startswith("messages[0].content[2]: the request has 2 media parts")
+
+
+def test_an_audio_part_reaches_the_thinker_and_is_spoken_about(omni: Serve) -> None:
+    """An `input_audio` part (a WAV, decoded by vLLM with PyAV) reaches the thinker, whose rows at the audio
+    positions go to the talker over this connector: text and audio come back."""
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
+        w.writeframes(bytes(2 * 16000 // 2))  # half a second of silence
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"}}
+    content = [{"type": "text", "text": "what do you hear"}, part]
+    with api_of(omni) as api:
+        plain = api.chat.completions.create(model=omni.model, messages=user("what do you hear"), modalities=["text"],
+                                            max_tokens=2, **GREEDY)  # fmt: skip
+        spoken = api.chat.completions.create(
+            model=omni.model, messages=[{"role": "user", "content": content}], modalities=["text", "audio"],
+            audio={"voice": "ethan", "format": "wav"}, max_tokens=8, **GREEDY,
+        )  # fmt: skip
+    assert spoken.usage.prompt_tokens > plain.usage.prompt_tokens + 2  # the audio's placeholder tokens
+    message = spoken.choices[0].message
+    assert message.content and spoken.usage.completion_tokens == 8
+    with wave.open(io.BytesIO(base64.b64decode(message.audio.data))) as w:
+        assert w.getframerate() == 24000 and w.getnframes() > 0
+    assert_nothing_held(omni)
 
 
 async def test_disconnect_mid_audio_stops_every_stage_and_releases_every_payload(omni: Serve) -> None:
