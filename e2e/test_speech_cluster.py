@@ -20,7 +20,7 @@ import json
 import uuid
 import wave
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import openai
@@ -58,6 +58,8 @@ class Model:
     voice: str
     talker_frames: int = 40
     """Random weights rarely say codec-eos: the talker's default frame cap (a request may ask for more)."""
+    thinker_args: dict = field(default_factory=dict)
+    """Engine args of the thinker beyond THINKER_ARGS."""
 
 
 QWEN3 = Model("qwen3-omni", "tiny-qwen3-omni", "qwen3-omni", voice="ethan")
@@ -84,7 +86,12 @@ def manifest(m: Model) -> dict:
                 "edges": [{"from": "talker", "to": "code2wav", "kind": "shm"}],
             },
             "stages": [
-                {**ON_RUNNER, "name": "thinker", "engineArgs": THINKER_ARGS, "samplingParams": {"max_tokens": 24}},
+                {
+                    **ON_RUNNER,
+                    "name": "thinker",
+                    "engineArgs": {**THINKER_ARGS, **m.thinker_args},
+                    "samplingParams": {"max_tokens": 24},
+                },
                 {**ON_RUNNER, "name": "talker", "samplingParams": {"max_tokens": m.talker_frames}},
                 {"name": "code2wav", "colocateWith": "talker"},
             ],
