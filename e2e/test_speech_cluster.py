@@ -3,7 +3,8 @@ user would (`kubectl apply` of a CR), answered through the router pod with the o
 
 Thinker and talker run in separate pods (thinker -> talker over Mooncake p2p), code2wav runs in the talker's pod
 (`colocateWith`, talker -> code2wav over shm). One pipeline is shared by the module: text and speech in one reply,
-text and audio streamed as they are made, `/v1/audio/speech`, a client that disconnects mid-audio leaving no
+text and audio streamed as they are made, `/v1/audio/speech`, an image spoken about (the thinker's rows at the
+image positions cross to the talker's pod), a client that disconnects mid-audio leaving no
 payload held in any stage, and a talker pod killed mid-request (that request fails with a retriable error event,
 nothing hangs, and once the Deployment's new talker pod is Ready the next request succeeds).
 
@@ -62,7 +63,10 @@ class Model:
     """Engine args of the thinker beyond THINKER_ARGS."""
 
 
-QWEN3 = Model("qwen3-omni", "tiny-qwen3-omni", "qwen3-omni", voice="ethan")
+QWEN3 = Model(
+    "qwen3-omni", "tiny-qwen3-omni", "qwen3-omni", voice="ethan",
+    thinker_args={"limit_mm_per_prompt": {"image": 1, "audio": 0, "video": 0}},  # audio into vLLM needs PyAV
+)  # fmt: skip
 MODELS = [QWEN3]
 
 
@@ -321,9 +325,32 @@ def test_speech_route(env: Env) -> None:
     with env.client() as api:
         wav = api.audio.speech.create(
             model=env.name, input="Hello from the cluster.", voice=env.m.voice, response_format="wav",
-            extra_body={"sampling_params_list": [{"max_tokens": 8}, {}]},
+            # a greedy thinker: on CPU, with its hidden-state route on (media_hidden_layer), a sampled thinker
+            # request kills vLLM's EngineCore (the rejection sampler's Triton kernels do not run on CPU)
+            extra_body={"sampling_params_list": [{"max_tokens": 8, "temperature": 0.0}, {}]},
         )  # fmt: skip
     assert wav_frames(wav.content) > 0
+    assert_nothing_held(env)
+
+
+@only_qwen3
+def test_an_image_is_spoken_about(env: Env) -> None:
+    """An image prompt answered in text and speech: the thinker's rows at the image positions reach the talker
+    in another pod with the first chunk, over Mooncake p2p."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    content = [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": url}}]
+    with env.client() as api:
+        reply = api.chat.completions.create(
+            model=env.name, messages=[{"role": "user", "content": content}], modalities=["text", "audio"],
+            audio={"voice": env.m.voice, "format": "wav"}, max_tokens=8, **GREEDY,
+        )  # fmt: skip
+    message = reply.choices[0].message
+    assert message.content and reply.usage.completion_tokens == 8
+    assert wav_frames(base64.b64decode(message.audio.data)) > 0
     assert_nothing_held(env)
 
 
