@@ -11,7 +11,8 @@ builds exactly what transformers 5.19 builds:
 - decode step k: the codec embedding of code k + the row of generated token k+1, then text-eos once,
   then text-pad (the thinker's last token has no row: its row would come from the next step);
 - one codec id per step (a single codebook at 50 Hz); codec pad or codec end stops (no code out);
-  codec bos is never sampled; the repetition penalty also counts the prompt's mask, pad and bos ids.
+  codec bos and ids past token2wav's codebook (other than the stops) are never drawn; the repetition
+  penalty also counts the prompt's mask, pad and bos ids.
 
 A step whose text row has not arrived WAITS (feeding pads would change the speech). Prompts with
 audio / image / video positions are refused: their rope positions need the media grids.
@@ -91,6 +92,11 @@ class Qwen25Talker:
         self.prompt_history = [c.tts_codec_mask_token_id, c.tts_codec_pad_token_id, c.tts_codec_start_token_id]
         self.suppress = torch.zeros(c.vocab_size, dtype=torch.bool, device=device)
         self.suppress[c.tts_codec_start_token_id] = True
+        # ids past token2wav's codebook are special tokens, never audio: only the stop ones may be drawn
+        # (transformers would hand them to token2wav and fail there; a random talker draws them when sampling)
+        self.suppress[int(self.config.token2wav_config.dit_config.num_embeds) :] = True
+        for stop in self.stops:
+            self.suppress[stop] = False
         thinker = self.config.thinker_config
         self.media_ids = {thinker.audio_token_index, thinker.image_token_index, thinker.video_token_index}
 
