@@ -3,7 +3,7 @@
     nice -n 10 .venv/bin/python bench/router_overhead.py [--rounds 5] [--requests 16] [--max-tokens 32]
 
 Both sides serve the tiny Qwen2 chat model with the same engine arguments and stay up together; rounds
-alternate between them (vLLM, omnikube, vLLM, omnikube, ...), each round sending the same streaming
+alternate between them in ABBA order (vLLM, omnikube, omnikube, vLLM, ...), each round sending the same streaming
 workload with the official `openai` client, so that a noisy neighbour slows both sides alike instead of
 one run. A round measures the median TTFT (request sent -> first content token) and TPOT
 ((last - first token) / (tokens - 1)) at concurrency 1 and 16; the ratio omnikube / vLLM is taken per
@@ -278,8 +278,13 @@ def main() -> int:
                 ttft_ratios, tpot_ratios = ratios.setdefault(c, ([], []))
                 for r in range(args.rounds):
                     print(f"round {r + 1}/{args.rounds}, concurrency {c}", flush=True)
-                    base = one_round("vLLM", sides["vLLM"], c, args)
-                    ours = one_round("omnikube", sides["omnikube"], c, args)
+                    # ABBA: who goes first alternates, so a warming or cooling machine favours neither side
+                    if r % 2 == 0:
+                        base = one_round("vLLM", sides["vLLM"], c, args)
+                        ours = one_round("omnikube", sides["omnikube"], c, args)
+                    else:
+                        ours = one_round("omnikube", sides["omnikube"], c, args)
+                        base = one_round("vLLM", sides["vLLM"], c, args)
                     ttft_ratios.append(ours[0] / base[0])
                     tpot_ratios.append(ours[1] / base[1])
         except Exception:
