@@ -9,6 +9,7 @@ and compare every row with transformers' `output_hidden_states` (float32 on both
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import inspect
 import json
 import os
@@ -22,7 +23,7 @@ import torch
 import zmq
 
 from omni_runtime.engines.ar import HIDDEN_STATE_ARG, MEDIA_HIDDEN_ARG, AREngine
-from omni_runtime.engines.base import EngineError, EngineInput, EngineOutput
+from omni_runtime.engines.base import EngineError, EngineInput, EngineOutput, InvalidRequest
 from omni_runtime.engines.hidden_states import (
     CONNECTOR_NAME,
     HiddenStatesConnector,
@@ -365,6 +366,108 @@ async def test_qwen3_omni_abort_mid_stream_leaves_the_route_clean(qwen3_rows_eng
     _check_against_hf(qwen3_thinker_hf, await _run(qwen3_rows_engine, "after", PROMPTS[2]))
 
 
+SAMPLED = {"seed": 7, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+"""A sampled request; its temperature is the topology's default (0.4 for the qwen3-omni thinker)."""
+
+
+async def _sampled_twice(engine: AREngine, messages: list, vocab: int, **params) -> list[list[EngineOutput]]:
+    """The same seeded request twice: valid tokens, the same both times (seeded determinism)."""
+    runs = []
+    for i in range(2):
+        request = EngineInput(f"sampled-{i}", {"messages": messages}, {**SAMPLED, **params})
+        runs.append([o async for o in engine.generate(request)])
+    tokens = [[t for o in outs for t in o.data["token_ids"]] for outs in runs]
+    assert len(tokens[0]) == MAX_TOKENS and all(0 <= t < vocab for t in tokens[0])
+    assert tokens[0] == tokens[1]
+    return runs
+
+
+@pytest.mark.models
+@in_module_loop
+async def test_qwen3_omni_sampled_requests_with_the_route_on(qwen3_rows_engine, qwen3_thinker_hf) -> None:
+    """A sampled request (the topology's temperature 0.4, a seed) to a thinker streaming hidden states
+    used to kill vLLM's EngineCore on CPU (see `vllm_plugins.expand_kernel`); now it answers, seeded
+    runs agree and every row arrives; top_k/top_p/penalties work; min_p and logit_bias, which vLLM's
+    speculative decoding would silently skip, are refused naming the field; the engine stays healthy.
+
+    Not asserted: equality with the same seeded request with the route off. The route samples through
+    vLLM's rejection sampler (draft = the token just sampled, no draft probs): the output follows the
+    same target distribution, but it draws a uniform and a Gumbel vector where plain sampling draws one,
+    and an accepted draft adds a bonus token sampled with another draw, so the random streams differ."""
+    vocab = qwen3_thinker_hf.config.text_config.vocab_size
+    assert qwen3_rows_engine.stage.sampling_params["temperature"] == 0.4
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    for outs in await _sampled_twice(qwen3_rows_engine, messages, vocab):
+        prompt, tokens, rows = _joined(outs)
+        assert all(r.shape[0] == len(prompt) + len(tokens) - 1 for r in rows.values())
+    await _sampled_twice(
+        qwen3_rows_engine, messages, vocab, top_k=5, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.5
+    )
+    for field, value in (("min_p", 0.1), ("logit_bias", {"7": 2.0})):
+        request = EngineInput("refused", {"messages": messages}, {**SAMPLED, field: value})
+        with pytest.raises(InvalidRequest, match=f"cannot apply {field}; got {field}="):
+            await anext(qwen3_rows_engine.generate(request))
+    _check_against_hf(qwen3_thinker_hf, await _run(qwen3_rows_engine, "greedy-after", PROMPTS[2]))
+
+
+# --- sampled requests on CPU: vLLM's expand_kernel stand-in --------------------------------------------
+
+
+def _cpu_kernels():
+    """vLLM's CPU stand-ins for the rejection sampler's Triton kernels, with their C++ ops loaded."""
+    from vllm.platforms import current_platform
+    from vllm.utils import cpu_triton_utils
+
+    current_platform.import_kernels()
+    return cpu_triton_utils
+
+
+def test_vllm_cpu_expand_stand_in_drops_its_result_and_ours_expands() -> None:
+    """Why `vllm_plugins.expand_kernel` exists: vLLM 0.32's C++ stand-in writes into an int64 copy of a
+    float32/int32 output and never copies it back (so temperature/top_k/top_p expand to garbage and the
+    first sampled request of the hidden-state route kills EngineCore). When this fails, vLLM fixed it:
+    delete `install_cpu_expand_fix`."""
+    from omni_runtime.engines.vllm_plugins import expand_kernel
+
+    _cpu_kernels()
+    # a fresh copy of vLLM's module: the plugin may already have replaced the function in this process
+    spec = importlib.util.find_spec("vllm.utils.cpu_triton_utils")
+    assert spec is not None and spec.loader is not None
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    stock = fresh._expand_kernel_impl
+    cu = torch.tensor([1, 3, 4], dtype=torch.int32)  # 1, 2 and 1 tokens per request
+    for dtype, values, want in (
+        (torch.float32, [0.4, 0.0, 1.5], [0.4, 1.0, 1.0, 1.5]),  # temperature: greedy 0 becomes 1
+        (torch.int32, [5, 0, 7], [5, 1, 1, 7]),  # top_k
+        (torch.int64, [5, 0, 7], [5, 1, 1, 7]),
+    ):
+        ours = torch.full((4,), -9, dtype=dtype)
+        expand_kernel(ours, torch.tensor(values, dtype=dtype), cu, 0, 1)
+        torch.testing.assert_close(ours, torch.tensor(want, dtype=dtype))
+        theirs = torch.full((4,), -9, dtype=dtype)
+        stock(theirs, torch.tensor(values, dtype=dtype), cu, 0, 1)
+        assert (theirs == -9).all() == (dtype != torch.int64)
+
+
+def test_the_plugin_installs_the_expand_fix_and_refuses_another_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`register` (what vLLM runs in each of its processes) swaps the stand-in vLLM registers after the
+    plugins; another vLLM version is a clear error. The version is monkeypatched: no second vLLM here."""
+    import vllm
+
+    from omni_runtime.engines import vllm_plugins
+
+    cpu = _cpu_kernels()
+    monkeypatch.setattr(cpu, "_expand_kernel_impl", cpu._expand_kernel_impl)  # restored after the test
+    vllm_plugins.register()
+    assert cpu._expand_kernel_impl is vllm_plugins.expand_kernel
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(
+        RuntimeError, match=r"replaces vLLM 0\.32\.0's CPU expand_kernel stand-in.*this is vLLM 0\.33\.0"
+    ):
+        vllm_plugins.install_cpu_expand_fix()
+
+
 # --- Qwen2.5-Omni: through the vllm.general_plugins entry point --------------------------------------
 
 
@@ -414,6 +517,10 @@ async def test_qwen2_5_omni_last_layer_rows_equal_transformers(qwen2_5_omni: Pat
         assert engine.hidden_layers == [0, layers]
         one = [await _run(engine, "q1", PROMPTS[0])]
         many = await asyncio.gather(*(_run(engine, f"q{i}", p) for i, p in enumerate(PROMPTS, start=2)))
+        vocab = thinker.config.text_config.vocab_size
+        for outs in await _sampled_twice(engine, [{"role": "user", "content": PROMPTS[1]}], vocab, temperature=0.4):
+            prompt, tokens, rows = _joined(outs)  # sampled with the route on (its topology default is greedy)
+            assert all(r.shape[0] == len(prompt) + len(tokens) - 1 for r in rows.values())
     finally:
         await engine.stop()
     for outs in [*one, *many]:
@@ -439,6 +546,8 @@ async def test_qwen3_omni_media_prompt_speaks_as_transformers_through_the_stages
     thinker tokens equal transformers' generate() of the whole model for both; the first piece of the image
     request carries rows at the image positions and the image grid (equal transformers'), and it is spoken;
     the text-only one carries neither, and its codes (exact) and waveform (1e-4) equal transformers'.
+    The image request sampled at the thinker's default (temperature 0.4, seeded, twice) answers alike
+    with its media rows (it killed vLLM's EngineCore on CPU before `vllm_plugins.expand_kernel`).
 
     Known gap: vLLM's layer-2 rows at the image positions are NOT transformers' (max |diff| 0.072 where
     |HF| reaches 0.113, on this tiny random checkpoint; text rows agree to 1e-7, greedy tokens agree; cause
@@ -527,10 +636,16 @@ async def test_qwen3_omni_media_prompt_speaks_as_transformers_through_the_stages
     try:
         assert thinker.media_layer == 2  # tiny-qwen3-omni's talker_config.accept_hidden_layer
         results = await asyncio.gather(staged("img", image_messages), staged("txt", text_messages))
+        # the thinker's own default (temperature 0.4), sampled: it answers and the media rows still come
+        vocab = model.config.thinker_config.text_config.vocab_size
+        sampled = await _sampled_twice(thinker, image_messages, vocab)
     finally:
         await thinker.stop()
         await talker.stop()
         await code2wav.stop()
+    first = [outs[0].data["media_hidden_states"] for outs in sampled]
+    assert first[0].shape == references[0]["rows"].shape
+    torch.testing.assert_close(first[0], first[1], rtol=0, atol=0)
     for ref, (outs, codes, wav) in zip(references, results, strict=True):
         assert outs[0].data["prompt_token_ids"] == ref["prompt"]
         assert [t for o in outs for t in o.data["token_ids"]] == ref["tokens"]

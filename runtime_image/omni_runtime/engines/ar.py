@@ -589,6 +589,19 @@ class AREngine(Engine):
                 f"stage {self.stage.name!r} streams hidden states, which needs one sequence per request; "
                 f"got n={sampling.n}, send n=1"
             )
+        if self._rows is not None:
+            # The hidden-state route is vLLM speculative decoding, whose rejection sampler skips the
+            # min_p and logit_bias logits processors for the target token: accepted, they would do nothing.
+            ignored = [
+                name for name, on in (("min_p", sampling.min_p > 0), ("logit_bias", bool(sampling.logit_bias))) if on
+            ]
+            if ignored:
+                got = ", ".join(f"{name}={getattr(sampling, name)!r}" for name in ignored)
+                raise InvalidRequest(
+                    f"stage {self.stage.name!r} streams hidden states (vLLM speculative decoding), which cannot "
+                    f"apply {' and '.join(ignored)}; got {got}. "
+                    "Leave them out (temperature, top_p, top_k and the repetition penalties work)"
+                )
         self._active.add(rid)
         try:
             data_in = request.data

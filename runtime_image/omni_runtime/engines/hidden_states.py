@@ -35,8 +35,9 @@ speculative config is set; `EagleModelMixin._set_aux_hidden_state_layers` sortin
 
 Costs: one extra (draft) token per request per decode step (a step may then give two tokens, when
 the draft -- always the token just sampled -- is right), a cache row per layer per token in the KV
-pool, min_p / logit_bias unavailable (speculative decoding), no other speculative method at the
-same time. Prefix caching and async scheduling are turned off (see `vllm_engine_args`).
+pool, min_p / logit_bias refused (`AREngine` answers 400: speculative decoding would skip them), no
+other speculative method at the same time. Prefix caching and async scheduling are turned off (see
+`vllm_engine_args`). On CPU, sampled requests need `vllm_plugins.expand_kernel` (vLLM's stand-in is broken).
 """
 
 from __future__ import annotations
