@@ -387,8 +387,9 @@ async def _sampled_twice(engine: AREngine, messages: list, vocab: int, **params)
 async def test_qwen3_omni_sampled_requests_with_the_route_on(qwen3_rows_engine, qwen3_thinker_hf) -> None:
     """A sampled request (the topology's temperature 0.4, a seed) to a thinker streaming hidden states
     used to kill vLLM's EngineCore on CPU (see `vllm_plugins.expand_kernel`); now it answers, seeded
-    runs agree and every row arrives; top_k/top_p/penalties work; min_p and logit_bias, which vLLM's
-    speculative decoding would silently skip, are refused naming the field; the engine stays healthy.
+    runs agree and every row arrives; top_k/top_p/penalties work; a greedy request batched beside a
+    sampled one stays exact; min_p and logit_bias, which vLLM's speculative decoding would silently
+    skip, are refused naming the field; the engine stays healthy.
 
     Not asserted: equality with the same seeded request with the route off. The route samples through
     vLLM's rejection sampler (draft = the token just sampled, no draft probs): the output follows the
@@ -407,7 +408,19 @@ async def test_qwen3_omni_sampled_requests_with_the_route_on(qwen3_rows_engine, 
         request = EngineInput("refused", {"messages": messages}, {**SAMPLED, field: value})
         with pytest.raises(InvalidRequest, match=f"cannot apply {field}; got {field}="):
             await anext(qwen3_rows_engine.generate(request))
+    # greedy and sampled in one batch (vLLM then expands temperatures, greedy 0 as 1): greedy stays exact
+    sampled = EngineInput("mixed-sampled", {"messages": messages}, dict(SAMPLED))
+    greedy, mixed = await asyncio.gather(
+        _run(qwen3_rows_engine, "mixed-greedy", PROMPTS[0]),
+        _collect(qwen3_rows_engine.generate(sampled)),
+    )
+    _check_against_hf(qwen3_thinker_hf, greedy)
+    assert all(0 <= t < vocab for o in mixed for t in o.data["token_ids"])
     _check_against_hf(qwen3_thinker_hf, await _run(qwen3_rows_engine, "greedy-after", PROMPTS[2]))
+
+
+async def _collect(stream) -> list[EngineOutput]:
+    return [o async for o in stream]
 
 
 # --- sampled requests on CPU: vLLM's expand_kernel stand-in --------------------------------------------
