@@ -82,6 +82,21 @@ def test_a_pipeline_file_sets_replicas_overrides_edges_and_limits(t2i_folder, tm
     assert sum("stage" in c for c in commands) == 3 and sum("router" in c for c in commands) == 1
 
 
+def test_ports_are_distinct_and_below_the_kernels_ephemeral_range(t2i_folder, tmp_path) -> None:
+    """The router binds minutes after its port was chosen (the stages load first): a port the kernel may
+    give to an outgoing connection meanwhile made `omnikube serve` fail with "address already in use"."""
+    from omni_runtime.launcher import _ephemeral_low
+
+    path = write(tmp_path / "p.yaml", {"model": "t2i", "stages": [{"name": "enhancer", "replicas": 3}],
+                                       "connectors": {"default": "mooncake"}})  # fmt: skip
+    run = LocalRun.prepare(load_local_spec(path), run_dir=tmp_path / "run")
+    mc = run.resolved.topology.connectors.mooncake
+    stages = [port for pairs in run.stage_ports.values() for pair in pairs for port in pair]
+    ports = [run.router_port, mc.master_port, mc.metadata_port, *stages]
+    assert len(ports) == 2 * 4 + 3 and len(set(ports)) == len(ports), ports
+    assert all(1024 <= p < _ephemeral_low() for p in ports), (ports, _ephemeral_low())
+
+
 def test_each_run_gets_its_own_key_and_every_process_reads_it(t2i_folder, tmp_path) -> None:
     runs = [LocalRun.prepare(load_local_spec(t2i_folder), run_dir=tmp_path / f"run{i}") for i in range(2)]
     for run in runs:

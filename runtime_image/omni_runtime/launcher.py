@@ -52,6 +52,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,10 +180,42 @@ def topology_for(spec: LocalPipelineFile) -> PipelineSpec:
     return resolve_model_pipeline(spec.model)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+"""Linux's range of ports the kernel hands to outgoing connections and to `bind(port=0)`."""
+_BELOW_EPHEMERAL = 12000
+"""How many ports under the ephemeral range `free_port` draws from."""
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1", exclude: Collection[int] = ()) -> int:
+    """A TCP port free on `host` now, not in `exclude`, drawn from below the kernel's ephemeral range.
+
+    The launcher picks every port up front, and its router binds only once the stages have loaded (minutes
+    with vLLM). A port from the ephemeral range can meanwhile be given by the kernel to any outgoing
+    connection (vLLM's own, a readiness probe's), and the router would then fail with "address already in
+    use"; the kernel never hands out a port below that range by itself."""
+    import random
     import socket
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    low = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(max(1024, low - _BELOW_EPHEMERAL), low)
+        if port in exclude:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # that band is full: any port will do
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -274,9 +307,16 @@ class LocalRun:
         uses_mooncake = any(
             (e.connector or connectors.default) is ConnectorKind.MOONCAKE for e in _edges_after(topology, edges)
         )
+        taken: set[int] = {port} if port else set()  # handed out here, bound only when their process starts
+
+        def next_port() -> int:
+            chosen = free_port(host, exclude=taken)
+            taken.add(chosen)
+            return chosen
+
         if uses_mooncake:
-            connectors.mooncake.master_port = free_port(host)
-            connectors.mooncake.metadata_port = free_port(host)
+            connectors.mooncake.master_port = next_port()
+            connectors.mooncake.metadata_port = next_port()
         name = spec.name or topology.name
         resolved = resolve_pipeline(
             topology,
@@ -300,9 +340,9 @@ class LocalRun:
         run = cls(resolved=resolved, run_dir=_run_dir(run_dir, name), host=host, shm_pool_bytes=shm_pool_bytes)
         run.api_key_file = Path(api_key_file).resolve() if api_key_file is not None else None
         run.drain_timeout_s = drain_timeout_s
-        run.router_port = port or free_port(host)
+        run.router_port = port or next_port()
         for stage_name in names:
-            ports = [(free_port(host), free_port(host)) for _ in range(counts[stage_name])]
+            ports = [(next_port(), next_port()) for _ in range(counts[stage_name])]
             run.stage_ports[stage_name] = ports
             run.replicas[stage_name] = counts[stage_name]
             resolved.discovery[stage_name] = StageDiscovery(static=[f"{host}:{p}" for p, _ in ports])
