@@ -228,6 +228,10 @@ def metric_values(text: str, name: str, **labels: str) -> list[float]:
     return out
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class Serve:
     """`omnikube serve <file>` as a subprocess; `stop()` sends SIGINT like Ctrl-C and waits."""
 
@@ -243,7 +247,11 @@ class Serve:
         cmd = [sys.executable, "-m", "omni_runtime.cli", "serve", str(self.file), "--run-dir", str(self.run_dir),
                "--ready-timeout", str(ready_timeout), *args]  # fmt: skip
         self._log = open(self.log, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
+        # Started as nohup or a script's `&` starts it: with SIGINT ignored. `stop()` still stops it with SIGINT,
+        # and every fixture's teardown checks that it exits 0 and leaves no process behind.
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=_ignore_sigint
+        )
         self.endpoint = self._wait_endpoint(ready_timeout + 30)
         self.base = self.endpoint.removesuffix("/v1")
         self.resolved = json.loads((self.run_dir / "resolved.json").read_text())

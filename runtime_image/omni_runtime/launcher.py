@@ -674,6 +674,9 @@ def serve_from_args(args: argparse.Namespace) -> int:
         stop["signal"] = signum
         raise KeyboardInterrupt
 
+    # SIGINT too, explicitly: a process started in the background by a non-interactive shell (nohup, `&` in
+    # a script or CI job) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt for it
+    signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     topology = run.resolved.topology
     stages = " -> ".join(topology.topological_order())
@@ -693,6 +696,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
         print(f"omnikube serve: {err}", file=sys.stderr)
         return 1
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the orderly stop short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         run.stop()
         print("omnikube serve: stopped", flush=True)
