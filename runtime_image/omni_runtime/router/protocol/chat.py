@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from omni_runtime.router.protocol.sampling import SamplingFields
+
 __all__ = [
     "AUDIO_FORMATS",
     "FORWARDED",
@@ -23,8 +25,6 @@ __all__ = [
     "TEXT_ONLY",
     "TOOL_FIELDS",
     "ChatLogProbs",
-    "check_stream_options",
-    "ResponseFormat",
     "AudioParam",
     "ChatCompletionRequest",
     "ChatCompletionResponse",
@@ -32,7 +32,6 @@ __all__ = [
     "ChatMessage",
     "Choice",
     "ChunkChoice",
-    "StreamOptions",
     "Usage",
 ]
 
@@ -58,95 +57,7 @@ class AudioParam(BaseModel):
     format: str = Field("wav", description=f"One of {AUDIO_FORMATS}.")
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    include_usage: bool = False
-    """A last chunk with the request's usage and no choices."""
-    continuous_usage_stats: bool = False
-    """vLLM's: every chunk carries the usage so far."""
-
-
-def check_stream_options(options: StreamOptions | None, stream: bool) -> None:
-    """Stream options on a request that does not stream would do nothing: refused, as vLLM does."""
-    if options is not None and options.model_fields_set and not stream:
-        raise ValueError("stream_options only applies with stream: true; set stream, or drop stream_options")
-
-
-class JsonSchema(BaseModel):
-    """OpenAI's `response_format.json_schema`."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    name: str = Field(max_length=64)
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    """OpenAI's `response_format`: plain text, any JSON object, or JSON following a schema."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchema | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
-            raise ValueError("response_format of type json_schema needs json_schema.schema (a JSON Schema object)")
-        return self
-
-    def structured_outputs(self) -> dict[str, Any] | None:
-        """The same constraint as vLLM's `StructuredOutputsParams` fields (None for text)."""
-        if self.type == "json_object":
-            return {"json_object": True}
-        if self.type == "json_schema" and self.json_schema is not None:
-            return {"json": self.json_schema.json_schema}
-        return None
-
-
-STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-"""vLLM's `structured_outputs` constraints (exactly one per request)."""
-_ENGINE_WIDE = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
-"""`StructuredOutputsParams` fields vLLM's backends read from the engine's config, never the request's."""
-
-
-class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs`: one constraint (`json`, `regex`, `choice`, `grammar`,
-    `json_object`, `structural_tag`) and its options; decoded by vLLM's structured-output backend."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = Field(None, min_length=1)
-    grammar: str | None = None
-    json_object: bool | None = None
-    structural_tag: str | None = None
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
-
-    @model_validator(mode="after")
-    def _one_constraint(self) -> StructuredOutputs:
-        engine_wide = [k for k in _ENGINE_WIDE if getattr(self, k) not in (None, False)]
-        if engine_wide:
-            raise ValueError(
-                f"structured_outputs {engine_wide} are not honoured per request (vLLM reads them only from "
-                "the engine's structured_outputs_config); remove them"
-            )
-        given = [k for k in STRUCTURED_KEYS if getattr(self, "json_" if k == "json" else k) not in (None, False)]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of {list(STRUCTURED_KEYS)}; got {given or 'none'}")
-        return self
-
-    def params(self) -> dict[str, Any]:
-        return self.model_dump(by_alias=True, exclude_defaults=True)
-
-
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(SamplingFields):
     model_config = ConfigDict(extra="allow")
 
     model: str
@@ -156,35 +67,10 @@ class ChatCompletionRequest(BaseModel):
         description="Output modalities wanted (text, image, audio, video); default: all the pipeline makes.",
     )
     audio: AudioParam | None = Field(None, description="Voice and format of the audio reply (with modality audio).")
-    n: int = Field(1, ge=1, description="Choices; at most the pipeline's router.limits.maxN.")
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1, description="At most the pipeline's router.limits.maxTokens.")
     max_completion_tokens: int | None = Field(None, ge=1, description="As max_tokens (OpenAI's newer name).")
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    user: str | None = Field(None, description="An end-user id; OpenAI's and vLLM's servers only record it.")
     logprobs: bool = Field(False, description="Return the log probability of each generated token.")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="With logprobs: this many most likely tokens.")
-    logit_bias: dict[str, float] | None = Field(None, description="Token id -> bias added to its logit.")
-    response_format: ResponseFormat | None = None
-    # vLLM sampling extras
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int | None = Field(None, ge=0)
-    ignore_eos: bool | None = None
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
-    structured_outputs: StructuredOutputs | None = None
     # vLLM prompt rendering extras
     echo: bool = Field(False, description="Prefix the reply with the last message when it has the reply's role.")
     add_generation_prompt: bool = True
@@ -215,7 +101,6 @@ class ChatCompletionRequest(BaseModel):
     def _consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true; send both, or drop top_logprobs")
-        check_stream_options(self.stream_options, self.stream)
         return self
 
 

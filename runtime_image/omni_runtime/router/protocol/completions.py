@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from omni_runtime.router.protocol.chat import (
     FORWARDED as CHAT_FORWARDED,
@@ -19,14 +19,8 @@ from omni_runtime.router.protocol.chat import (
 from omni_runtime.router.protocol.chat import (
     REFUSED as CHAT_REFUSED,
 )
-from omni_runtime.router.protocol.chat import (
-    ChatMessage,
-    ResponseFormat,
-    StreamOptions,
-    StructuredOutputs,
-    Usage,
-    check_stream_options,
-)
+from omni_runtime.router.protocol.chat import ChatMessage, Usage
+from omni_runtime.router.protocol.sampling import SamplingFields, TokenId
 
 __all__ = [
     "COMPLETION_FORWARDED",
@@ -39,47 +33,17 @@ __all__ = [
 ]
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(SamplingFields):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    prompt: str | list[int] | list[str] = Field(
+    prompt: str | list[TokenId] | list[str] = Field(
         description="One prompt: text, or token ids (a list of one text is accepted as OpenAI's SDK sends it)."
     )
     max_tokens: int | None = Field(16, ge=1, description="At most the pipeline's router.limits.maxTokens.")
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, description="Choices; at most the pipeline's router.limits.maxN.")
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     logprobs: int | None = Field(None, ge=0, le=20, description="Also return this many most likely tokens each.")
     echo: bool = Field(False, description="Each choice's text starts with the prompt.")
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
-    user: str | None = Field(None, description="An end-user id; OpenAI's and vLLM's servers only record it.")
-    response_format: ResponseFormat | None = None
-    # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int | None = Field(None, ge=0)
-    ignore_eos: bool | None = None
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
-    structured_outputs: StructuredOutputs | None = None
     add_special_tokens: bool = True
-
-    @model_validator(mode="after")
-    def _consistent(self) -> CompletionRequest:
-        check_stream_options(self.stream_options, self.stream)
-        return self
 
 
 _TEXT = "the AR stage that produces the text"
