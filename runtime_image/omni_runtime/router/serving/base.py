@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -18,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from omni_runtime.metrics import Router as M
 from omni_runtime.router.admission import Admission
-from omni_runtime.router.errors import BadRequest, ClientGone, NotFound, RequestTimedOut
+from omni_runtime.router.errors import BadRequest, ClientGone, NotFound, OmniError, RequestTimedOut, error_body
 from omni_runtime.router.lifecycle import Lifecycle
 from omni_runtime.router.orchestrator import Orchestrator, PipelineRequest, RunResult, StageEvent
 from omni_runtime.router.plan import Plan, producible_modalities
@@ -154,6 +155,12 @@ class ServingBase:
     @staticmethod
     def new_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
+
+    def error_event(self, err: OmniError) -> str:
+        """A failure after a stream's 200 went out: counted like any error, and sent as the stream's last
+        event in OpenAI's error shape (clients read it from the event's `error`)."""
+        M.errors.labels(self.pipeline.name, self.endpoint, err.type).inc()
+        return f"data: {json.dumps(error_body(err.message, err.type, err.status, err.param))}\n\n"
 
     # -- running -------------------------------------------------------------------------------
 

@@ -13,7 +13,6 @@ of the text-producing stages (the thinker), not the talker's codec frames.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -23,8 +22,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from omni_runtime.metrics import Router as M
-from omni_runtime.router.errors import BadRequest, OmniError, error_body
+from omni_runtime.router.errors import BadRequest, OmniError
 from omni_runtime.router.media import audio_of, b64, encode_audio, image_url_part, images_of
 from omni_runtime.router.orchestrator import PipelineRequest, RunResult, StageEvent
 from omni_runtime.router.plan import Plan, plan_request
@@ -293,8 +291,7 @@ class ServingChat(ServingBase):
                     final = ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)
                     yield f"data: {final.model_dump_json(exclude_none=True)}\n\n"
             except OmniError as err:
-                M.errors.labels(self.pipeline.name, self.endpoint, err.type).inc()
-                yield f"data: {json.dumps(error_body(err.message, err.type, err.status, err.param))}\n\n"
+                yield self.error_event(err)
             yield "data: [DONE]\n\n"
 
         return ManagedStream(body_iter(), stream.close, media_type="text/event-stream")

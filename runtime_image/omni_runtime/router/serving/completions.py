@@ -8,15 +8,13 @@ that stage too (the router holds no tokenizer), as one short work each.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from omni_runtime.metrics import Router as M
-from omni_runtime.router.errors import BadRequest, OmniError, error_body
+from omni_runtime.router.errors import BadRequest, OmniError
 from omni_runtime.router.orchestrator import PipelineRequest, StageEvent
 from omni_runtime.router.plan import Plan, plan_request
 from omni_runtime.router.protocol.chat import Usage
@@ -151,8 +149,7 @@ class ServingCompletions(ServingBase):
                     final = CompletionResponse(id=request_id, model=body.model, choices=[], usage=usage)
                     yield f"data: {final.model_dump_json(exclude_none=True)}\n\n"
             except OmniError as err:
-                M.errors.labels(self.pipeline.name, self.endpoint, err.type).inc()
-                yield f"data: {json.dumps(error_body(err.message, err.type, err.status, err.param))}\n\n"
+                yield self.error_event(err)
             yield "data: [DONE]\n\n"
 
         return ManagedStream(body_iter(), stream.close, media_type="text/event-stream")

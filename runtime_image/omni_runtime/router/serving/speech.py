@@ -16,8 +16,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from omni_runtime.metrics import Router as M
-from omni_runtime.router.errors import BadRequest, OmniError, error_body
+from omni_runtime.router.errors import BadRequest, OmniError
 from omni_runtime.router.media import DEFAULT_SAMPLE_RATE, audio_of, b64, encode_audio, wav_stream_header
 from omni_runtime.router.orchestrator import PipelineRequest, RunResult, StageEvent
 from omni_runtime.router.plan import plan_request
@@ -114,8 +113,7 @@ class ServingSpeech(ServingBase):
                 clock.done(usage["output_tokens"])
                 yield f"data: {json.dumps({'type': 'speech.audio.done', 'usage': usage})}\n\n"
             except OmniError as err:
-                M.errors.labels(self.pipeline.name, self.endpoint, err.type).inc()
-                yield f"data: {json.dumps(error_body(err.message, err.type, err.status, err.param))}\n\n"
+                yield self.error_event(err)
 
         async def raw_audio() -> AsyncIterator[bytes]:
             header_sent = False
