@@ -26,3 +26,13 @@ def tiny_sd3_model() -> Path:
 @pytest.fixture(scope="session")
 def tiny_sd3_img2img_model() -> Path:
     return tiny_model("tiny-sd3-img2img")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_t2v_model() -> Path:
+    return tiny_model("tiny-wan2-2-t2v")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_i2v_model() -> Path:
+    return tiny_model("tiny-wan2-2-i2v")

@@ -586,7 +586,7 @@ async def test_diffusion_abort_drops_a_queued_request(dit: DiffusionEngine) -> N
     (aborted,) = await queued
     assert aborted.finished and aborted.finish_reason == "abort" and "images" not in aborted.data
     assert (await running)[0].data["images"]
-    # A running request's batch finishes, but its result is dropped.
+    # A running request's call stops between two steps (all of its batch is aborted); no result.
     running = asyncio.ensure_future(_collect(dit, EngineInput("q3", {"prompt": "a cat"}, {"seed": 1})))
     while dit.stats()["running_batch"] == 0:
         await asyncio.sleep(0.002)

@@ -35,6 +35,7 @@ BUILTIN = {
     "qwen-image",
     "flux",
     "wan2-2-t2v",
+    "wan2-2-i2v",
     "stable-diffusion-3",
     "text-chat",
     "prompt-enhanced-t2i",
@@ -135,6 +136,7 @@ def test_qwen2_5_omni_matches_its_architecture() -> None:
         ("qwen-image", "QwenImagePipeline", "image"),
         ("flux", "FluxPipeline", "image"),
         ("wan2-2-t2v", "WanPipeline", "video"),
+        ("wan2-2-i2v", "WanImageToVideoPipeline", "video"),
         ("stable-diffusion-3", "StableDiffusion3Pipeline", "image"),
     ],
 )
@@ -197,6 +199,7 @@ def test_aliases_listing() -> None:
     assert default_registry().aliases() == {
         "qwen2.5-omni": "qwen2-5-omni",
         "wan2.2-t2v": "wan2-2-t2v",
+        "wan2.2-i2v": "wan2-2-i2v",
         "sd3": "stable-diffusion-3",
         "sd3-img2img": "stable-diffusion-3-img2img",
     }
@@ -235,6 +238,7 @@ def test_resolve_from_config_json(tmp_path: Path, architectures: list[str], pipe
         ("FluxPipeline", "flux"),
         ("QwenImagePipeline", "qwen-image"),
         ("WanPipeline", "wan2-2-t2v"),
+        ("WanImageToVideoPipeline", "wan2-2-i2v"),
         ("StableDiffusion3Pipeline", "stable-diffusion-3"),
     ],
 )

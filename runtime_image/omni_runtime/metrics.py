@@ -145,6 +145,10 @@ class Stage:
         "omnikube_edge_bytes", "Payload bytes put on a downstream edge.",
         ["pipeline", "stage", "target", "connector"], registry=REGISTRY,
     )  # fmt: skip
+    denoise_step = Histogram(
+        "omnikube_stage_denoise_step_seconds", "Time of one denoising step of a diffusion pipeline call "
+        "(the whole batch's step).", ["pipeline", "stage"], buckets=_LATENCY, registry=REGISTRY,
+    )  # fmt: skip
     connector_unreleased = Gauge(
         "omnikube_connector_payloads_unreleased", "Payloads this stage process put that are not released "
         "yet (shm segments, mooncake p2p blocks), read when scraped.", ["pipeline", "stage", "kind"],

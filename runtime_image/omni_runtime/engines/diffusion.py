@@ -24,6 +24,12 @@ with a leading batch axis of 1. Params: the pipeline's scalar call arguments (`h
 `num_inference_steps`, `guidance_scale`, ...) plus `seed` and `n` (images for this request).
 Output: `{"images": [png bytes, ...]}`; a stage whose `output_modality` is `hidden` gives
 `{"latents": tensor (n, C, h, w)}` instead (for a separate VAE stage, see `dit_to_vae`).
+
+Video pipelines (their `__call__` takes `num_frames`) take `fps` too and give an MP4 per request, with
+progress outputs while they denoise: see `engines/video.py` (its engine args: `max_frames`,
+`default_fps`, `max_fps`). Every pipeline that takes `callback_on_step_end` stops between two
+denoising steps once every request of its batch is aborted, and reports its step time
+(`omnikube_stage_denoise_step_seconds`).
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omni_runtime.engines import video as V
 from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.metrics import Stage as StageMetrics
 from omni_runtime.spec import Modality, ResolvedPipeline, StageSpec
 
 __all__ = ["DIFFUSION_ENGINE_ARGS", "DiffusionEngine"]
@@ -101,6 +109,16 @@ class _Job:
     arrival: float = 0.0
     future: asyncio.Future | None = None
     aborted: bool = False
+    fps: int = 0
+    """Frames per second of a video request's MP4 (0: an image request)."""
+    steps_done: int = 0
+    steps: int = 0
+    progressed: asyncio.Event | None = None
+    """Set (from the pipeline's thread) after each denoising step of a video request."""
+
+
+class _Interrupted(Exception):
+    """Raised between two denoising steps once every request of the batch is aborted."""
 
 
 class DiffusionEngine(Engine):
@@ -124,9 +142,17 @@ class DiffusionEngine(Engine):
             raise EngineError(f"stage {stage.name!r}: max_batch_size is {self.max_batch_size}; use 1 or more")
         self._device_arg = args["device"]
         self._dtype_arg = args["torch_dtype"]
+        self._video_args = {k: args.get(k, default) for k, default in V.VIDEO_ENGINE_ARGS.items()}
         self._load_kwargs = {
-            k: v for k, v in stage.engine_args.items() if k not in DIFFUSION_ENGINE_ARGS and k not in _REGISTRY_ONLY
+            k: v
+            for k, v in stage.engine_args.items()
+            if k not in DIFFUSION_ENGINE_ARGS and k not in _REGISTRY_ONLY and k not in V.VIDEO_ENGINE_ARGS
         }
+        self.video = False
+        """A video pipeline (set once loaded): MP4 outputs, `fps`, progress."""
+        self._temporal = 1
+        self._on_step = False
+        self._event_loop: asyncio.AbstractEventLoop | None = None
         self.latent_output = stage.output_modality is Modality.HIDDEN
         self.pipe: Any = None
         self.device = "cpu"
@@ -188,6 +214,10 @@ class DiffusionEngine(Engine):
             and p not in ("self", "image", "mask_image")
         )
         self._takes_image = "image" in params
+        self.video = V.is_video_pipeline(self._call_params)
+        self._temporal = V.temporal_factor(self.pipe) if self.video else 1
+        self._on_step = "callback_on_step_end" in params
+        self._event_loop = asyncio.get_running_loop()
         self._takes_size = "height" in params and "width" in params
         self.size_multiple = _size_multiple(self.pipe)
         self.default_size = _default_size(self.pipe)
@@ -257,6 +287,7 @@ class DiffusionEngine(Engine):
         negative = param_negative if negative is None else negative
         seed = params.pop("seed", None)
         n = params.pop("n", 1)
+        fps = V.check_video_params(params, name, self._video_args, self._temporal) if self.video else 0
         picture = self._input_image(request.data.get("image"))
         if picture is not None:  # the output's size defaults to the input's (rounded to the multiple)
             m = self.size_multiple
@@ -320,7 +351,9 @@ class DiffusionEngine(Engine):
                 raise InvalidRequest(
                     f"stage {name!r} takes either text or embeddings, not both; got {sorted(request.data)}"
                 )
-            return self._embeds_job(request.request_id, params, embeds, n, seed)
+            job = self._embeds_job(request.request_id, params, embeds, n, seed)
+            job.fps = fps
+            return job
         if not isinstance(data.get("prompt"), str) or not data["prompt"].strip():
             raise InvalidRequest(
                 f"stage {name!r} needs a non-empty 'prompt' string or prompt embeddings "
@@ -333,7 +366,9 @@ class DiffusionEngine(Engine):
             raise InvalidRequest(f"negative_prompt must be a string, not {type(negative).__name__}")
         size = None if picture is None else picture.size
         key = repr(("text", sorted(params.items()), n, negative is not None, size))
-        return _Job(request.request_id, "text", key, params, n, seed, data["prompt"], negative, image=picture)
+        if picture is not None and self.video:  # video pipelines take one conditioning image per call
+            key += request.request_id
+        return _Job(request.request_id, "text", key, params, n, seed, data["prompt"], negative, image=picture, fps=fps)
 
     def _schedule(self, value: Any, key: str) -> list[float]:
         """A custom `sigmas` / `timesteps` list: it sets the number of steps, so the step bound applies."""
@@ -401,9 +436,23 @@ class DiffusionEngine(Engine):
         loop = asyncio.get_running_loop()
         job.arrival = loop.time()
         job.future = loop.create_future()
+        if self.video:
+            job.progressed = asyncio.Event()
         self._pending.append(job)
         self._arrived.set()
         try:
+            reported = 0
+            while job.progressed is not None and not job.future.done():
+                progressed = asyncio.ensure_future(job.progressed.wait())
+                try:
+                    await asyncio.wait([job.future, progressed], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    progressed.cancel()
+                job.progressed.clear()
+                if job.steps_done > reported and not job.future.done():
+                    reported = job.steps_done
+                    progress = {"steps_done": job.steps_done, "steps": job.steps}
+                    yield EngineOutput(request.request_id, {"progress": progress})
             result = await job.future
         finally:
             if job in self._pending:  # the consumer went away while the request waited
@@ -415,7 +464,8 @@ class DiffusionEngine(Engine):
         yield EngineOutput(request.request_id, result, finished=True, finish_reason="stop")
 
     async def abort(self, request_id: str) -> None:
-        """Drop a queued request; a running one finishes its batch but its result is discarded."""
+        """Drop a queued request; a running one's result is discarded, and its pipeline call stops between
+        two denoising steps once every request of the batch is aborted."""
         for job in list(self._pending):
             if job.request_id == request_id:
                 self._pending.remove(job)
@@ -465,6 +515,13 @@ class DiffusionEngine(Engine):
         self._current = asyncio.ensure_future(asyncio.to_thread(self._call, batch))
         try:
             results = await asyncio.shield(self._current)
+        except _Interrupted:
+            log.info("stage %s: stopped a pipeline call: every request of it was aborted", self.stage.name)
+            self.batch_log.append([j.request_id for j in batch])
+            for job in batch:
+                if job.future is not None and not job.future.done():
+                    job.future.set_result(None)
+            return
         except Exception as exc:
             ids = [j.request_id for j in batch]
             log.exception("stage %s: pipeline call failed for %s", self.stage.name, ids)
@@ -515,18 +572,20 @@ class DiffusionEngine(Engine):
         first = batch[0]
         n = first.n
         kwargs: dict[str, Any] = dict(first.call)
-        kwargs["num_images_per_prompt"] = n
+        kwargs["num_videos_per_prompt" if self.video else "num_images_per_prompt"] = n
         # One CPU generator per request, reused for its n images: they depend on its seed alone, and
         # CPU generators give the same noise whatever the device.
         generators = []
         for job in batch:
             generators.extend([torch.Generator("cpu").manual_seed(job.seed)] * n)
         kwargs["generator"] = generators
-        kwargs["output_type"] = "latent" if self.latent_output else "pil"
+        kwargs["output_type"] = "latent" if self.latent_output else "np" if self.video else "pil"
+        if self._on_step:
+            kwargs["callback_on_step_end"] = self._step_callback(batch)
         if first.kind == "text":
             kwargs["prompt"] = [j.prompt for j in batch]
             if first.image is not None:
-                kwargs["image"] = [j.image for j in batch]
+                kwargs["image"] = first.image if self.video else [j.image for j in batch]
             if first.negative_prompt is not None:
                 kwargs["negative_prompt"] = [j.negative_prompt for j in batch]
         else:
@@ -534,22 +593,58 @@ class DiffusionEngine(Engine):
             for key in first.embeds:
                 kwargs[key] = torch.cat([j.embeds[key] for j in batch]).to(self.device, dtype)
         with torch.inference_mode():
-            images = self.pipe(**kwargs).images
+            result = self.pipe(**kwargs)
+        images = result.frames if self.video else result.images
         out = []
-        for i in range(len(batch)):
+        for i, job in enumerate(batch):
             mine = images[i * n : (i + 1) * n]
-            if self.latent_output:
+            if self.video and not self.latent_output:
+                out.append({"frames": list(mine), "fps": job.fps})  # _encode_results makes MP4s
+            elif self.latent_output:
                 out.append({"latents": mine.detach().to("cpu")})
             else:
                 out.append({"images": list(mine)})  # PIL images; _encode_results makes PNGs
         return out
+
+    def _step_callback(self, batch: list[_Job]) -> Any:
+        """`callback_on_step_end` for one call: step time, video progress, and the stop once all are aborted."""
+        steps = batch[0].call.get("num_inference_steps") or 0
+        schedule = batch[0].call.get("sigmas") or batch[0].call.get("timesteps")
+        steps = len(schedule) if schedule else steps
+        labels = (self.pipeline.name, self.stage.name)
+        last = [time.monotonic()]
+
+        def on_step(_pipe: Any, index: int, _timestep: Any, _tensors: dict[str, Any]) -> dict[str, Any]:
+            now = time.monotonic()
+            StageMetrics.denoise_step.labels(*labels).observe(now - last[0])
+            last[0] = now
+            for job in batch:
+                job.steps_done, job.steps = index + 1, int(steps)
+                if job.progressed is not None and self._event_loop is not None:
+                    self._event_loop.call_soon_threadsafe(job.progressed.set)
+            if all(job.aborted for job in batch):
+                raise _Interrupted
+            return {}
+
+        return on_step
 
 
 async def _encode_results(results: list[dict[str, Any]], pool: concurrent.futures.Executor) -> list[dict[str, Any]]:
     """PIL images -> PNG bytes, every image of the batch in parallel in `pool` (latent results pass through)."""
     loop = asyncio.get_running_loop()
     pngs = [[loop.run_in_executor(pool, _png, img) for img in r["images"]] if "images" in r else None for r in results]
-    return [r if p is None else {"images": list(await asyncio.gather(*p))} for r, p in zip(results, pngs, strict=True)]
+    mp4s = [
+        [loop.run_in_executor(pool, V.encode_mp4, f, r["fps"]) for f in r["frames"]] if "frames" in r else None
+        for r in results
+    ]
+    out = []
+    for r, p, m in zip(results, pngs, mp4s, strict=True):
+        if m is not None:
+            videos = list(await asyncio.gather(*m))
+            out.append(videos[0] if len(videos) == 1 else {"videos": videos})
+        else:
+            out.append(r if p is None else {"images": list(await asyncio.gather(*p))})
+    return out
 
 
 def _png(image: Any) -> bytes:
@@ -569,11 +664,13 @@ def _size_multiple(pipe: Any) -> int:
 
     Flux- and QwenImage-style pipelines pack 2x2 latent patches, whatever the transformer config says.
     """
-    vae = int(getattr(pipe, "vae_scale_factor", 8) or 8)
+    vae = int(getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8) or 8)
     patch = getattr(pipe, "patch_size", None)
     if patch is None:
         transformer = getattr(pipe, "transformer", None)
         patch = getattr(getattr(transformer, "config", None), "patch_size", None) or 1
+    if isinstance(patch, list | tuple):  # video DiTs patch (frames, height, width)
+        patch = patch[-1]
     if type(pipe).__name__.startswith(("Flux", "QwenImage")):
         patch = 2
     return vae * int(patch)

@@ -13,6 +13,8 @@
   vLLM (thinker).
 - `tiny-qwen2-5-omni`: Qwen2_5OmniForConditionalGeneration (thinker, talker, token2wav) with
   `spk_dict.pt`; loads in transformers (whole model, speaks) and in vLLM (thinker).
+- `tiny-wan2-2-t2v`, `tiny-wan2-2-i2v`: WanPipeline / WanImageToVideoPipeline with both experts
+  (`transformer`, `transformer_2`, `boundary_ratio`); 64x64 5-frame videos in about a second.
 
 `ensure(name)` returns `<cache_dir>/<name>`, building it first unless a build of the current version
 is there; `build_all()` ensures every model. Builds are deterministic (fixed seeds, tokenizers trained
@@ -61,7 +63,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_runtime.tiny_models import prompt_enhanced_t2i, qwen2_5_omni, qwen2_chat, qwen3_omni, sd3, sd3_img2img
+from omni_runtime.tiny_models import prompt_enhanced_t2i, qwen2_5_omni, qwen2_chat, qwen3_omni, sd3, sd3_img2img, wan
 from omni_runtime.tiny_models._build import build_atomically, default_cache_dir, read_stamp
 
 __all__ = ["MODELS", "TinyModel", "build_all", "default_cache_dir", "ensure", "read_stamp"]
@@ -115,6 +117,18 @@ MODELS: dict[str, TinyModel] = {
             _build_prompt_enhanced,
             "prompt-enhanced-t2i: enhancer/ (chat) + dit/ (SD3) + omnikube_pipeline.json",
             depends_on=(qwen2_chat.NAME, sd3.NAME),
+        ),
+        TinyModel(
+            wan.T2V_NAME,
+            wan.VERSION,
+            lambda out, _cache: wan.build_t2v(out),
+            "WanPipeline (Wan2.2 T2V): two experts switched at boundary_ratio (diffusers stage, video)",
+        ),
+        TinyModel(
+            wan.I2V_NAME,
+            wan.VERSION,
+            lambda out, _cache: wan.build_i2v(out),
+            "WanImageToVideoPipeline (Wan2.2 I2V): two experts, first-frame conditioning (video)",
         ),
         TinyModel(
             qwen3_omni.NAME,
