@@ -153,7 +153,11 @@ async def test_request_errors_are_openai_shaped() -> None:
             edits = await http.post("/v1/images/edits", files={"image": ("a.png", b"x")}, data={"prompt": "p"})
             assert edits.status_code == 400
 
-            assert (await http.get("/nope")).status_code == 404
+            nope = await http.get("/nope")
+            assert nope.status_code == 404
+            offered = nope.json()["error"]["message"].removeprefix("no such route; this server offers ").split(", ")
+            served = {route.path for route in cluster.app.routes} - {"/docs", "/docs/oauth2-redirect", "/redoc"}
+            assert set(offered) == served, "the 404 must list every route the router serves, and only those"
             health = await http.get("/health")
             assert health.status_code == 200 and health.json()["ready_replicas"] == {"llm": 1}
             metrics = (await http.get("/metrics")).text

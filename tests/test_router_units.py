@@ -172,8 +172,9 @@ def test_validation_and_http_errors_map_to_openai_bodies() -> None:
     assert response.status_code == 400 and body(response)["error"]["param"] == "n"
     assert "n: Input should be a valid integer" in body(response)["error"]["message"]
 
-    response = error_response(HTTPException(404))
-    assert response.status_code == 404 and "/v1/chat/completions" in body(response)["error"]["message"]
+    response = error_response(HTTPException(404), ["/v1/chat/completions", "/v1/models"])
+    assert response.status_code == 404
+    assert body(response)["error"]["message"] == "no such route; this server offers /v1/chat/completions, /v1/models"
     response = error_response(json.JSONDecodeError("Expecting value", "{", 1))
     assert response.status_code == 400
     response = error_response(RuntimeError("surprise"))

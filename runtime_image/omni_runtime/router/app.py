@@ -100,7 +100,7 @@ def build_app(
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to replace the document
 
     async def handle(request: Request, exc: Exception):
-        return error_response(exc)
+        return error_response(exc, (*ROUTES, "/openapi.json"))
 
     for exc_type in (OmniError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, handle)

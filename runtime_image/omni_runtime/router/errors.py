@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -133,8 +134,9 @@ def error_body(message: str, type_: str, status: int, param: str | None = None) 
     return {"error": {"message": message, "type": type_, "param": param, "code": status}}
 
 
-def error_response(exc: BaseException) -> JSONResponse:
-    """The OpenAI-shaped response for any exception raised while serving a request."""
+def error_response(exc: BaseException, routes: Sequence[str] = ()) -> JSONResponse:
+    """The OpenAI-shaped response for any exception raised while serving a request; a 404 lists `routes`
+    (the paths the app serves)."""
     if isinstance(exc, OmniError):
         status, type_, message, param, headers = exc.status, exc.type, exc.message, exc.param, exc.headers
     elif isinstance(exc, RequestValidationError | ValidationError):
@@ -150,8 +152,7 @@ def error_response(exc: BaseException) -> JSONResponse:
         )
         message = str(exc.detail)
         if status == 404:
-            message = "no such route; this server offers /v1/chat/completions, /v1/images/generations, " \
-                "/v1/images/edits, /v1/models, /health, /livez and /metrics"  # fmt: skip
+            message = "no such route; this server offers " + ", ".join(routes) if routes else "no such route"
     else:
         log.exception("unexpected error while serving a request", exc_info=exc)
         status, type_, param, headers = 500, "InternalServerError", None, {}
