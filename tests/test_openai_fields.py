@@ -25,6 +25,7 @@ from omni_runtime.router.protocol.chat import (
     ChatCompletionRequest,
 )
 from omni_runtime.router.protocol.completions import COMPLETION_FORWARDED, COMPLETION_REFUSED, CompletionRequest
+from omni_runtime.router.protocol.images import IMAGE_REFUSED
 from omni_runtime.router.serving.logprobs import chat_logprobs, completion_logprobs
 from omni_runtime.spec import EdgeSpec, PipelineSpec, RouterLimits, StageSpec
 
@@ -178,6 +179,29 @@ async def test_unknown_fields_ignore_mode_drops_them_but_still_refuses() -> None
             "/v1/chat/completions", json={"model": "echo", "messages": user("x"), "functions": functions}
         )
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "functions"
+
+
+async def test_image_fields_not_honoured_are_400s_naming_them() -> None:
+    """OpenAI's image fields this server does not honour (quality, style, output_format jpeg, a mask...) and
+    unknown ones are 400s before any stage works; a refused field sent at what the server does anyway
+    (output_format png) is accepted. (The echo DiT draws nothing: the accepted request is only checked not
+    to be refused for that field.)"""
+    async with (
+        echo_cluster(echo_pipeline(enhancer_then_dit(), name="t2i")) as cluster,
+        httpx.AsyncClient(base_url=cluster.base) as h,
+    ):
+        for name, (reason, _default) in IMAGE_REFUSED.items():
+            if name == "mask":
+                continue  # a file of the edit form: tests/test_serve_t2i.py sends one
+            reply = await h.post("/v1/images/generations", json={"model": "t2i", "prompt": "a cat", name: "other"})
+            assert reply.status_code == 400, name
+            assert reply.json()["error"] == {"message": f"{name} is not supported: {reason}", "type": "BadRequestError",
+                                             "param": name, "code": 400}  # fmt: skip
+        unknown = await h.post("/v1/images/generations", json={"model": "t2i", "prompt": "a cat", "qualty": "hd"})
+        assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "qualty"
+        default = await h.post("/v1/images/generations", json={"model": "t2i", "prompt": "a", "output_format": "png"})
+        assert default.json().get("error", {}).get("param") != "output_format"
+        assert sum(len(s.works) for servers in cluster.servers.values() for s in servers) == 0
 
 
 async def test_text_fields_on_a_pipeline_without_text_are_400s() -> None:

@@ -163,6 +163,10 @@ def test_image_edit_errors_say_what_to_change(img2img) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         api.images.edit(model="edit-e2e", image=("red.png", png_file("red", (64, 64))), prompt="x", size="100x64")
     assert "needs a positive multiple of 16" in err.value.body["message"]
+    red = png_file("red", (64, 64))
+    with pytest.raises(openai.BadRequestError) as err:  # inpainting is not served: never silently ignored
+        api.images.edit(model="edit-e2e", image=("red.png", red), mask=("m.png", red), prompt="a boat")
+    assert err.value.body["param"] == "mask" and "masks are not served" in err.value.body["message"]
     api.close()
 
 

@@ -50,7 +50,7 @@ _STATUSES = {
 _INFO_ROUTES = {"/v1/models": ("401",), "/v1/audio/voices": ("401",), "/health": ("503",)}
 """Routes that run nothing on the stages, with the errors they can still answer."""
 
-REJECTING_BODIES = ("ChatCompletionRequest", "CompletionRequest")
+REJECTING_BODIES = ("ChatCompletionRequest", "CompletionRequest", "ImageGenerationRequest")
 """Request bodies whose unknown fields are a 400 under `router.unknownFields: reject`."""
 
 _EDIT_FORM: dict[str, Any] = {

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["ImageData", "ImageGenerationRequest", "ImagesResponse", "parse_size"]
+__all__ = ["IMAGE_REFUSED", "ImageData", "ImageGenerationRequest", "ImagesResponse", "parse_size"]
 
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX×]\s*(\d{1,5})\s*$")
 
@@ -28,11 +28,7 @@ class ImageGenerationRequest(BaseModel):
     n: int = Field(1, ge=1, description="Images; at most the pipeline's router.limits.maxN.")
     size: str | None = Field(None, description="WIDTHxHEIGHT, e.g. 512x512; 'auto' or unset: the stage default.")
     response_format: str | None = "b64_json"
-    quality: str | None = None
-    style: str | None = None
-    background: str | None = None
-    output_format: str | None = None
-    user: str | None = None
+    user: str | None = Field(None, description="An end-user id; only recorded.")
     seed: int | None = None
     negative_prompt: str | None = None
     num_inference_steps: int | None = Field(None, ge=1)
@@ -40,6 +36,23 @@ class ImageGenerationRequest(BaseModel):
     sampling_params_list: list[dict[str, Any]] | None = Field(
         None, description="vLLM-Omni: parameters per stage, in the pipeline's topological order."
     )
+
+
+IMAGE_REFUSED: dict[str, tuple[str, object]] = {
+    "quality": ("OpenAI's quality presets are not served; set num_inference_steps instead", "auto"),
+    "style": ("dall-e-3's styles are not served; describe the style in the prompt", None),
+    "background": ("transparent backgrounds are not served (images are opaque PNGs)", "auto"),
+    "output_format": ("images are PNG only; leave output_format unset or 'png'", "png"),
+    "output_compression": ("images are PNG only (lossless)", None),
+    "moderation": ("no moderation runs here", "auto"),
+    "partial_images": ("partial images are not streamed", 0),
+    "stream": ("image generation is not streamed", False),
+    "mask": ("inpainting masks are not served; edit the whole image", None),
+    "input_fidelity": ("not served", None),
+}
+"""OpenAI image fields this server does not honour: a request that sets one to anything but the value in
+the tuple (what the server does anyway) gets a 400 naming it and why; any other unknown field is a 400
+too, unless the pipeline sets `router.unknownFields: ignore`."""
 
 
 class ImageData(BaseModel):

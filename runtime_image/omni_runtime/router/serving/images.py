@@ -17,7 +17,13 @@ from omni_runtime.router.errors import BadRequest
 from omni_runtime.router.media import b64, images_of
 from omni_runtime.router.orchestrator import PipelineRequest, StageEvent
 from omni_runtime.router.plan import Plan, plan_request
-from omni_runtime.router.protocol.images import ImageData, ImageGenerationRequest, ImagesResponse, parse_size
+from omni_runtime.router.protocol.images import (
+    IMAGE_REFUSED,
+    ImageData,
+    ImageGenerationRequest,
+    ImagesResponse,
+    parse_size,
+)
 from omni_runtime.router.serving.base import ServingBase
 from omni_runtime.router.serving.inputs import entry_inputs, stage_params
 from omni_runtime.spec import Modality
@@ -44,6 +50,7 @@ class ServingImages(ServingBase):
 
     async def generate(self, body: ImageGenerationRequest, raw: Request, *, image: bytes | None = None) -> Response:
         self.check_model(body.model, required=False)
+        self.check_fields(body, IMAGE_REFUSED)
         self.check_n(body.n)
         self.check_stage_params(body.sampling_params_list)
         plan = self._check_images()
@@ -122,6 +129,8 @@ class ServingImages(ServingBase):
         if upload is None or not hasattr(upload, "read"):
             raise BadRequest("the form has no 'image' file; send the image to edit as multipart 'image'",
                              param="image")  # fmt: skip
+        if "mask" in form:
+            raise BadRequest(f"mask is not supported: {IMAGE_REFUSED['mask'][0]}", param="mask")
         fields: dict[str, str | int] = {k: v for k, v in form.items() if isinstance(v, str)}
         for key in ("n", "seed", "num_inference_steps"):
             if key in fields:
