@@ -109,7 +109,7 @@ class Env:
         def ready() -> dict | None:
             obj = self.pipeline()
             fresh = {p["metadata"]["name"] for p in self.pods("stage")}.isdisjoint(since)
-            current = obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
+            current = obj.get("status", {}).get("observedGeneration") == obj["metadata"]["generation"]
             return obj if current and fresh and condition(obj, "Ready").get("status") == "True" else None
 
         return wait_for(ready, READY_TIMEOUT, f"{NAME} Ready", self.describe)  # type: ignore[return-value]

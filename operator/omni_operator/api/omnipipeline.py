@@ -459,7 +459,7 @@ class PipelineTopology(KubeModel):
     stages: list[str] = Field(default_factory=list, description="Stage names, upstream first.")
     edges: list[str] = Field(
         default_factory=list,
-        description="Edges as 'from -> to (connector[, window N])', e.g. 'thinker -> talker (mooncake)'.",
+        description="Edges as 'from->to (connector)', e.g. 'thinker->talker (mooncake)'.",
     )
 
 
