@@ -8,7 +8,9 @@ A second SIGINT stops at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -42,6 +44,14 @@ class _DrainingServer(uvicorn.Server):
         if self.loop is not None:  # a signal handler: hand over to the loop
             self.loop.call_soon_threadsafe(self.lifecycle.begin_drain, self.drain_timeout_s)
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn re-raises a caught SIGTERM once it has shut down, so the process died of it (exit 143,
+        a container status of Error) even after a complete drain. The router stopped as asked: exit 0."""
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
 
 
 def load_resolved(path: str | Path) -> ResolvedPipeline:
