@@ -56,3 +56,22 @@ def stop_process_group(proc: subprocess.Popen | None, sig: int = signal.SIGTERM,
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+ADDONS = REPO / "e2e" / "cluster" / "addons"
+
+
+def go_module_dir(addon: str, module: str) -> Path:
+    """The source folder of `module` at the version e2e/cluster/addons/<addon>/go.mod pins, fetched
+    through the Go module proxy into the module cache (a no-op once there)."""
+    pins = (ADDONS / addon / "go.mod").read_text().split()
+    version = pins[pins.index(module) + 1]
+    out = subprocess.run(
+        ["go", "mod", "download", "-json", f"{module}@{version}"], check=True, capture_output=True, text=True
+    )
+    return Path(json.loads(out.stdout)["Dir"])
+
+
+def keda_crd(name: str = "keda.sh_scaledobjects.yaml") -> Path:
+    """A CRD of KEDA as its release ships it (config/crd/bases of the pinned github.com/kedacore/keda/v2)."""
+    return go_module_dir("keda", "github.com/kedacore/keda/v2") / "config" / "crd" / "bases" / name

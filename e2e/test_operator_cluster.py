@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from clusterlib import REPO, apply, condition, kubectl_json, stop_process_group, wait_for
+from clusterlib import REPO, apply, condition, keda_crd, kubectl_json, stop_process_group, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -506,13 +506,14 @@ def test_pipeline_spec_owns_replicas_without_autoscaling(cluster, operator, name
     )
 
 
-def test_kubectl_scale_and_hpa_drive_an_autoscaled_stage(cluster, operator, namespace) -> None:
-    apply(
-        cluster,
-        namespace,
-        pipeline("auto", "text-chat", [{"name": "llm", "autoscaling": {"minReplicas": 1, "maxReplicas": 4}}]),
-    )
+def test_kubectl_scale_and_the_operators_hpa_drive_an_autoscaled_stage(cluster, operator, namespace) -> None:
+    scaling = {"engine": "hpa", "minReplicas": 1, "maxReplicas": 4}
+    apply(cluster, namespace, pipeline("auto", "text-chat", [{"name": "llm", "autoscaling": scaling}]))
     wait_ready(cluster, operator, namespace, "auto")
+    hpa = wait_for(lambda: get(cluster, namespace, "hpa", "auto-llm"), 30, "the operator's HPA", operator.log)
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "omnikube.io/v1alpha1", "kind": "OmniStage",
+                                             "name": "auto-llm"}  # fmt: skip
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "omnikube_stage_requests_running"
     cluster.kubectl("scale", "omnistage/auto-llm", "-n", namespace, "--replicas=3")
     wait_for(
         lambda: deployments(cluster, namespace, "auto")["auto-llm"]["spec"]["replicas"] == 3,
@@ -523,24 +524,10 @@ def test_kubectl_scale_and_hpa_drive_an_autoscaled_stage(cluster, operator, name
     wait_ready(cluster, operator, namespace, "auto")
     assert get(cluster, namespace, "omnistage", "auto-llm")["spec"]["replicas"] == 3, "operator kept hands off"
 
-    # An HPA targets the OmniStage through /scale; its minReplicas (4) is above the current 3.
-    hpa = {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": {"name": "auto-llm"},
-        "spec": {
-            "scaleTargetRef": {"apiVersion": "omnikube.io/v1alpha1", "kind": "OmniStage", "name": "auto-llm"},
-            "minReplicas": 4,
-            "maxReplicas": 4,
-            "metrics": [
-                {
-                    "type": "Resource",
-                    "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}},
-                }
-            ],
-        },
-    }
-    apply(cluster, namespace, hpa)
+    # Raising minReplicas in the pipeline reaches the HPA, which scales the OmniStage through /scale
+    # (no custom-metrics adapter runs here: the HPA enforces its bounds without a metric).
+    scaling["minReplicas"] = 4
+    apply(cluster, namespace, pipeline("auto", "text-chat", [{"name": "llm", "autoscaling": scaling}]))
     wait_for(
         lambda: get(cluster, namespace, "omnistage", "auto-llm")["spec"]["replicas"] == 4,
         60,
@@ -555,6 +542,74 @@ def test_kubectl_scale_and_hpa_drive_an_autoscaled_stage(cluster, operator, name
     )
     ready = wait_ready(cluster, operator, namespace, "auto")
     assert ready["status"]["stages"][0]["replicas"] == 4
+
+    # Dropping autoscaling removes the HPA; the pipeline's replicas own the stage again.
+    apply(cluster, namespace, pipeline("auto", "text-chat", [{"name": "llm", "replicas": 2}]))
+    wait_for(lambda: get(cluster, namespace, "hpa", "auto-llm") is None, 30, "HPA removed", operator.log)
+    wait_for(
+        lambda: get(cluster, namespace, "omnistage", "auto-llm")["spec"]["replicas"] == 2,
+        30,
+        "replicas back to the pipeline's 2",
+        operator.log,
+    )
+
+
+def degraded_reason(cluster, namespace: str, name: str) -> str | None:
+    obj = get(cluster, namespace, "omnipipeline", name) or {}
+    cond = condition(obj, "Degraded")
+    return cond.get("reason") if cond.get("status") == "True" else None
+
+
+def test_keda_missing_then_installed(cluster, operator, namespace) -> None:
+    """Without KEDA's CRDs an autoscaled stage keeps serving and the pipeline is Degraded saying how to
+    install KEDA; once the (real, pinned) ScaledObject CRD is installed the operator creates the
+    ScaledObject without being poked, and the apiserver accepts it against KEDA's own schema."""
+    crd = keda_crd()
+    cluster.kubectl("delete", "-f", str(crd), "--ignore-not-found", "--wait=true")
+    scaling = {"minReplicas": 1, "maxReplicas": 3, "scaleDownStabilizationSeconds": 20}
+    apply(cluster, namespace, pipeline("keda", "text-chat", [{"name": "llm", "autoscaling": scaling}]))
+    wait_for(
+        lambda: degraded_reason(cluster, namespace, "keda") == "AutoscalerUnavailable",
+        60,
+        "Degraded AutoscalerUnavailable",
+        operator.log,
+    )
+    message = condition(get(cluster, namespace, "omnipipeline", "keda"), "Degraded")["message"]
+    assert "install KEDA" in message and "engine: hpa" in message, message
+    stage_ready = wait_for(
+        lambda: condition(get(cluster, namespace, "omnistage", "keda-llm"), "Ready").get("status") == "True",
+        60,
+        "the stage serves without its autoscaler",
+        operator.log,
+    )
+    assert stage_ready
+    try:
+        cluster.kubectl("apply", "--server-side", "-f", str(crd))
+        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/scaledobjects.keda.sh")
+        scaled = wait_for(
+            lambda: get(cluster, namespace, "scaledobject", "keda-llm"),
+            90,
+            "the operator creates the ScaledObject once KEDA's CRD exists",
+            operator.log,
+        )
+        assert scaled["spec"]["scaleTargetRef"]["kind"] == "OmniStage"
+        assert {t["name"] for t in scaled["spec"]["triggers"]} == {"queue", "ttft"}
+        assert f'namespace="{namespace}",pipeline="keda"' in scaled["spec"]["triggers"][0]["metadata"]["query"]
+        wait_for(lambda: degraded_reason(cluster, namespace, "keda") is None, 60, "Degraded clears", operator.log)
+        wait_ready(cluster, operator, namespace, "keda")
+
+        # Switching engine replaces the ScaledObject by an HPA.
+        scaling["engine"] = "hpa"
+        apply(cluster, namespace, pipeline("keda", "text-chat", [{"name": "llm", "autoscaling": scaling}]))
+        wait_for(lambda: get(cluster, namespace, "hpa", "keda-llm"), 30, "HPA created", operator.log)
+        wait_for(
+            lambda: get(cluster, namespace, "scaledobject", "keda-llm") is None,
+            30,
+            "ScaledObject removed",
+            operator.log,
+        )
+    finally:
+        cluster.kubectl("delete", "-f", str(crd), "--ignore-not-found", "--wait=false", check=False)
 
 
 # --- leader election -----------------------------------------------------------------------------

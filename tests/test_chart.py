@@ -212,6 +212,9 @@ def _needed() -> tuple[set[tuple[str, str, str]], list[dict[str, Any]]]:
         ("", "secrets", "create"),  # the pipeline key Secret, created once (reconcile._ensure_key_secret)
         ("", "events", "create"),
     }
+    # reconcile._ensure_autoscaler: a stage's ScaledObject or HPA (no sample autoscales), removed when unused.
+    for group, plural in (("keda.sh", "scaledobjects"), ("autoscaling", "horizontalpodautoscalers")):
+        need |= {(group, plural, verb) for verb in ("get", "create", "patch", "delete")}
     # RBAC escalation prevention: the operator must hold whatever the Roles it creates grant.
     for role in roles:
         need |= _grants(role["rules"])

@@ -576,13 +576,20 @@ async def test_diffusion_abort_drops_a_queued_request(dit: DiffusionEngine) -> N
     calls = len(dit.batch_log)
     running = asyncio.ensure_future(_collect(dit, EngineInput("q1", {"prompt": "a cat"}, {"seed": 1})))
     queued = asyncio.ensure_future(
-        _collect(dit, EngineInput("q2", {"prompt": "a cat"}, {"seed": 1, "width": 32, "height": 32}))
+        _collect(
+            dit,
+            EngineInput("q2", {"prompt": "a cat"}, {"seed": 1, "width": 32, "height": 32, "num_inference_steps": 3}),
+        )
     )
     while dit.stats()["running_batch"] == 0:
         await asyncio.sleep(0.002)
     assert dit.stats()["queue_depth"] == 1
+    # The backlog an autoscaler reads: q2's 3 steps waiting, plus what is left of q1's 2 (the stage
+    # default; its steps may be running already).
+    assert 3 <= dit.stats()["denoising_steps_queued"] <= 3 + 2
     await dit.abort("q2")
     assert dit.stats()["queue_depth"] == 0
+    assert dit.stats()["denoising_steps_queued"] <= 2
     (aborted,) = await queued
     assert aborted.finished and aborted.finish_reason == "abort" and "images" not in aborted.data
     assert (await running)[0].data["images"]
@@ -593,6 +600,7 @@ async def test_diffusion_abort_drops_a_queued_request(dit: DiffusionEngine) -> N
     await dit.abort("q3")
     assert (await running)[0].finish_reason == "abort"
     assert [b for b in list(dit.batch_log)[calls:]] == [["q1"], ["q3"]]
+    assert dit.stats()["denoising_steps_queued"] == 0
 
 
 @models

@@ -38,6 +38,8 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("networking.k8s.io/v1", "NetworkPolicy"): ("networkpolicies", True),
     ("discovery.k8s.io/v1", "EndpointSlice"): ("endpointslices", True),
     ("coordination.k8s.io/v1", "Lease"): ("leases", True),
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): ("horizontalpodautoscalers", True),
+    ("keda.sh/v1alpha1", "ScaledObject"): ("scaledobjects", True),
     ("omnikube.io/v1alpha1", "OmniPipeline"): ("omnipipelines", True),
     ("omnikube.io/v1alpha1", "OmniStage"): ("omnistages", True),
 }
@@ -119,7 +121,15 @@ class KubeClient:
             data = await response.read()
         except ApiException as exc:
             raise KubeError(exc.status or 0, _api_message(exc)) from None
-        body = json.loads(data) if data else {}
+        try:
+            body = json.loads(data) if data else {}
+        except ValueError:
+            # Not JSON: a path the apiserver does not serve at all (a kind whose CRD is not installed
+            # answers "404 page not found" in plain text).
+            if response.status < 400:
+                raise
+            text = data[:200].decode(errors="replace").strip()
+            raise KubeError(response.status, f"{method} {path}: {text or response.status}") from None
         if response.status >= 400:
             message = body.get("message") if isinstance(body, dict) else None
             raise KubeError(response.status, f"{method} {path}: {message or response.status}")

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from omni_operator.api import API_VERSION, OmniPipeline, OmniStage
+from omni_operator.builders.autoscaler import HPA_API_VERSION, KEDA_API_VERSION, build_stage_autoscaler
 from omni_operator.builders.meta import HASH_ANNOTATION, LABEL_COMPONENT, LABEL_PIPELINE
 from omni_operator.builders.mooncake import build_mooncake_objects
 from omni_operator.builders.pipeline_objects import (
@@ -361,11 +362,56 @@ async def _ensure_omnistage(ctx: Context, desired: dict[str, Any]) -> dict[str, 
     return result
 
 
-async def reconcile_stage(ctx: Context, namespace: str, name: str) -> None:
-    """Make an OmniStage's Deployment and Service match it, then report status."""
+_AUTOSCALER_KINDS = ((KEDA_API_VERSION, "ScaledObject"), (HPA_API_VERSION, "HorizontalPodAutoscaler"))
+
+
+async def _ensure_autoscaler(ctx: Context, stage: dict[str, Any]) -> Condition | None:
+    """The stage's ScaledObject or HPA while it has autoscaling; the other kind (and both, without
+    autoscaling) removed when ours. A Degraded condition when KEDA's CRDs are not installed."""
+    desired = build_stage_autoscaler(stage)
+    problem = None
+    if desired is not None:
+        try:
+            await _ensure(ctx, desired)
+        except KubeError as exc:
+            # 404 on the kind itself (not on the object: _ensure reads first) means no such API.
+            if exc.status != 404 or desired["kind"] != "ScaledObject":
+                raise
+            problem = Condition(
+                "Degraded",
+                "True",
+                Reason.AUTOSCALER_UNAVAILABLE,
+                f"stage {stage['spec']['stage']}: autoscaling needs KEDA, and the cluster has no ScaledObject "
+                f"API ({KEDA_API_VERSION}); install KEDA (helm install keda kedacore/keda -n keda "
+                "--create-namespace, see the README), or set autoscaling.engine: hpa, or drop autoscaling",
+            )
+    meta = stage["metadata"]
+    for api_version, kind in _AUTOSCALER_KINDS:
+        if desired is not None and desired["kind"] == kind:
+            continue
+        try:
+            existing = await ctx.kube.get(api_version, kind, meta["name"], meta["namespace"])
+        except KubeError as exc:
+            if exc.status == 404:
+                continue  # KEDA not installed: nothing of that kind can exist
+            raise
+        if existing is not None and _owned_by(existing, stage):
+            ctx.writes += 1
+            log.info("deleting %s %s/%s: the stage no longer asks for it", kind, meta["namespace"], meta["name"])
+            await ctx.kube.delete(api_version, kind, meta["name"], meta["namespace"])
+    return problem
+
+
+AUTOSCALER_RECHECK_SECONDS = 30.0
+"""How soon a stage waiting for KEDA to be installed is looked at again (no watch sees a CRD arrive)."""
+
+
+async def reconcile_stage(ctx: Context, namespace: str, name: str) -> float | None:
+    """Make an OmniStage's Deployment, Service and autoscaler match it, then report status. Returns the
+    seconds after which to reconcile it again though nothing changed (KEDA missing), or None."""
     live = await ctx.kube.get(API_VERSION, "OmniStage", name, namespace)
     if live is None or live["metadata"].get("deletionTimestamp"):
-        return
+        return None
     seen = (live.get("status") or {}).get("workloadGeneration")
     collision: Condition | None = None
     deployment = None
@@ -377,9 +423,14 @@ async def reconcile_stage(ctx: Context, namespace: str, name: str) -> None:
         await _ensure(ctx, build_stage_service(live))
     except NameCollision as exc:
         collision = collision or exc.condition()
+    autoscaler_problem = None
+    try:
+        autoscaler_problem = await _ensure_autoscaler(ctx, live)
+    except NameCollision as exc:
+        collision = collision or exc.condition()
     selector = stage_selector(OmniStage.model_validate(live))
     pods = await ctx.kube.list("v1", "Pod", namespace, label_selector=selector_string(selector))
-    counts, wanted = stage_conditions(live, deployment, pods, problem=collision)
+    counts, wanted = stage_conditions(live, deployment, pods, problem=collision, autoscaler_problem=autoscaler_problem)
     conditions, flipped = _merge_conditions(live, wanted)
     status = {
         "observedGeneration": live["metadata"].get("generation"),
@@ -390,3 +441,4 @@ async def reconcile_stage(ctx: Context, namespace: str, name: str) -> None:
     }
     if await _write_status(ctx, live, status):
         await _post_events(ctx, live, flipped)
+    return AUTOSCALER_RECHECK_SECONDS if autoscaler_problem is not None else None

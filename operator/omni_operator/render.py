@@ -17,6 +17,7 @@ import yaml
 from pydantic import ValidationError
 
 from omni_operator.api import OmniPipeline, validation_messages
+from omni_operator.builders.autoscaler import build_stage_autoscaler
 from omni_operator.builders.mooncake import build_mooncake_objects
 from omni_operator.builders.pipeline_objects import build_omnistages, build_pipeline_configmap
 from omni_operator.builders.router import build_router_objects
@@ -69,7 +70,8 @@ def render_pipeline(
     owner_references: bool = True,
     model_root: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """The ConfigMap, NetworkPolicies, OmniStages, their Deployments and Services, and the router objects."""
+    """The ConfigMap, NetworkPolicies, OmniStages, their Deployments, Services and autoscalers, and the
+    router objects."""
     owner = {**manifest, "metadata": {"namespace": "default", **manifest.get("metadata", {})}}
     owner["metadata"].setdefault("uid", PLACEHOLDER_UID)
     try:
@@ -84,6 +86,9 @@ def render_pipeline(
         objects.append(stage)
         stage_owner = {**stage, "metadata": {**stage["metadata"], "uid": PLACEHOLDER_UID}}
         objects += [build_stage_deployment(stage_owner), build_stage_service(stage_owner)]
+        autoscaler = build_stage_autoscaler(stage_owner)
+        if autoscaler is not None:
+            objects.append(autoscaler)
     objects += build_router_objects(owner, pipeline, resolved)
     objects += build_mooncake_objects(owner, pipeline, resolved)
     if not owner_references:

@@ -77,7 +77,9 @@ async def run_operator(config: OperatorConfig) -> None:
             if kind == PIPELINE:
                 await reconcile_pipeline(ctx, namespace, name)
             else:
-                await reconcile_stage(ctx, namespace, name)
+                again = await reconcile_stage(ctx, namespace, name)
+                if again is not None:
+                    queue.add_after(key, again)
             result = "ok"
         except KubeError as exc:
             if exc.status == 403 and "being terminated" in str(exc):

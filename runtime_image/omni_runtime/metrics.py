@@ -100,6 +100,11 @@ class Stage:
         "omnikube_stage_engine_queue_depth", "Requests waiting inside the engine (engine-reported).",
         ["pipeline", "stage", "replica"], registry=REGISTRY,
     )  # fmt: skip
+    denoising_steps_queued = Gauge(
+        "omnikube_stage_denoising_steps_queued", "Denoising steps still to run for the requests waiting or "
+        "running on this diffusion replica: the backlog its autoscaler reads.",
+        ["pipeline", "stage", "replica"], registry=REGISTRY,
+    )  # fmt: skip
     engine_stat = Gauge(
         "omnikube_stage_engine_stat", "Other gauges the engine reports, by name.",
         ["pipeline", "stage", "replica", "name"], registry=REGISTRY,

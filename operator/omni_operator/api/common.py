@@ -23,6 +23,10 @@ __all__ = [
     "Accelerator",
     "AcceleratorType",
     "Autoscaling",
+    "AutoscalingEngine",
+    "AutoscalingMetric",
+    "DEFAULT_AUTOSCALING_TARGETS",
+    "DEFAULT_PROMETHEUS_ADDRESS",
     "Condition",
     "ConditionStatus",
     "EnvVar",
@@ -236,9 +240,55 @@ class Toleration(KubeModel):
     )
 
 
-class Autoscaling(KubeModel):
-    """Scale a stage on its queue depth between two bounds; the operator then never sets its replicas."""
+class AutoscalingEngine(str, Enum):
+    """Which autoscaler the operator creates for a stage."""
 
+    KEDA = "keda"
+    """A KEDA ScaledObject with Prometheus triggers (KEDA must be installed)."""
+    HPA = "hpa"
+    """A plain autoscaling/v2 HorizontalPodAutoscaler on a Pods metric (needs a custom-metrics adapter,
+    e.g. prometheus-adapter, serving omnikube_stage_requests_running per pod)."""
+
+
+class AutoscalingMetric(str, Enum):
+    """The signal a stage scales on, beside its queue (which every autoscaled stage scales on)."""
+
+    QUEUE = "queue"
+    """Only the requests outstanding per replica (targetQueueDepth)."""
+    TTFT = "ttft"
+    """The pipeline's time to first token, p90 over `windowSeconds`, in seconds."""
+    TTFP = "ttfp"
+    """The pipeline's time to first media packet (first audio), p90 over `windowSeconds`, in seconds."""
+    RTF = "rtf"
+    """The pipeline's audio real-time factor (wall-clock over audio seconds), p90 over `windowSeconds`."""
+    DENOISING_STEPS = "denoisingSteps"
+    """Denoising steps queued or still to run per replica of a diffusion stage."""
+
+
+DEFAULT_AUTOSCALING_TARGETS: dict[AutoscalingMetric, str] = {
+    AutoscalingMetric.TTFT: "2",
+    AutoscalingMetric.TTFP: "1",
+    AutoscalingMetric.RTF: "800m",
+    AutoscalingMetric.DENOISING_STEPS: "200",
+}
+"""`autoscaling.target` when unset, per metric (queue uses targetQueueDepth)."""
+
+DEFAULT_PROMETHEUS_ADDRESS = "http://prometheus-operated.monitoring.svc:9090"
+"""Where KEDA queries Prometheus unless `autoscaling.prometheusAddress` says otherwise (the Service the
+Prometheus Operator creates for a Prometheus in namespace monitoring)."""
+
+
+class Autoscaling(KubeModel):
+    """Scale a stage between two bounds on its queue and its own signal; the operator then never sets its
+    replicas. The operator creates a KEDA ScaledObject (or an HPA) that targets the stage's /scale."""
+
+    engine: AutoscalingEngine = Field(
+        AutoscalingEngine.KEDA,
+        description="keda: a KEDA ScaledObject with Prometheus triggers (install KEDA first; without its "
+        "CRDs the pipeline is Degraded with reason AutoscalerUnavailable). hpa: a plain autoscaling/v2 "
+        "HorizontalPodAutoscaler on the Pods metric omnikube_stage_requests_running (needs a custom-metrics "
+        "adapter such as prometheus-adapter); hpa supports only metric queue.",
+    )
     min_replicas: Int = Field(1, ge=1, le=1000, description="Fewest replicas the autoscaler keeps.")
     max_replicas: Int = Field(ge=1, le=1000, description="Most replicas the autoscaler creates.")
     target_queue_depth: Int = Field(
@@ -247,7 +297,24 @@ class Autoscaling(KubeModel):
         le=10000,
         description="Requests outstanding per replica that the autoscaler aims for (router metric "
         "omnikube_stage_outstanding_requests: sent to the replica and not finished, those queued in its "
-        "engine included); above it, it adds replicas.",
+        "engine included); above it, it adds replicas. Every autoscaled stage scales on it.",
+    )
+    metric: AutoscalingMetric | None = Field(
+        None,
+        description="The stage's own signal, scaled on beside the queue: ttft (p90 of "
+        "omnikube_time_to_first_token_seconds), ttfp (p90 of omnikube_time_to_first_packet_seconds), rtf "
+        "(p90 of omnikube_audio_real_time_factor), denoisingSteps (omnikube_stage_denoising_steps_queued per "
+        "replica) or queue (the queue alone). Unset: ttft for ar stages, ttfp for generation stages "
+        "(talker, code2wav), denoisingSteps for diffusion stages.",
+    )
+    target: Quantity | None = Field(
+        None,
+        description="The value of `metric` the autoscaler aims for: seconds for ttft and ttfp (500m is half "
+        "a second), a ratio for rtf, steps per replica for denoisingSteps. Unset: ttft 2, ttfp 1, rtf 800m, "
+        "denoisingSteps 200.",
+    )
+    window_seconds: Int = Field(
+        60, ge=15, le=3600, description="Window of the p90 of ttft, ttfp and rtf (a PromQL rate range)."
     )
     scale_down_stabilization_seconds: Int = Field(
         300,
@@ -255,12 +322,30 @@ class Autoscaling(KubeModel):
         le=3600,
         description="Seconds the load must stay low before replicas are removed.",
     )
+    prometheus_address: str = Field(
+        DEFAULT_PROMETHEUS_ADDRESS,
+        max_length=2048,
+        pattern=r"^https?://[^\s]+$",
+        description="URL of the Prometheus that scrapes the router and stages; KEDA queries it.",
+    )
 
     validation_rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
             cel="!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
             message="autoscaling.minReplicas: must not exceed maxReplicas; lower minReplicas or raise maxReplicas",
             check=lambda m: m.min_replicas <= m.max_replicas,
+        ),
+        Rule(
+            cel="!has(self.engine) || self.engine != 'hpa' || !has(self.metric) || self.metric == 'queue'",
+            message="autoscaling.metric: engine hpa scales on the queue only; drop metric (or set it to "
+            "queue), or use engine keda",
+            check=lambda m: m.engine is not AutoscalingEngine.HPA or m.metric in (None, AutoscalingMetric.QUEUE),
+        ),
+        Rule(
+            cel="!has(self.target) || (has(self.metric) && self.metric != 'queue')",
+            message="autoscaling.target: applies to metric ttft, ttfp, rtf or denoisingSteps (the queue's "
+            "target is targetQueueDepth); set such a metric too, or drop target",
+            check=lambda m: m.target is None or m.metric not in (None, AutoscalingMetric.QUEUE),
         ),
     )
 

@@ -365,7 +365,9 @@ class PipelineStage(Placement):
         "the edge between them); its own replicas and accelerator are then not used.",
     )
     autoscaling: Autoscaling | None = Field(
-        None, description="Scale this stage on its queue depth instead of a fixed replica count."
+        None,
+        description="Scale this stage on its queue and its own signal (TTFT, TTFP, RTF, denoising backlog) "
+        "instead of a fixed replica count: the operator creates a KEDA ScaledObject or an HPA for it.",
     )
     shm_size: Quantity | None = Field(
         None, description="Size of /dev/shm in this stage's pods; unset uses runtime.shmSize."

@@ -44,6 +44,8 @@ class Reason(str, Enum):
     IMAGE_PULL = "ImagePull"
     CONTAINER_CONFIG = "ContainerConfig"
     CONNECTOR_UNAVAILABLE = "ConnectorUnavailable"
+    AUTOSCALER_UNAVAILABLE = "AutoscalerUnavailable"
+    """A stage asks for a KEDA ScaledObject and the cluster has no KEDA CRDs."""
     STAGE_DEGRADED = "StageDegraded"
     """A stage reported a Degraded reason this operator version does not know."""
 

@@ -113,9 +113,12 @@ def stage_conditions(
     pods: list[dict[str, Any]],
     *,
     problem: Condition | None = None,
+    autoscaler_problem: Condition | None = None,
 ) -> tuple[dict[str, int], list[Condition]]:
     """(replica counts, [Ready, Progressing, Degraded]) for an OmniStage. `problem`: a Degraded condition
-    found while applying (a name collision), which outranks what the pods say."""
+    found while applying (a name collision), which outranks what the pods say. `autoscaler_problem`: the
+    stage's autoscaler cannot be made; the stage is Degraded, yet its pods serve (at their last count),
+    so Ready still follows them."""
     name = stage["spec"]["stage"]
     desired = stage["spec"].get("replicas", 1)
     if problem is not None:
@@ -131,7 +134,7 @@ def stage_conditions(
         return counts, [
             Condition("Ready", "False", Reason.CREATING, f"stage {name}: its Deployment is being created"),
             Condition("Progressing", "True", Reason.CREATING, f"stage {name}: creating the Deployment"),
-            Condition("Degraded", "False", Reason.AS_EXPECTED),
+            autoscaler_problem or Condition("Degraded", "False", Reason.AS_EXPECTED),
         ]
     ds = deployment.get("status", {})
     current = ds.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0)
@@ -144,7 +147,7 @@ def stage_conditions(
     rolled = current and updated == desired and replicas == desired
     is_ready = rolled and ready >= desired and available >= desired
     problem = pod_problem(pods, name)
-    degraded = problem or Condition("Degraded", "False", Reason.AS_EXPECTED)
+    degraded = problem or autoscaler_problem or Condition("Degraded", "False", Reason.AS_EXPECTED)
     if is_ready:
         ready_cond = Condition(
             "Ready",

@@ -90,6 +90,13 @@ _CALL_ARGS_OWNED = frozenset(
 """Pipeline call arguments the engine sets itself; a request may not pass them."""
 
 
+def _steps(call: dict[str, Any], default: int = 1) -> int:
+    """Denoising steps a pipeline call runs: one per entry of a custom schedule, else num_inference_steps
+    (`default` when the call leaves it to the pipeline)."""
+    schedule = call.get("sigmas") or call.get("timesteps")
+    return len(schedule) if schedule else int(call.get("num_inference_steps") or default)
+
+
 @dataclass
 class _Job:
     request_id: str
@@ -124,9 +131,9 @@ class _Interrupted(Exception):
 class DiffusionEngine(Engine):
     """A diffusion stage on a diffusers pipeline, batching compatible requests.
 
-    `stats()`: `queue_depth`, `running_batch`, `last_batch_size` (requests), `last_batch_images`,
-    `last_batch_seconds`, `last_step_seconds`, `batches_total`. `batch_log` keeps the request ids of
-    the last 100 pipeline calls.
+    `stats()`: `queue_depth`, `running_batch`, `denoising_steps_queued`, `last_batch_size` (requests),
+    `last_batch_images`, `last_batch_seconds`, `last_step_seconds`, `batches_total`. `batch_log` keeps
+    the request ids of the last 100 pipeline calls.
     """
 
     def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
@@ -167,6 +174,7 @@ class DiffusionEngine(Engine):
         self._pending: list[_Job] = []
         self._arrived: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
+        self._default_steps = 1
         self._running: list[_Job] = []
         self._current: asyncio.Future | None = None
         self._encoding: asyncio.Future | None = None
@@ -218,6 +226,9 @@ class DiffusionEngine(Engine):
         self._temporal = V.temporal_factor(self.pipe) if self.video else 1
         self._on_step = "callback_on_step_end" in params
         self._event_loop = asyncio.get_running_loop()
+        # The steps a request without num_inference_steps runs: the pipeline's own default.
+        default_steps = params["num_inference_steps"].default if "num_inference_steps" in params else 1
+        self._default_steps = default_steps if isinstance(default_steps, int) else 1
         self._takes_size = "height" in params and "width" in params
         self.size_multiple = _size_multiple(self.pipe)
         self.default_size = _default_size(self.pipe)
@@ -479,6 +490,12 @@ class DiffusionEngine(Engine):
         return {
             "queue_depth": float(len(self._pending)),
             "running_batch": float(len(self._running)),
+            # The backlog an autoscaler reads: denoising steps still to run for the requests waiting or
+            # running (a running one less the steps its step callback reported done).
+            "denoising_steps_queued": float(
+                sum(_steps(j.call, self._default_steps) for j in self._pending)
+                + sum(max(0, _steps(j.call, self._default_steps) - j.steps_done) for j in self._running)
+            ),
             **self._stats,
         }
 
@@ -534,9 +551,7 @@ class DiffusionEngine(Engine):
             self._current = None
             self._running = []
         seconds = time.monotonic() - started
-        call = batch[0].call
-        schedule = call.get("sigmas") or call.get("timesteps")
-        steps = len(schedule) if schedule else call.get("num_inference_steps") or 1
+        steps = _steps(batch[0].call, self._default_steps)
         self._stats.update(
             last_batch_size=float(len(batch)),
             last_batch_images=float(sum(j.n for j in batch)),

@@ -720,6 +720,8 @@ class StageServer:
         for name, value in stats.items():
             if name in ("queue_depth", "waiting", "num_waiting"):
                 M.engine_queue.labels(*self._labels).set(value)
+            elif name == "denoising_steps_queued":
+                M.denoising_steps_queued.labels(*self._labels).set(value)
             else:
                 M.engine_stat.labels(*self._labels, name).set(value)
 

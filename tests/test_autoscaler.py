@@ -1,0 +1,189 @@
+"""A stage's autoscaler, offline: the KEDA ScaledObject or HPA `omnikube render` prints for it.
+
+No cluster: `render_pipeline` runs the same builders the reconcile does. Against a real apiserver (KEDA
+CRDs installed or absent): e2e/test_autoscaler_cluster.py.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from omni_operator.api import API_VERSION
+from omni_operator.builders.autoscaler import HPA_POD_METRIC, SIGNAL_METRICS
+from omni_operator.render import RenderError, render_pipeline
+from omni_operator.status.conditions import Condition
+from omni_operator.status.reasons import Reason
+from omni_operator.status.stage_status import stage_conditions
+from omni_runtime.metrics import REGISTRY
+from omni_runtime.registry import default_registry
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = ROOT / "config" / "samples"
+REGISTRY_OF_PIPELINES = default_registry()
+
+
+def sample(name: str, stage: str, autoscaling: dict[str, Any]) -> dict[str, Any]:
+    """A sample manifest whose `stage` autoscales with `autoscaling`."""
+    manifest = yaml.safe_load((SAMPLES / name).read_text())
+    entries = manifest["spec"]["stages"]
+    entry = next((s for s in entries if s["name"] == stage), None)
+    if entry is None:
+        entry = {"name": stage}
+        entries.append(entry)
+    entry["autoscaling"] = autoscaling
+    return manifest
+
+
+def autoscalers(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    objects = render_pipeline(manifest, REGISTRY_OF_PIPELINES)
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] in ("ScaledObject", "HorizontalPodAutoscaler")}
+
+
+def triggers(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {t["name"]: t for t in obj["spec"]["triggers"]}
+
+
+def test_an_ar_stage_scales_on_its_queue_and_the_pipelines_ttft_through_its_scale_subresource() -> None:
+    manifest = sample(
+        "tiny-chat-cpu.yaml",
+        "llm",
+        {"minReplicas": 2, "maxReplicas": 6, "targetQueueDepth": 3, "scaleDownStabilizationSeconds": 45},
+    )
+    made = autoscalers(manifest)
+    assert list(made) == ["tiny-chat-llm"]
+    scaled = made["tiny-chat-llm"]
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1" and scaled["kind"] == "ScaledObject"
+    spec = scaled["spec"]
+    assert spec["scaleTargetRef"] == {"apiVersion": API_VERSION, "kind": "OmniStage", "name": "tiny-chat-llm"}
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (2, 6)
+    behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 45
+    owner = scaled["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"]) == ("OmniStage", "tiny-chat-llm")
+    queue, ttft = triggers(scaled)["queue"], triggers(scaled)["ttft"]
+    assert queue["metricType"] == "AverageValue" and queue["metadata"]["threshold"] == "3"
+    assert queue["metadata"]["query"] == (
+        'sum(omnikube_stage_outstanding_requests{namespace="default",pipeline="tiny-chat",stage=~"llm"})'
+    )
+    assert ttft["metricType"] == "Value" and ttft["metadata"]["threshold"] == "2"
+    assert "histogram_quantile(0.9," in ttft["metadata"]["query"]
+    assert "omnikube_time_to_first_token_seconds_bucket" in ttft["metadata"]["query"]
+    assert "[60s]" in ttft["metadata"]["query"]
+    assert ttft["metadata"]["serverAddress"] == "http://prometheus-operated.monitoring.svc:9090"
+
+
+def test_each_stage_kind_has_its_default_signal() -> None:
+    omni = autoscalers(
+        sample("qwen3-omni.yaml", "talker", {"maxReplicas": 4}) | {"metadata": {"name": "omni", "namespace": "ai"}}
+    )
+    talker = triggers(omni["omni-talker"])  # a generation stage; code2wav runs in its pods
+    assert set(talker) == {"queue", "ttfp"}
+    assert 'namespace="ai",pipeline="omni"' in talker["ttfp"]["metadata"]["query"]
+    assert talker["ttfp"]["metadata"]["threshold"] == "1"
+    assert 'stage=~"talker|code2wav"' in talker["queue"]["metadata"]["query"]
+    image = autoscalers(sample("qwen-image.yaml", "dit", {"maxReplicas": 4}))["qwen-image-dit"]
+    steps = triggers(image)["denoisingsteps"]
+    assert steps["metricType"] == "AverageValue" and steps["metadata"]["threshold"] == "200"
+    assert steps["metadata"]["query"].startswith("sum(omnikube_stage_denoising_steps_queued{")
+
+
+def test_metric_and_target_choose_the_signal() -> None:
+    manifest = sample("qwen3-omni.yaml", "talker", {"maxReplicas": 3, "metric": "rtf", "target": "500m"})
+    rtf = triggers(autoscalers(manifest)["qwen3-omni-talker"])["rtf"]
+    assert rtf["metadata"]["threshold"] == "0.5"
+    assert "omnikube_audio_real_time_factor_bucket" in rtf["metadata"]["query"]
+    queue_only = sample("qwen-image.yaml", "dit", {"maxReplicas": 2, "metric": "queue"})
+    assert set(triggers(autoscalers(queue_only)["qwen-image-dit"])) == {"queue"}
+
+
+def test_engine_hpa_renders_a_plain_hpa_on_a_pods_metric() -> None:
+    manifest = sample("tiny-chat-cpu.yaml", "llm", {"engine": "hpa", "maxReplicas": 5, "targetQueueDepth": 4})
+    hpa = autoscalers(manifest)["tiny-chat-llm"]
+    assert (hpa["apiVersion"], hpa["kind"]) == ("autoscaling/v2", "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "OmniStage"
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 5)
+    assert hpa["spec"]["metrics"] == [
+        {
+            "type": "Pods",
+            "pods": {"metric": {"name": HPA_POD_METRIC}, "target": {"type": "AverageValue", "averageValue": "4"}},
+        }
+    ]
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
+
+
+@pytest.mark.parametrize(
+    ("autoscaling", "words"),
+    [
+        ({"engine": "hpa", "metric": "ttft", "maxReplicas": 2}, "engine hpa scales on the queue only"),
+        ({"target": "2", "maxReplicas": 2}, "autoscaling.target: applies to metric"),
+        ({"metric": "queue", "target": "2", "maxReplicas": 2}, "autoscaling.target: applies to metric"),
+        ({"maxReplicas": 2, "prometheusAddress": "prometheus:9090"}, "prometheusAddress"),
+    ],
+)
+def test_settings_that_would_do_nothing_are_refused(autoscaling: dict[str, Any], words: str) -> None:
+    with pytest.raises(RenderError, match=re.escape(words)):
+        render_pipeline(sample("tiny-chat-cpu.yaml", "llm", autoscaling), REGISTRY_OF_PIPELINES)
+
+
+def test_a_stage_without_autoscaling_gets_no_autoscaler() -> None:
+    manifest = yaml.safe_load((SAMPLES / "qwen3-omni.yaml").read_text())
+    assert autoscalers(manifest) == {}
+
+
+def exported_names() -> set[str]:
+    """Every series name the runtime's registry can export (a histogram's _bucket, _sum and _count too,
+    which appear among its samples only once a label set has been observed)."""
+    names = set()
+    for family in REGISTRY.collect():
+        names.add(family.name)
+        names |= {s.name for s in family.samples}
+        if family.type == "histogram":
+            names |= {f"{family.name}_{suffix}" for suffix in ("bucket", "sum", "count")}
+        if family.type == "counter":
+            names.add(f"{family.name}_total")
+    return names
+
+
+def test_every_metric_a_rendered_query_names_exists_in_the_runtime() -> None:
+    names = exported_names()
+    assert set(SIGNAL_METRICS.values()) | {HPA_POD_METRIC} <= names
+    queried = set()
+    for name, stage, metric in [
+        ("tiny-chat-cpu.yaml", "llm", None),
+        ("qwen3-omni.yaml", "talker", None),
+        ("qwen3-omni.yaml", "thinker", "rtf"),
+        ("qwen-image.yaml", "dit", None),
+    ]:
+        scaling: dict[str, Any] = {"maxReplicas": 2} | ({"metric": metric} if metric else {})
+        for obj in autoscalers(sample(name, stage, scaling)).values():
+            for trigger in obj["spec"]["triggers"]:
+                queried |= set(re.findall(r"\bomnikube_[a-z0-9_]+", trigger["metadata"]["query"]))
+    assert len(queried) >= 5
+    assert queried <= names, f"queries name metrics the runtime does not export: {sorted(queried - names)}"
+
+
+def test_a_stage_without_its_autoscaler_is_degraded_yet_ready_while_its_pods_serve() -> None:
+    stage = {"metadata": {"generation": 1}, "spec": {"stage": "llm", "replicas": 1}}
+    deployment = {
+        "metadata": {"generation": 1},
+        "status": {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1,
+                   "availableReplicas": 1},
+    }  # fmt: skip
+    missing = Condition("Degraded", "True", Reason.AUTOSCALER_UNAVAILABLE, "install KEDA")
+    _, conditions = stage_conditions(stage, deployment, [], autoscaler_problem=missing)
+    by_type = {c.type: c for c in conditions}
+    assert by_type["Ready"].status == "True"
+    assert by_type["Degraded"].status == "True" and by_type["Degraded"].reason is Reason.AUTOSCALER_UNAVAILABLE
+
+
+def test_every_metric_the_readme_and_the_crds_name_exists_in_the_runtime() -> None:
+    texts = [ROOT / "README.md", *sorted((ROOT / "crds").glob("*.yaml"))]
+    named = {n for path in texts for n in re.findall(r"\bomnikube_[a-z0-9_]+", path.read_text())}
+    assert {"omnikube_stage_denoising_steps_queued", "omnikube_time_to_first_packet_seconds"} <= named
+    names = exported_names()
+    assert named <= names, f"the docs name metrics the runtime does not export: {sorted(named - names)}"
