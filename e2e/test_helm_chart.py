@@ -257,6 +257,64 @@ def test_template_service_monitor_is_optional(cluster):
     assert [p["name"] for p in service["spec"]["ports"]] == ["metrics"]
 
 
+def monitoring_objects(cluster, *sets: str) -> list[dict]:
+    return [o for o in template(cluster, *sets) if o["kind"] in ("PrometheusRule", "PodMonitor", "ConfigMap")]
+
+
+def test_template_monitoring_is_optional_and_follows_its_values(cluster):
+    assert monitoring_objects(cluster) == []
+    sets = [
+        "monitoring.dashboards.enabled=true",
+        "monitoring.dashboards.annotations.grafana_folder=omnikube",
+        "monitoring.dashboards.namespace=grafana",
+        "monitoring.rules.enabled=true",
+        "monitoring.rules.labels.release=prom",
+        "monitoring.podMonitor.enabled=true",
+    ]
+    # --set makes 0.75 a string, which the schema refuses; numbers go through --set-json.
+    numbers = ["monitoring.rules.ttfpSeconds=0.75", "monitoring.rules.errorRatio=0.02"]
+    args = [a for s in sets for a in ("--set", s)] + [a for n in numbers for a in ("--set-json", n)]
+    out = helm(cluster, "template", "omk", str(CHART), "--namespace", "omk-system", *args)
+    objs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    [dashboard] = find(objs, "ConfigMap", "omk-omnikube-omnikube-pipelines", "grafana")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["metadata"]["annotations"] == {"grafana_folder": "omnikube"}
+    board = json.loads(dashboard["data"]["omnikube-pipelines.json"])
+    titles = " ".join(p["title"] for p in board["panels"])
+    for words in ("Requests", "Errors", "TTFT", "TPOT", "TTFP", "E2EL", "RTF", "Queue", "Replicas",
+                  "Connector bytes", "Payloads not released"):  # fmt: skip
+        assert words in titles, words
+    assert {v["name"] for v in board["templating"]["list"]} >= {"namespace", "pipeline", "stage"}
+
+    [rule] = find(objs, "PrometheusRule", "omk-omnikube")
+    assert rule["metadata"]["labels"]["release"] == "prom"
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert set(alerts) == {
+        "OmnikubeStageDown",
+        "OmnikubeErrorRatioHigh",
+        "OmnikubeTTFPOverTarget",
+        "OmnikubeE2ELOverTarget",
+        "OmnikubePayloadsNotReleased",
+    }
+    assert alerts["OmnikubeTTFPOverTarget"]["expr"].rstrip().endswith("> 0.75")
+    assert alerts["OmnikubeErrorRatioHigh"]["expr"].rstrip().endswith("> 0.02")
+    assert "{{ $labels.stage }}" in alerts["OmnikubeStageDown"]["annotations"]["summary"]
+
+    [monitor] = find(objs, "PodMonitor", "omk-omnikube-pipelines")
+    assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "omnikube"}
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["http", "metrics"]
+    scoped = template(cluster, "monitoring.podMonitor.enabled=true", "watchNamespaces={team-a}", "replicas=1")
+    [monitor] = find(scoped, "PodMonitor")
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]}
+
+
+def test_schema_refuses_monitoring_values_that_would_do_nothing(cluster):
+    for bad in ("monitoring.rules.errorRatio=2", "monitoring.rules.for=soon", "monitoring.dashbords.enabled=true"):
+        out = helm(cluster, "template", "omk", str(CHART), "--set", bad, check=False)
+        assert out.returncode != 0, bad
+
+
 def test_template_passes_server_side_validation(cluster, release):
     # The apiserver checks every object against its OpenAPI schema (strict field validation: unknown
     # fields fail), with a client-side and a server-side apply; nothing is stored.
