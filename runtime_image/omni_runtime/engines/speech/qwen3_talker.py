@@ -99,19 +99,33 @@ class Qwen3Talker:
     """The talker modules of a Qwen3-Omni checkpoint and the step that advances a batch of requests."""
 
     def __init__(self, folder: Path, device: str, dtype: Any) -> None:
-        import torch
         from transformers import Qwen3OmniMoeConfig
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
             Qwen3OmniMoeTalkerForConditionalGeneration,
         )
 
-        self.config = Qwen3OmniMoeConfig.from_pretrained(folder)
+        config = Qwen3OmniMoeConfig.from_pretrained(folder)
+        talker = Qwen3OmniMoeTalkerForConditionalGeneration._from_config(config.talker_config, dtype=dtype)
+        load_part(talker, folder, "talker.")
+        table = read_tensors(folder, "thinker.model.embed_tokens.")["weight"]
+        self._setup(config, talker, table, device, dtype)
+
+    @classmethod
+    def from_modules(cls, config: Any, talker: Any, thinker_embed: Any, device: str, dtype: Any) -> Qwen3Talker:
+        """A talker around modules already built (the GPU bench's random-weight Qwen3-Omni-sized one):
+        `config` a `Qwen3OmniMoeConfig`, `thinker_embed` the thinker's embedding table [vocab, hidden]."""
+        self = cls.__new__(cls)
+        self._setup(config, talker, thinker_embed, device, dtype)
+        return self
+
+    def _setup(self, config: Any, talker: Any, table: Any, device: str, dtype: Any) -> None:
+        import torch
+
+        self.config = config
         self.device, self.dtype = device, dtype
         talker_config = self.config.talker_config
-        self.talker = Qwen3OmniMoeTalkerForConditionalGeneration._from_config(talker_config, dtype=dtype)
-        load_part(self.talker, folder, "talker.")
+        self.talker = talker
         self.talker.to(device).eval()
-        table = read_tensors(folder, "thinker.model.embed_tokens.")["weight"]
         self.thinker_embed = table.to(device=device, dtype=dtype)
         self.speakers: dict[str, int] = dict(talker_config.speaker_id or {})
         self.eos = talker_config.codec_eos_token_id

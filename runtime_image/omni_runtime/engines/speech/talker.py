@@ -8,7 +8,8 @@ when the request finishes), `abort(id)`. `generate(EngineInput)` wires the same 
 server: the first chunk creates the request and is its first payload, each later chunk is pushed;
 the speaker is param `voice`; it yields `{"codes": int64 array (frames, codes per frame)}`.
 
-- `Qwen3TalkerEngine` (`runner: qwen3_omni_talker`, model `qwen3_talker.Qwen3Talker`): payloads are
+- `Qwen3TalkerEngine` (`runner: qwen3_omni_talker`, model `qwen3_talker.Qwen3Talker`, on CUDA wrapped
+  in `slab_talker.SlabTalker`: KV slabs of `max_requests` slots, CUDA graphs): payloads are
   the thinker's token ids (`thinker_prompt_ids` first, then `thinker_token_ids`; for a prompt with
   media the first also has `thinker_media_rows` and `thinker_media_grids`: see `media_inputs`); 16
   codes per frame.
@@ -318,7 +319,13 @@ class Qwen3TalkerEngine(TalkerEngine):
     def load(self) -> Any:
         from omni_runtime.engines.speech.qwen3_talker import Qwen3Talker
 
-        return Qwen3Talker(self.model_path, self.device, self.dtype)
+        talker = Qwen3Talker(self.model_path, self.device, self.dtype)
+        if not self.device.startswith("cuda"):
+            return talker
+        # on a GPU: KV slabs for max_requests slots, grouped MoE and CUDA graphs (slab_talker)
+        from omni_runtime.engines.speech.slab_talker import SlabTalker
+
+        return SlabTalker(talker, max_batch=self.max_requests)
 
     def new_request(
         self, request_id: str, first: dict[str, Any], speaker: str, sampling: Sampling, extra: Any = None

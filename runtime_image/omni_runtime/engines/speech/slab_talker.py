@@ -1,0 +1,405 @@
+"""The Qwen3-Omni talker at GPU speed: preallocated KV slabs, grouped MoE, whole-batch CUDA graphs.
+
+`SlabTalker` wraps a `qwen3_talker.Qwen3Talker` (which still builds every prompt and runs each
+prefill eagerly) and replaces its decode loop with two fixed-shape passes over request *slots*:
+
+- frames pass: for every slot with a pending code 0, the code predictor's 15 sub-steps (its own
+  16-position KV slab), sampling codes 1-15 on the device, and the frame's summed embeddings;
+- decode pass: one talker step for every slot whose next text vector is known, writing the new
+  K/V row into the talker's slab at the slot's length, then code 0 sampled on the device
+  (repetition penalty from a per-slot history mask, suppressed ids, temperature / top-k / top-p).
+
+KV memory is allocated once (`max_batch` slots x `max_length` positions per layer); a request takes
+the lowest free slot after its prefill and gives it back when it finishes, so requests join and
+leave between steps. A pass runs slots 0..n-1 with n the smallest bucket (1, 2, 4, 8, ...) that
+covers the highest slot in use; slots that take no part compute into their own rows and every
+result is kept only where the slot's `active` flag is set (a K/V row written at an idle slot's
+length is masked and overwritten by its real step). On CUDA each (pass, bucket) is captured once in
+a CUDA graph and replayed; elsewhere the same code runs eagerly, which is what the CPU tests check
+(greedy frames equal `Qwen3Talker`'s, which equal transformers' `generate()`).
+
+The MoE layers run `grouped_moe`: tokens sorted by expert, one `torch._grouped_mm` for gate/up and
+one for down over all 128 experts (fixed shapes, no host sync, so it sits inside the graph).
+
+Sampling differs from the eager path in one way: draws come from the device's generator (an
+exponential race over the filtered distribution), so a request's `seed` does not reproduce the
+eager path's samples; greedy requests are exact.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from omni_runtime.engines.speech.qwen3_talker import CODE_PREDICTOR_TOP_K, CODE_PREDICTOR_TOP_P, Qwen3Talker
+
+__all__ = ["SlabTalker", "grouped_moe", "sample_rows"]
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def grouped_moe(block: Any, x: Any) -> Any:
+    """`Qwen3OmniMoeTalkerTextSparseMoeBlock.forward` for tokens `x` [T, H] as grouped expert matmuls.
+
+    Every (token, chosen expert) pair is sorted by expert; the gate/up and the down projections of all
+    experts are each one `torch._grouped_mm` over those rows (`offs` = where each expert's rows end).
+    Shapes depend on T only, and nothing reads back to the host, so it can be captured in a graph."""
+    import torch
+    import torch.nn.functional as F
+
+    experts = block.experts
+    _, weights, chosen = block.gate(x)  # [T, k] each
+    k = chosen.shape[1]
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = x[order // k]
+    counts = torch.zeros(experts.num_experts, dtype=torch.int32, device=x.device)
+    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    gate_up = torch._grouped_mm(rows.to(experts.gate_up_proj.dtype), experts.gate_up_proj.transpose(1, 2), offs=offs)
+    gate, up = gate_up.chunk(2, dim=-1)
+    down = torch._grouped_mm(experts.act_fn(gate) * up, experts.down_proj.transpose(1, 2), offs=offs)
+    down = down * weights.reshape(-1)[order, None].to(down.dtype)
+    out = torch.zeros_like(x).index_add_(0, order // k, down.to(x.dtype))
+    shared = block.shared_expert(x)
+    return out + F.sigmoid(block.shared_expert_gate(x)) * shared
+
+
+def sample_rows(logits: Any, temperature: Any, top_k: Any, top_p: Any, greedy: Any) -> Any:
+    """One token per row of `logits` [B, V] (float), all on the device: argmax where `greedy` [B], else
+    temperature [B], top-k [B] (<= 0: off) and top-p [B] as transformers filters, then an exponential
+    race (argmax of p / Exp(1) draws a token with probability p)."""
+    import torch
+
+    vocab = logits.shape[-1]
+    best = logits.argmax(-1)
+    scores = logits / temperature.clamp_min(1e-5)[:, None]
+    ordered, order = scores.sort(-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device)[None]
+    k = torch.where(top_k > 0, top_k, vocab)
+    ordered = ordered.masked_fill(rank >= k[:, None], float("-inf"))
+    probs = ordered.softmax(-1)
+    before = probs.cumsum(-1) - probs  # mass of the tokens ranked above: keep while < top_p (first always)
+    ordered = ordered.masked_fill(before >= top_p[:, None], float("-inf"))
+    probs = ordered.softmax(-1)
+    race = probs / torch.empty_like(probs).exponential_()
+    drawn = order.gather(-1, race.argmax(-1, keepdim=True))[:, 0]
+    return torch.where(greedy, best, drawn)
+
+
+@dataclass(eq=False)
+class _Slot:
+    index: int
+    has_frame: bool = False
+
+
+class SlabTalker:
+    """`Qwen3Talker.advance` over preallocated slots (see the module docstring); same API."""
+
+    def __init__(self, base: Qwen3Talker, max_batch: int = 64, max_length: int = 2048, graphs: bool | None = None):
+        import torch
+
+        self.base = base
+        self.device = base.device
+        self.speakers = base.speakers
+        model = base.talker.model
+        text = base.talker.config.text_config
+        predictor = base.talker.code_predictor.model
+        pconf = base.talker.code_predictor.config
+        self.max_batch, self.max_length = max_batch, max_length
+        self.groups = base.groups
+        dtype = base.talker.codec_head.weight.dtype
+        dev = self.device
+        head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        phead = getattr(pconf, "head_dim", None) or pconf.hidden_size // pconf.num_attention_heads
+        layers = len(model.layers)
+        self.k = torch.zeros(layers, max_batch, text.num_key_value_heads, max_length, head, dtype=dtype, device=dev)
+        self.v = torch.zeros_like(self.k)
+        shape = (len(predictor.layers), max_batch, pconf.num_key_value_heads, self.groups, phead)
+        self.pk = torch.zeros(shape, dtype=dtype, device=dev)
+        self.pv = torch.zeros_like(self.pk)
+        hidden = text.hidden_size
+        vocab = text.vocab_size
+        s = max_batch
+        self.lengths = torch.zeros(s, dtype=torch.long, device=dev)
+        self.rope_delta = torch.zeros(s, dtype=torch.long, device=dev)
+        self.active = torch.zeros(s, dtype=torch.bool, device=dev)
+        self.code0 = torch.zeros(s, dtype=torch.long, device=dev)
+        self.hidden = torch.zeros(s, hidden, dtype=dtype, device=dev)
+        self.text = torch.zeros(s, hidden, dtype=dtype, device=dev)
+        self.frame = torch.zeros(s, hidden, dtype=dtype, device=dev)
+        self.codes = torch.zeros(s, self.groups, dtype=torch.long, device=dev)
+        self.history = torch.zeros(s, vocab, dtype=torch.bool, device=dev)
+        self.temperature = torch.ones(s, device=dev)
+        self.top_k = torch.zeros(s, dtype=torch.long, device=dev)
+        self.top_p = torch.ones(s, device=dev)
+        self.penalty = torch.ones(s, device=dev)
+        self.greedy = torch.ones(s, dtype=torch.bool, device=dev)
+        self.positions = torch.arange(max_length, device=dev)
+        self.slots: dict[int, _Slot] = {}
+        self.free = list(range(max_batch))
+        self.use_graphs = str(dev).startswith("cuda") if graphs is None else graphs
+        self._graphs: dict[tuple[str, int], Any] = {}
+        self._pool: Any = None
+
+    # -- the passes (fixed shapes: n slots) ----------------------------------------------------------
+
+    def _attend(self, attn: Any, x: Any, cos: Any, sin: Any, write: Any, mask: Any) -> Any:
+        """q/k/v of `x` [n, T, H], rope, K/V written into the caches by `write(k, v)`, attention with `mask`."""
+        import torch.nn.functional as F
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
+
+        n, t, _ = x.shape
+        q = attn.q_norm(attn.q_proj(x).view(n, t, -1, attn.head_dim)).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(x).view(n, t, -1, attn.head_dim)).transpose(1, 2)
+        v = attn.v_proj(x).view(n, t, -1, attn.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        keys, values = write(k, v)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True, is_causal=mask is None and t > 1
+        )
+        return attn.o_proj(out.transpose(1, 2).reshape(n, t, -1))
+
+    def _decode_pass(self, n: int) -> None:
+        import torch
+
+        model = self.base.talker.model
+        rows = torch.arange(n, device=self.device)
+        at = (self.lengths[:n]).clamp(max=self.max_length - 1)
+        x = (self.frame[:n] + self.text[:n]).unsqueeze(1)
+        position_ids = (at + self.rope_delta[:n]).view(1, n, 1).expand(3, n, 1)
+        cos, sin = model.rotary_emb(x, position_ids)
+        mask = (self.positions[None] <= at[:, None]).view(n, 1, 1, -1)
+        for index, layer in enumerate(model.layers):
+
+            def write(k: Any, v: Any, index: int = index) -> tuple[Any, Any]:
+                self.k[index, rows, :, at] = k[:, :, 0]
+                self.v[index, rows, :, at] = v[:, :, 0]
+                return self.k[index, :n], self.v[index, :n]
+
+            h = layer.input_layernorm(x)
+            x = x + self._attend(layer.self_attn, h, cos, sin, write, mask)
+            h = layer.post_attention_layernorm(x)
+            mlp = layer.mlp
+            x = x + (grouped_moe(mlp, h[:, 0]).unsqueeze(1) if hasattr(mlp, "experts") else mlp(h))
+        hidden = model.norm(x)[:, 0]
+        logits = self.base.talker.codec_head(hidden).float()
+        penalty = self.penalty[:n, None]
+        logits = torch.where(
+            self.history[:n], torch.where(logits < 0, logits * penalty, logits / penalty), logits
+        ).masked_fill(self.base.suppress, float("-inf"))
+        code = sample_rows(logits, self.temperature[:n], self.top_k[:n], self.top_p[:n], self.greedy[:n])
+        on = self.active[:n]
+        self.hidden[:n] = torch.where(on[:, None], hidden, self.hidden[:n])
+        self.code0[:n] = torch.where(on, code, self.code0[:n])
+        self.history[rows, self.code0[:n]] |= on
+        self.lengths[:n] += on.long()
+
+    def _frames_pass(self, n: int) -> None:
+        import torch
+
+        talker = self.base.talker
+        predictor = talker.code_predictor.model
+        heads = talker.code_predictor.lm_head
+        first = talker.get_input_embeddings()(self.code0[:n])
+        x = torch.stack([self.hidden[:n], first], dim=1)
+        total = first
+        codes = [self.code0[:n]]
+        ones = torch.ones(n, device=self.device)
+        k50 = torch.full((n,), CODE_PREDICTOR_TOP_K, dtype=torch.long, device=self.device)
+        p08 = torch.full((n,), CODE_PREDICTOR_TOP_P, device=self.device)
+        start = 0
+        for group in range(self.groups - 1):
+            t = x.shape[1]
+            position_ids = (torch.arange(t, device=self.device) + start).view(1, t).expand(n, t)
+            cos, sin = predictor.rotary_emb(x, position_ids)
+            for index, layer in enumerate(predictor.layers):
+
+                def write(k: Any, v: Any, index: int = index, start: int = start, t: int = t) -> tuple[Any, Any]:
+                    self.pk[index, :n, :, start : start + t] = k
+                    self.pv[index, :n, :, start : start + t] = v
+                    return self.pk[index, :n, :, : start + t], self.pv[index, :n, :, : start + t]
+
+                h = layer.input_layernorm(x)
+                x = x + self._attend(layer.self_attn, h, cos, sin, write, None)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            logits = heads[group](predictor.norm(x)[:, -1]).float()
+            code = sample_rows(logits, ones, k50, p08, self.greedy[:n])
+            codes.append(code)
+            x = predictor.codec_embedding[group](code).unsqueeze(1)
+            total = total + x[:, 0]
+            start += t
+        on = self.active[:n]
+        self.frame[:n] = torch.where(on[:, None], total, self.frame[:n])
+        self.codes[:n] = torch.where(on[:, None], torch.stack(codes, dim=1), self.codes[:n])
+
+    def _run(self, name: str, n: int) -> None:
+        import torch
+
+        run = self._decode_pass if name == "decode" else self._frames_pass
+        if not self.use_graphs:
+            with torch.inference_mode():
+                run(n)
+            return
+        graph = self._graphs.get((name, n))
+        if graph is None:
+            graph = self._capture(run, n)
+            self._graphs[(name, n)] = graph
+        graph.replay()
+
+    def _capture(self, run: Any, n: int) -> Any:
+        """Capture `run(n)` in a CUDA graph; the warm-up and capture touch only idle rows' results
+        (`active` is cleared around them), so live requests are not advanced."""
+        import torch
+
+        saved = self.active.clone()
+        lengths = self.lengths.clone()
+        self.active.zero_()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for _ in range(2):
+                run(n)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+            run(n)
+        self.active.copy_(saved)
+        self.lengths.copy_(lengths)
+        log.info("captured the talker's %s pass for %d slots", "decode" if run == self._decode_pass else "frames", n)
+        return graph
+
+    def capture(self, sizes: list[int]) -> None:
+        """Capture both passes for these batch sizes now (rounded up to buckets), before traffic."""
+        for size in sizes:
+            n = self._bucket(size)
+            for name in ("frames", "decode"):
+                if self.use_graphs and (name, n) not in self._graphs:
+                    run = self._decode_pass if name == "decode" else self._frames_pass
+                    self._graphs[(name, n)] = self._capture(run, n)
+
+    def _bucket(self, count: int) -> int:
+        for size in BUCKETS:
+            if size >= count:
+                return min(size, self.max_batch)
+        return self.max_batch
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def new_request(self, *args: Any, **kwargs: Any) -> Any:
+        return self.base.new_request(*args, **kwargs)
+
+    def _admit(self, r: Any) -> None:
+        """After `r`'s prefill: copy its KV into a free slot and load its sampling state there."""
+        import torch
+
+        if not self.free:
+            r.finish_reason = "error: no free talker slot"
+            return
+        if r.length >= self.max_length:
+            r.finish_reason = "length"  # the prompt alone fills the slab's positions
+            return
+        slot = _Slot(self.free.pop(0))
+        i = slot.index
+        self.slots[id(r)] = slot
+        with torch.inference_mode():
+            for layer, (k, v) in enumerate(r.kv):
+                self.k[layer, i, :, : r.length] = k[0]
+                self.v[layer, i, :, : r.length] = v[0]
+            self.lengths[i] = r.length
+            self.rope_delta[i] = r.rope_delta
+            self.hidden[i] = r.last_hidden
+            self.code0[i] = r.code0
+            self.history[i] = False
+            if r.history:
+                self.history[i, torch.tensor(r.history, device=self.device)] = True
+            sampling = r.sampling
+            self.temperature[i] = max(sampling.temperature, 1e-5)
+            self.top_k[i] = sampling.top_k
+            self.top_p[i] = sampling.top_p
+            self.penalty[i] = sampling.repetition_penalty
+            self.greedy[i] = sampling.greedy
+        r.kv = [(None, None)]  # the slab holds it now; the prompt's tensors are freed
+
+    def _release(self, r: Any) -> None:
+        slot = self.slots.pop(id(r), None)
+        if slot is not None:
+            self.free.append(slot.index)
+            self.free.sort()
+
+    def _span(self) -> int:
+        return self._bucket(max(s.index for s in self.slots.values()) + 1)
+
+    def advance(self, requests: list[Any]) -> tuple[dict[str, list[list[int]]], bool]:
+        """`Qwen3Talker.advance` semantics: prefills, one frames pass, one decode pass."""
+        import torch
+
+        base = self.base
+        moved = False
+        frames: dict[str, list[list[int]]] = {}
+        live = {id(r) for r in requests}
+        for key in [key for key in self.slots if key not in live]:  # aborted or dropped by the engine
+            self.free.append(self.slots.pop(key).index)
+        self.free.sort()
+        for r in requests:
+            if r.kv is None and r.finish_reason is None and base.prefill_ready(r):
+                base.prefill(r)
+                if r.finish_reason is None:
+                    self._admit(r)
+                moved = True
+        for r in requests:
+            if r.code0 is not None and r.finish_reason is None and r.code0 == base.eos:
+                r.finish_reason, r.code0 = "stop", None
+                moved = True
+        pending = [r for r in requests if r.code0 is not None and r.finish_reason is None and id(r) in self.slots]
+        if pending:
+            n = self._span()
+            self.active.zero_()
+            index = torch.tensor([self.slots[id(r)].index for r in pending], device=self.device)
+            self.active[index] = True
+            self._run("frames", n)
+            codes = self.codes[index].tolist()
+            for r, frame in zip(pending, codes, strict=True):
+                frames[r.id] = [frame]
+                r.code0 = None
+                r.frames += 1
+                self.slots[id(r)].has_frame = True
+                if r.frames >= r.sampling.max_tokens:
+                    r.finish_reason = "length"
+            moved = True
+        ready = []
+        for r in requests:
+            slot = self.slots.get(id(r))
+            if slot is None or not slot.has_frame or r.finish_reason is not None:
+                continue
+            if r.length >= self.max_length:
+                r.finish_reason = "length"
+                continue
+            text = base._trailing(r)
+            if text is not None:
+                ready.append((r, text))
+        if ready:
+            n = self._span()
+            index = torch.tensor([self.slots[id(r)].index for r, _ in ready], device=self.device)
+            with torch.inference_mode():
+                self.text[index] = torch.stack([t for _, t in ready]).to(self.text.dtype)
+            self.active.zero_()
+            self.active[index] = True
+            self._run("decode", n)
+            code0 = self.code0[index].tolist()
+            for (r, _), code in zip(ready, code0, strict=True):
+                r.code0 = code
+                r.history.append(code)
+                r.length += 1
+                r.step += 1
+                self.slots[id(r)].has_frame = False
+            moved = True
+        for r in requests:
+            if r.finish_reason is not None:
+                self._release(r)
+        return frames, moved
