@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import io
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -23,11 +25,15 @@ import httpx
 import openai
 import psutil
 import pytest
-from chartlib import Release, ServiceAccountOperator, operator_release
-from clusterlib import apply, kubectl_json, wait_for
+import yaml
+from chartlib import Release, ServiceAccountOperator, helm, operator_release
+from clusterlib import REPO, apply, kubectl_json, wait_for
 from PIL import Image
 from podrunner.node import RUNNER_LABEL
+from promlib import Prometheus, metric_names, pod_targets, prometheus_binary
 
+from omni_operator.render import render_pipeline
+from omni_runtime.registry import default_registry
 from omni_runtime.tiny_models import default_cache_dir, ensure
 
 pytestmark = [pytest.mark.cluster, pytest.mark.models]
@@ -202,6 +208,92 @@ def test_prompt_enhanced_text_to_image_through_the_router_pod(env) -> None:
     )
     assert _png(first.data[0].b64_json).size == (64, 64)
     assert first.data[0].b64_json == again.data[0].b64_json  # deterministic through both stages
+
+
+# --- monitoring ------------------------------------------------------------------------------------
+
+
+def _dashboard_exprs() -> list[str]:
+    """Every PromQL expression of the chart's dashboards, Grafana's variables set to match everything."""
+    exprs = []
+    for path in sorted((REPO / "charts" / "omnikube" / "files" / "dashboards").glob("*.json")):
+        board = json.loads(path.read_text())
+        for var in board["templating"]["list"]:
+            if var["type"] == "query":  # label_values(<selector>, label): the selector is PromQL
+                exprs.append(re.fullmatch(r"label_values\((.*), *\w+\)", var["query"]["query"]).group(1))
+        exprs += [t["expr"] for panel in board["panels"] for t in panel["targets"]]
+    values = {"$namespace": ".*", "$pipeline": ".*", "$stage": ".*", "$__rate_interval": "1m"}
+    out = []
+    for expr in exprs:
+        for name, value in values.items():
+            expr = expr.replace(name, value)
+        assert "$" not in expr, f"a dashboard variable this test does not set: {expr}"
+        out.append(expr)
+    return out
+
+
+def _rule_exprs(env: Env) -> list[str]:
+    chart = str(REPO / "charts" / "omnikube")
+    out = helm(env.cluster, "template", "omk", chart, "--set", "monitoring.rules.enabled=true")
+    rules = [d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "PrometheusRule"]
+    return [r["expr"] for d in rules for g in d["spec"]["groups"] for r in g["rules"]]
+
+
+def _autoscaler_exprs(env: Env) -> list[str]:
+    """The queries of the ScaledObjects the operator would make, were every stage of these pipelines
+    autoscaled (each kind's default signal), and with each signal chosen explicitly."""
+    exprs = []
+    for manifest in PIPELINES:
+        for metric in (None, "ttft", "ttfp", "rtf", "denoisingSteps"):
+            scaled = copy.deepcopy(manifest)
+            scaled["metadata"]["namespace"] = env.ns
+            for stage in scaled["spec"]["stages"]:
+                stage["autoscaling"] = {"maxReplicas": 2} | ({"metric": metric} if metric else {})
+            for obj in render_pipeline(scaled, default_registry()):
+                if obj["kind"] == "ScaledObject":
+                    exprs += [t["metadata"]["query"] for t in obj["spec"]["triggers"]]
+    return sorted(set(exprs))
+
+
+def test_every_dashboard_alert_and_autoscaler_query_runs_on_prometheus_scraping_the_pods(env, tmp_path) -> None:
+    """A real Prometheus scrapes every router and stage pod of the running pipelines (after the requests
+    above); each expression must evaluate without error and name only metrics the pods export."""
+    prometheus = Prometheus(prometheus_binary(), tmp_path).start()
+    try:
+        groups = pod_targets(kubectl_json(env.cluster, "get", "pods", "-n", env.ns)["items"])
+        assert len(groups) >= 6, groups  # three routers and their stages
+        prometheus.set_targets(groups)
+        prometheus.wait_scraped(len(groups))
+        # The requests of the tests above are counted (a stage's outstanding gauge is set once it served).
+        wait_for(
+            lambda: (
+                prometheus.query(f'sum(omnikube_requests_total{{namespace="{env.ns}"}})')
+                and prometheus.query(f'omnikube_stage_outstanding_requests{{namespace="{env.ns}",pipeline="chat"}}')
+            ),
+            30,
+            "router metrics scraped",
+            prometheus.log,
+        )
+        known = metric_names(prometheus)
+        assert "omnikube_stage_denoising_steps_queued" in known and "omnikube_e2e_request_latency_seconds" in known
+        exprs = {"dashboard": _dashboard_exprs(), "alerts": _rule_exprs(env), "autoscalers": _autoscaler_exprs(env)}
+        assert all(exprs.values()), exprs
+        problems = []
+        for source, items in exprs.items():
+            for expr in items:
+                unknown = sorted(set(re.findall(r"\bomnikube_[a-z0-9_]+", expr)) - known)
+                if unknown:
+                    problems.append(f"{source}: {unknown} not exported by any pod: {expr}")
+                try:
+                    prometheus.query(expr)
+                except AssertionError as exc:
+                    problems.append(f"{source}: {exc}")
+        assert not problems, "\n".join(problems)
+        # The chat stage's queue query (what its ScaledObject would read) sees the stage.
+        queue = next(e for e in exprs["autoscalers"] if 'pipeline="chat",stage=~"llm"' in e and "outstanding" in e)
+        assert prometheus.query(queue), queue
+    finally:
+        prometheus.stop()
 
 
 def _stage_processes(env: Env, pipeline_name: str, stage: str) -> list[psutil.Process]:
