@@ -15,7 +15,7 @@ install:
 ## the unit tests overlap it; the e2e test that needs it waits for it (build.sh holds a lock).
 test: lint
 	@mkdir -p .omnikube && (bash e2e/cluster/addons/build.sh prometheus > .omnikube/prometheus-build.log 2>&1 &)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=40
 
 ## Unit tests only (no cluster, no model loads).
 test-fast: install
