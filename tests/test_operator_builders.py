@@ -694,3 +694,46 @@ def test_router_unknown_fields_reaches_the_routers_config() -> None:
     assert resolved_config(lenient, "p")["limits"]["unknown_fields"] == "ignore"
     with pytest.raises(RenderError, match="unknownFields"):
         render(minimal("text-chat", router={"unknownFields": "sometimes"}))
+
+
+# --- router.videos and router.limits.videos ---------------------------------------------------------
+
+
+def test_router_videos_storage_limits_and_peers_reach_the_router() -> None:
+    """Finished videos go on an emptyDir of `maxBytes` by default, on the named PVC otherwise; the TTL, the
+    size cap and `limits.videos` reach the router's config; the router finds the other replicas (video job
+    owners) through its own Service and advertises its pod IP."""
+    from omni_operator.builders.router import VIDEOS_MOUNT
+    from omni_runtime.cli import build_parser
+
+    objects = render(minimal("wan2-2-t2v", router={"replicas": 2}))
+    pod = find(objects, "Deployment", "p-router")["spec"]["template"]["spec"]
+    router = containers(find(objects, "Deployment", "p-router"))["router"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "videos"]
+    assert volume == {"name": "videos", "emptyDir": {"sizeLimit": "10Gi"}}
+    assert {"name": "videos", "mountPath": VIDEOS_MOUNT} in router["volumeMounts"]
+    args = build_parser().parse_args(router["command"][1:])
+    assert (args.videos_dir, args.peers_service, args.advertise_host) == (VIDEOS_MOUNT, "p-router", "$(POD_IP)")
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in router["env"]
+    videos = resolved_config(objects, "p")["limits"]["videos"]
+    assert (videos["ttl_s"], videos["max_bytes"], videos["max_frames"]) == (86400.0, 10 * 1024**3, 241)
+
+    kept = render(
+        minimal(
+            "wan2-2-t2v",
+            router={
+                "videos": {"volumeClaim": "videos-pvc", "ttlSeconds": 600, "maxBytes": "2Gi"},
+                "limits": {"videos": {"maxFrames": 81, "maxPixels": 409600, "maxInferenceSteps": 30,
+                                      "maxConcurrentJobs": 3, "maxQueuedJobs": 0}},
+            },
+        )
+    )  # fmt: skip
+    pod = find(kept, "Deployment", "p-router")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "videos"]
+    assert volume == {"name": "videos", "persistentVolumeClaim": {"claimName": "videos-pvc"}}
+    assert resolved_config(kept, "p")["limits"]["videos"] == {
+        "max_frames": 81, "max_pixels": 409600, "max_inference_steps": 30, "max_concurrent_jobs": 3,
+        "max_queued_jobs": 0, "ttl_s": 600.0, "max_bytes": 2 * 1024**3,
+    }  # fmt: skip
+    with pytest.raises(RenderError, match="volumeClaim"):
+        render(minimal("wan2-2-t2v", router={"videos": {"volumeClaim": "Not_A_Name"}}))

@@ -63,6 +63,9 @@ async def test_t2v_gives_an_h264_mp4_with_progress(t2v: DiffusionEngine) -> None
     assert decoded(final.data["video"]) == (9, 8.0, (64, 64), "h264")
     wide = await _collect(t2v, EngineInput("v2", {"prompt": "a cat"}, {"width": 96, "height": 32, "seed": 1}))
     assert decoded(wide[-1].data["video"]) == (5, 16.0, (96, 32), "h264")  # default fps: Wan's 16
+    # seconds x fps is rounded to a frame count the VAE makes (a multiple of 4, plus the first frame)
+    timed = await _collect(t2v, EngineInput("v3", {"prompt": "a cat"}, {"seconds": 1.4, "fps": 5}))
+    assert decoded(timed[-1].data["video"])[:2] == (9, 5.0)
 
 
 @pytest.mark.parametrize(

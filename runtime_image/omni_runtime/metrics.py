@@ -79,6 +79,22 @@ class Router:
         "valid auth frame, a bad MAC (another key), an unknown session or a replayed counter.",
         ["pipeline", "stage", "replica", "reason"], registry=REGISTRY,
     )  # fmt: skip
+    video_jobs = Gauge(
+        "omnikube_video_jobs", "Video jobs this router replica holds, by status.", ["pipeline", "status"],
+        registry=REGISTRY,
+    )  # fmt: skip
+    video_jobs_finished = Counter(
+        "omnikube_video_jobs_finished", "Video jobs that ended, by outcome (completed, failed, cancelled).",
+        ["pipeline", "status"], registry=REGISTRY,
+    )  # fmt: skip
+    video_queue_depth = Gauge(
+        "omnikube_video_queue_depth", "Video jobs waiting for a run slot on this router replica.", ["pipeline"],
+        registry=REGISTRY,
+    )  # fmt: skip
+    video_e2el = Histogram(
+        "omnikube_video_e2e_latency_seconds", "Video E2EL: job created to its MP4 stored.", ["pipeline"],
+        buckets=_LATENCY, registry=REGISTRY,
+    )  # fmt: skip
     handles_in_transit = Gauge(
         "omnikube_handles_in_transit", "Connector handles the router holds that no stage has taken yet.",
         ["pipeline"], registry=REGISTRY,

@@ -12,6 +12,7 @@ from omni_operator.api.omnipipeline import (
     OmniPipelineSpec,
     PipelineStage,
     RouterLimitsConfig,
+    RouterVideos,
 )
 from omni_runtime.spec import (
     ConnectorsSpec,
@@ -21,6 +22,7 @@ from omni_runtime.spec import (
     ResolvedPipeline,
     RouterLimits,
     StageOverride,
+    VideoLimits,
     resolve_pipeline,
 )
 
@@ -98,8 +100,12 @@ def connectors_spec(connectors: ConnectorsConfig, base: ConnectorsSpec | None = 
     return ConnectorsSpec.model_validate(merged)
 
 
-def router_limits(limits: RouterLimitsConfig, unknown_fields: str = "reject") -> RouterLimits:
-    """The runtime's limits from the CRD's `router.limits`, with `router.unknownFields`."""
+def router_limits(
+    limits: RouterLimitsConfig, unknown_fields: str = "reject", videos: RouterVideos | None = None
+) -> RouterLimits:
+    """The runtime's limits from the CRD's `router.limits`, with `router.unknownFields` and the TTL and size
+    cap of `router.videos`."""
+    videos = videos or RouterVideos()
     return RouterLimits(
         unknown_fields="ignore" if unknown_fields == "ignore" else "reject",
         max_concurrent_requests=limits.max_concurrent_requests,
@@ -115,6 +121,15 @@ def router_limits(limits: RouterLimitsConfig, unknown_fields: str = "reject") ->
             max_video_seconds=float(limits.media.max_video_seconds),
             allowed_domains=list(limits.media.allowed_domains),
         ),
+        videos=VideoLimits(
+            max_frames=limits.videos.max_frames,
+            max_pixels=limits.videos.max_pixels,
+            max_inference_steps=limits.videos.max_inference_steps,
+            max_concurrent_jobs=limits.videos.max_concurrent_jobs,
+            max_queued_jobs=limits.videos.max_queued_jobs,
+            ttl_s=float(videos.ttl_seconds),
+            max_bytes=quantity_bytes(videos.max_bytes),
+        ),
     )
 
 
@@ -128,7 +143,7 @@ def resolve_args(spec: OmniPipelineSpec, topology_connectors: ConnectorsSpec | N
         stages=stage_overrides(spec.stages),
         edges=edge_overrides(spec.connectors),
         connectors=connectors_spec(spec.connectors, topology_connectors),
-        limits=router_limits(spec.router.limits, spec.router.unknown_fields.value),
+        limits=router_limits(spec.router.limits, spec.router.unknown_fields.value, spec.router.videos),
     )
 
 

@@ -70,6 +70,7 @@ MIN_MOONCAKE_BYTES = 16 * 1024**2
 
 _LIMIT_DEFAULTS = RouterLimits()
 _MEDIA_DEFAULTS = _LIMIT_DEFAULTS.media
+_VIDEO_DEFAULTS = _LIMIT_DEFAULTS.videos
 
 
 class ServiceType(str, Enum):
@@ -161,6 +162,45 @@ class MediaLimitsConfig(KubeModel):
     )
 
 
+class VideoLimitsConfig(KubeModel):
+    """Bounds on `/v1/videos` jobs; a request beyond one gets 400 (429 for the job counts) naming it."""
+
+    max_frames: Int = Field(
+        _VIDEO_DEFAULTS.max_frames, ge=1, description="Most frames one video may have (num_frames, or seconds x fps)."
+    )
+    max_pixels: Int = Field(
+        _VIDEO_DEFAULTS.max_pixels, ge=64, description="Largest width x height of a video (1280x720 = 921600)."
+    )
+    max_inference_steps: Int = Field(
+        _VIDEO_DEFAULTS.max_inference_steps, ge=1, description="Most denoising steps one video may ask for."
+    )
+    max_concurrent_jobs: Int = Field(
+        _VIDEO_DEFAULTS.max_concurrent_jobs, ge=1, description="Video jobs each router replica runs at once."
+    )
+    max_queued_jobs: Int = Field(
+        _VIDEO_DEFAULTS.max_queued_jobs,
+        ge=0,
+        description="Video jobs each router replica keeps waiting beyond those; more get 429.",
+    )
+
+
+class RouterVideos(KubeModel):
+    """Where the router keeps finished videos, and for how long."""
+
+    volume_claim: ObjectName | None = Field(
+        None,
+        description="PersistentVolumeClaim (in the pipeline's namespace) the router keeps finished videos on, so "
+        "a restarted router still serves them; with several router replicas it must be ReadWriteMany (then every "
+        "replica serves every finished video). Unset: an emptyDir per router pod, of maxBytes.",
+    )
+    ttl_seconds: Int = Field(
+        int(_VIDEO_DEFAULTS.ttl_s), ge=1, description="Seconds a finished or failed job and its video are kept."
+    )
+    max_bytes: Quantity = Field(
+        "10Gi", description="Most bytes of videos a router replica keeps (e.g. 10Gi); the oldest go first."
+    )
+
+
 class RouterLimitsConfig(KubeModel):
     """Admission limits that keep the router responsive under load."""
 
@@ -200,6 +240,9 @@ class RouterLimitsConfig(KubeModel):
     media: MediaLimitsConfig = Field(
         default_factory=MediaLimitsConfig, description="Count, size and duration bounds on media inputs."
     )
+    videos: VideoLimitsConfig = Field(
+        default_factory=VideoLimitsConfig, description="Frame, size, step and job-count bounds of /v1/videos."
+    )
 
 
 class RouterSpec(KubeModel):
@@ -219,6 +262,9 @@ class RouterSpec(KubeModel):
     )
     limits: RouterLimitsConfig = Field(
         default_factory=RouterLimitsConfig, description="Concurrency, queue, timeout and body limits."
+    )
+    videos: RouterVideos = Field(
+        default_factory=RouterVideos, description="Storage of finished /v1/videos jobs: volume, TTL, size cap."
     )
     unknown_fields: UnknownFields = Field(
         UnknownFields.REJECT,

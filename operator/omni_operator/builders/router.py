@@ -33,6 +33,10 @@ API_KEY_FILE = f"{API_KEY_MOUNT}/api-key"
 Secret changes (within about a minute), and the router re-reads, so rotating the key needs no restart."""
 
 
+VIDEOS_MOUNT = "/var/lib/omnikube/videos"
+"""Where the router keeps finished videos: `router.videos.volumeClaim`, or an emptyDir of `maxBytes`."""
+
+
 def _router_config_hash(resolved: ResolvedPipeline) -> str:
     # The router reads topology, connectors, discovery and limits; stage engine args are the stages' own
     # business, so changing them must not roll the router.
@@ -105,6 +109,12 @@ def build_router_objects(
         key_mount,
         {"name": "tmp", "mountPath": "/tmp"},  # uploads (images/edits) spool there
     ]
+    videos = router.videos
+    if videos.volume_claim:
+        volumes.append({"name": "videos", "persistentVolumeClaim": {"claimName": videos.volume_claim}})
+    else:
+        volumes.append({"name": "videos", "emptyDir": {"sizeLimit": str(videos.max_bytes)}})
+    mounts.append({"name": "videos", "mountPath": VIDEOS_MOUNT})
     api_key_file: str | None = None
     if router.api_key_secret:
         ref = router.api_key_secret
@@ -120,6 +130,8 @@ def build_router_objects(
         api_key_file=api_key_file,
         drain_timeout=drain_timeout(grace, pre_stop),
         pipeline_key_file=KEY_FILE,
+        videos_dir=VIDEOS_MOUNT,
+        peers_service=rname,  # the other router replicas: a video job's owner is found among them
     )
     started = settings.pod_command()
     env = pod_container_env([e.to_dict() for e in runtime.env], None, started.env)

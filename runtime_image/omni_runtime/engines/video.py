@@ -44,13 +44,22 @@ def temporal_factor(pipe: Any) -> int:
 
 
 def check_video_params(params: dict[str, Any], stage: str, args: dict[str, Any], temporal: int) -> int:
-    """Validate `num_frames` in `params` (left there) and pop `fps` (not a pipeline argument); the fps."""
+    """Validate `num_frames` in `params` (left there) and pop `fps` (not a pipeline argument); the fps.
+
+    `seconds` (popped too) sets `num_frames`, over a default the stage sets (the router sends one of the
+    two, never both): seconds x fps, rounded to what the VAE makes (a multiple of `temporal`), plus the
+    first frame."""
     fps = params.pop("fps", None)
     fps = args["default_fps"] if fps is None else fps
     if isinstance(fps, bool) or not isinstance(fps, int | float) or int(fps) != fps:
         raise InvalidRequest(f"fps must be an integer, not {fps!r}")
     if not 1 <= int(fps) <= int(args["max_fps"]):
         raise InvalidRequest(f"fps {fps} is out of range: stage {stage!r} encodes 1 to {args['max_fps']} (max_fps)")
+    seconds = params.pop("seconds", None)
+    if seconds is not None:
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds <= 3600:
+            raise InvalidRequest(f"seconds must be a number above 0 and at most 3600, not {seconds!r}")
+        params["num_frames"] = max(1, round(seconds * int(fps) / temporal)) * temporal + 1
     frames = params.get("num_frames")
     if frames is not None:
         if isinstance(frames, bool) or not isinstance(frames, int | float) or int(frames) != frames:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +20,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omni_runtime.metrics import Router as M
 from omni_runtime.router.admission import Admission
 from omni_runtime.router.auth import ApiKeyFile, BearerAuth
+from omni_runtime.router.discovery import Discovery
 from omni_runtime.router.errors import OmniError, RequestTooLarge, error_response
+from omni_runtime.router.jobs import VideoJobs
 from omni_runtime.router.openapi import REJECTING_BODIES, document
 from omni_runtime.router.orchestrator import Orchestrator
 from omni_runtime.router.pool import StagePool
@@ -28,6 +33,7 @@ from omni_runtime.router.serving.completions import ServingCompletions
 from omni_runtime.router.serving.images import ServingImages
 from omni_runtime.router.serving.models import ServingModels
 from omni_runtime.router.serving.speech import ServingSpeech
+from omni_runtime.router.serving.videos import ServingVideos
 from omni_runtime.spec import ResolvedPipeline
 from omni_runtime.stage.auth import PipelineKey
 
@@ -41,6 +47,7 @@ class _Serving:
     images: ServingImages
     models: ServingModels
     speech: ServingSpeech
+    videos: ServingVideos
 
 
 def build_app(
@@ -51,11 +58,16 @@ def build_app(
     api_client: Any = None,
     ping_timeout_s: float = 10.0,
     api_key_file: str | Path | None = None,
+    videos_dir: str | Path | None = None,
+    address: str = "127.0.0.1:0",
+    peers: Discovery | None = None,
 ) -> FastAPI:
     """The router app for `pipeline`. The pool (made from the pipeline's discovery and `key` unless
     given) starts and stops with the app's lifespan; `ping_timeout_s`: silence after which a replica
     counts as hung; `api_key_file`: where the key every `/v1/*` request must send as a Bearer token is
-    (None: no key). Raises ApiKeyError when that file cannot be used."""
+    (None: no key). Raises ApiKeyError when that file cannot be used. Video jobs: finished MP4s go to
+    `videos_dir` (None: a temporary directory removed at shutdown); `address` is how the other router
+    replicas reach this one, `peers` finds them (None: alone)."""
     api_key = ApiKeyFile(api_key_file) if api_key_file is not None else None
     if pool is None:
         if key is None:
@@ -71,20 +83,38 @@ def build_app(
     admission = Admission(limits.max_concurrent_requests, limits.max_queued_requests, on_change=gauges)
     ctx = RouterContext(pipeline=pipeline, pool=pool, orchestrator=Orchestrator(pipeline, pool), admission=admission)
     gauges(0, 0)
+    scratch = None if videos_dir is not None else Path(tempfile.mkdtemp(prefix="omnikube-videos-"))
+    jobs = VideoJobs(name, limits.videos, Path(videos_dir) if videos_dir is not None else scratch, address)  # type: ignore[arg-type]  # one of the two is set
+
+    def on_peers(addresses: set[str]) -> None:
+        jobs.peers = addresses
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await pool.start()
+        await jobs.start()
+        watcher = asyncio.create_task(peers.run(on_peers), name="router-peers") if peers is not None else None
         try:
             yield
         finally:
+            if watcher is not None:
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
+            await jobs.stop()
             await pool.stop()
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
 
     app = FastAPI(title=f"omnikube router: {pipeline.served_model_name}", lifespan=lifespan, docs_url=None,
                   redoc_url=None)  # fmt: skip
     app.state.context = ctx
     app.state.serving = _Serving(
-        ServingChat(ctx), ServingCompletions(ctx), ServingImages(ctx), ServingModels(ctx), ServingSpeech(ctx)
+        ServingChat(ctx),
+        ServingCompletions(ctx),
+        ServingImages(ctx),
+        ServingModels(ctx),
+        ServingSpeech(ctx),
+        ServingVideos(ctx, jobs),
     )
     app.include_router(router)
 

@@ -18,6 +18,7 @@ from typing import Any
 import uvicorn
 
 from omni_runtime.router.app import build_app
+from omni_runtime.router.discovery import KubernetesDiscovery
 from omni_runtime.router.lifecycle import Lifecycle
 from omni_runtime.router.settings import RouterSettings
 from omni_runtime.spec import ResolvedPipeline
@@ -77,14 +78,22 @@ async def serve(settings: RouterSettings, *, key: PipelineKey, log_level: str = 
     pipeline = load_resolved(settings.config)
     host, port, api_key_file = settings.host, settings.port, settings.api_key_file
     drain_timeout_s = settings.drain_timeout
-    api_client = await make_api_client(settings.kubeconfig) if _needs_kubernetes(pipeline) else None
+    kube = _needs_kubernetes(pipeline) or settings.peers_service is not None
+    api_client = await make_api_client(settings.kubeconfig) if kube else None
     try:
+        peers = None
+        if settings.peers_service is not None:
+            namespace = pipeline.namespace or "default"
+            peers = KubernetesDiscovery(api_client, namespace, settings.peers_service, settings.port)
         app = build_app(
             pipeline,
             key=key,
             api_client=api_client,
             ping_timeout_s=settings.ping_timeout,
             api_key_file=settings.api_key_file,
+            videos_dir=settings.videos_dir,
+            address=_address(settings.advertise_host, settings.port),
+            peers=peers,
         )
     except BaseException:
         if api_client is not None:
@@ -104,6 +113,10 @@ async def serve(settings: RouterSettings, *, key: PipelineKey, log_level: str = 
     finally:
         if api_client is not None:
             await api_client.close()
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def run(settings: RouterSettings, *, key: PipelineKey, log_level: str = "info") -> int:

@@ -18,7 +18,8 @@ router = APIRouter()
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/images/generations",
           "/v1/images/edits", "/v1/audio/speech",
-          "/v1/audio/voices", "/v1/models", "/health", "/livez", "/metrics")  # fmt: skip
+          "/v1/audio/voices", "/v1/videos", "/v1/videos/sync", "/v1/models", "/health", "/livez",
+          "/metrics")  # fmt: skip
 
 
 @router.post("/v1/chat/completions")
@@ -61,6 +62,39 @@ async def audio_speech(body: SpeechRequest, raw: Request) -> Response:
 @router.get("/v1/audio/voices", response_model=VoiceList)
 async def audio_voices(raw: Request) -> VoiceList:
     return raw.app.state.serving.speech.voices()
+
+
+@router.post("/v1/videos")
+async def videos_create(raw: Request) -> Response:
+    """A video job (JSON or multipart/form-data): `{id, object: "video", status: "queued", ...}`."""
+    return await raw.app.state.serving.videos.create(raw)
+
+
+@router.post("/v1/videos/sync")
+async def videos_sync(raw: Request) -> Response:
+    """The same request as POST /v1/videos, answered with the MP4 once it is made."""
+    return await raw.app.state.serving.videos.sync(raw)
+
+
+@router.get("/v1/videos")
+async def videos_list(raw: Request) -> Response:
+    return await raw.app.state.serving.videos.list_jobs(raw)
+
+
+@router.get("/v1/videos/{video_id}")
+async def videos_get(video_id: str, raw: Request) -> Response:
+    return await raw.app.state.serving.videos.get(raw, video_id)
+
+
+@router.get("/v1/videos/{video_id}/content")
+async def videos_content(video_id: str, raw: Request) -> Response:
+    return await raw.app.state.serving.videos.content(raw, video_id)
+
+
+@router.delete("/v1/videos/{video_id}")
+async def videos_delete(video_id: str, raw: Request) -> Response:
+    """Cancels a queued or running job (its stage work is aborted), or removes a finished one."""
+    return await raw.app.state.serving.videos.delete(raw, video_id)
 
 
 @router.get("/v1/models", response_model=ModelList)

@@ -5,11 +5,11 @@ Imports only pydantic and the spec, so the operator's builders can use it.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 from pydantic import Field
 
-from omni_runtime.settings import ProcessSettings
+from omni_runtime.settings import FromPod, ProcessSettings
 from omni_runtime.spec import DRAIN_TIMEOUT_S, ROUTER_PORT
 
 __all__ = ["RouterSettings"]
@@ -39,3 +39,10 @@ class RouterSettings(ProcessSettings):
     drain_timeout: float = Field(DRAIN_TIMEOUT_S, ge=0)
     """Seconds a SIGTERM lets running requests finish before they fail with a retriable 503 (the operator
     derives it from terminationGracePeriodSeconds)."""
+    advertise_host: Annotated[str, FromPod("POD_IP", "status.podIP")] = "127.0.0.1"
+    """Address the other router replicas reach this one at (the pod IP in a cluster): video job ids name it."""
+    videos_dir: str | None = None
+    """Directory of finished videos (a volume in a pod; default: a temporary directory removed at exit)."""
+    peers_service: str | None = None
+    """The router Service whose EndpointSlices list the other router replicas (requests about a video job
+    another replica owns are forwarded to it); unset: this replica is alone (local mode)."""

@@ -34,6 +34,7 @@ from omni_runtime.spec.resolved import (
     RouterLimits,
     StageDiscovery,
     StageOverride,
+    VideoLimits,
     resolve_pipeline,
 )
 
@@ -57,6 +58,7 @@ __all__ = [
     "PipelineSpec",
     "ResolvedPipeline",
     "MediaLimits",
+    "VideoLimits",
     "RouterLimits",
     "SpecError",
     "StageDiscovery",

@@ -88,6 +88,22 @@ class MediaLimits(BaseModel):
     )
 
 
+class VideoLimits(BaseModel):
+    """Bounds on `/v1/videos` jobs and on the finished videos each router replica keeps."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_frames: int = Field(241, ge=1, description="Most frames one video may have (`num_frames`, or seconds x fps).")
+    max_pixels: int = Field(1280 * 720, ge=64, description="Largest width x height of a video.")
+    max_inference_steps: int = Field(100, ge=1, description="Most denoising steps one video may ask for.")
+    max_concurrent_jobs: int = Field(2, ge=1, description="Jobs each router replica runs at once; more wait queued.")
+    max_queued_jobs: int = Field(32, ge=0, description="Jobs each replica keeps waiting; beyond that it answers 429.")
+    ttl_s: float = Field(86400.0, gt=0, description="Seconds a finished (or failed) job and its video are kept.")
+    max_bytes: int = Field(
+        10 * 1024**3, ge=1024**2, description="Bytes of finished videos each replica keeps; the oldest go first."
+    )
+
+
 class RouterLimits(BaseModel):
     """Admission limits that keep the router responsive under load."""
 
@@ -102,6 +118,7 @@ class RouterLimits(BaseModel):
         32768, ge=1, description="Largest `max_tokens` / `max_completion_tokens` a request may ask of an AR stage."
     )
     media: MediaLimits = Field(default_factory=MediaLimits, description="Bounds on a request's media inputs.")
+    videos: VideoLimits = Field(default_factory=VideoLimits, description="Bounds on video jobs and their storage.")
     unknown_fields: Literal["reject", "ignore"] = Field(
         "reject",
         description="A request field the router does not know: `reject` answers 400 naming it (a misspelt "
