@@ -598,6 +598,16 @@ def test_keda_missing_then_installed(cluster, operator, namespace) -> None:
         wait_for(lambda: degraded_reason(cluster, namespace, "keda") is None, 60, "Degraded clears", operator.log)
         wait_ready(cluster, operator, namespace, "keda")
 
+        # minReplicas 0: the stage starts at zero, the pipeline is Ready (scaled to zero) and the router
+        # is told which stage may have no replica.
+        zero = {"minReplicas": 0, "maxReplicas": 2}
+        apply(cluster, namespace, pipeline("zero", "text-chat", [{"name": "llm", "autoscaling": zero}]))
+        ready = wait_ready(cluster, operator, namespace, "zero")
+        assert ready["status"]["stages"][0]["replicas"] == 0
+        assert get(cluster, namespace, "scaledobject", "zero-llm")["spec"]["minReplicaCount"] == 0
+        config = json.loads(get(cluster, namespace, "configmap", "zero-config")["data"]["resolved.json"])
+        assert config["scale_from_zero"] == ["llm"]
+
         # Switching engine replaces the ScaledObject by an HPA.
         scaling["engine"] = "hpa"
         apply(cluster, namespace, pipeline("keda", "text-chat", [{"name": "llm", "autoscaling": scaling}]))

@@ -6,6 +6,7 @@ CRDs installed or absent): e2e/test_autoscaler_cluster.py.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,7 @@ def test_engine_hpa_renders_a_plain_hpa_on_a_pods_metric() -> None:
         ({"target": "2", "maxReplicas": 2}, "autoscaling.target: applies to metric"),
         ({"metric": "queue", "target": "2", "maxReplicas": 2}, "autoscaling.target: applies to metric"),
         ({"maxReplicas": 2, "prometheusAddress": "prometheus:9090"}, "prometheusAddress"),
+        ({"engine": "hpa", "minReplicas": 0, "maxReplicas": 2}, "engine hpa cannot scale to zero"),
     ],
 )
 def test_settings_that_would_do_nothing_are_refused(autoscaling: dict[str, Any], words: str) -> None:
@@ -187,3 +189,17 @@ def test_every_metric_the_readme_and_the_crds_name_exists_in_the_runtime() -> No
     assert {"omnikube_stage_denoising_steps_queued", "omnikube_time_to_first_packet_seconds"} <= named
     names = exported_names()
     assert named <= names, f"the docs name metrics the runtime does not export: {sorted(named - names)}"
+
+
+def test_a_stage_that_scales_from_zero_activates_on_the_requests_the_router_holds() -> None:
+    manifest = sample("qwen3-omni.yaml", "talker", {"minReplicas": 0, "maxReplicas": 2})
+    objects = render_pipeline(manifest, REGISTRY_OF_PIPELINES)
+    scaled = next(o for o in objects if o["kind"] == "ScaledObject")
+    assert scaled["spec"]["minReplicaCount"] == 0 and scaled["spec"]["cooldownPeriod"] == 300
+    query = triggers(scaled)["queue"]["metadata"]["query"]
+    assert "omnikube_stage_requests_waiting_for_replica" in query and "or vector(0)" in query
+    stage = next(o for o in objects if o["kind"] == "OmniStage" and o["spec"]["stage"] == "talker")
+    assert stage["spec"]["replicas"] == 0
+    # The router learns which stages may have no replica: the talker and code2wav, which shares its pods.
+    config = json.loads(next(o for o in objects if o["kind"] == "ConfigMap")["data"]["resolved.json"])
+    assert sorted(config["scale_from_zero"]) == ["code2wav", "talker"]

@@ -196,6 +196,46 @@ async def test_timeout_gives_504_and_aborts_the_work() -> None:
         assert len(engine.aborted) == 1
 
 
+async def test_a_stage_scaled_to_zero_holds_requests_until_a_replica_is_ready_then_503s() -> None:
+    """Discovery reporting no replica (the stage's autoscaler took it to zero) is driven through the
+    pool's discovery callback, as the EndpointSlice watch would call it; the stage server is real."""
+    pipeline = echo_pipeline(chat_topology(), limits=RouterLimits(request_timeout_s=3))
+    pipeline.scale_from_zero = ["llm"]
+    async with (
+        echo_cluster(pipeline) as cluster,
+        client(cluster.base) as api,
+        httpx.AsyncClient(base_url=cluster.base) as http,
+    ):
+        pool = cluster.pool
+        (address,) = pool["llm"].replicas
+
+        async def scale_to_zero() -> None:
+            pool._update("llm", set())
+            await until(lambda: not pool["llm"].replicas, timeout=10)  # drained, then closed
+
+        async def waiting() -> list[float]:
+            text = (await http.get("/metrics")).text
+            return metric_values(text, "omnikube_stage_requests_waiting_for_replica", pipeline="echo", stage="llm")
+
+        await scale_to_zero()
+        health = await http.get("/health")
+        assert health.status_code == 200, health.text  # ready: the stage waits for demand, not broken
+        held = asyncio.create_task(api.chat.completions.create(model="echo", messages=user("after idle")))
+        deadline = time.monotonic() + 5
+        while await waiting() != [1.0]:
+            assert time.monotonic() < deadline and not held.done(), "the request was not held"
+            await asyncio.sleep(0.05)
+        pool._update("llm", {address})  # the autoscaler started a replica; it becomes ready
+        assert (await held).choices[0].message.content == "after idle "
+        assert await waiting() == [0.0]
+
+        await scale_to_zero()
+        refused = await http.post("/v1/chat/completions", json={"model": "echo", "messages": user("nobody")})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "10"
+        assert "scaled to zero" in refused.json()["error"]["message"]
+        assert await waiting() == [0.0]
+
+
 async def test_client_disconnect_mid_stream_aborts_the_stage() -> None:
     async with echo_cluster(echo_pipeline(chat_topology())) as cluster:
         async with httpx.AsyncClient(base_url=cluster.base, timeout=10) as http:

@@ -103,7 +103,10 @@ def resolve_cluster_pipeline(
     resolved.name = name
     resolved.namespace = namespace
     resolved.served_model_name = pipeline.spec.served_model_name or pipeline.spec.model
+    from_zero = {s.name for s in pipeline.spec.stages if s.autoscaling and s.autoscaling.min_replicas == 0}
     for root, members in group_members(resolved).items():
+        if root in from_zero:
+            resolved.scale_from_zero += members  # colocated stages go to zero with their pods
         for index, stage in enumerate(members):
             resolved.discovery[stage] = StageDiscovery(
                 service=child_name(name, root), namespace=namespace, port=stage_ports(index)[0]

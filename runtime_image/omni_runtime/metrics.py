@@ -63,6 +63,11 @@ class Router:
         "omnikube_stage_outstanding_requests", "Works the router has running on a stage replica.",
         ["pipeline", "stage", "replica"], registry=REGISTRY,
     )  # fmt: skip
+    waiting_for_replica = Gauge(
+        "omnikube_stage_requests_waiting_for_replica", "Requests the router holds for a stage scaled to zero "
+        "until a replica is ready: the demand its autoscaler activates on.",
+        ["pipeline", "stage"], registry=REGISTRY,
+    )  # fmt: skip
     replica_up = Gauge(
         "omnikube_stage_replica_up", "1 while a stage replica answers pings and is ready.",
         ["pipeline", "stage", "replica"], registry=REGISTRY,

@@ -289,7 +289,15 @@ class Autoscaling(KubeModel):
         "HorizontalPodAutoscaler on the Pods metric omnikube_stage_requests_running (needs a custom-metrics "
         "adapter such as prometheus-adapter); hpa supports only metric queue.",
     )
-    min_replicas: Int = Field(1, ge=1, le=1000, description="Fewest replicas the autoscaler keeps.")
+    min_replicas: Int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="Fewest replicas the autoscaler keeps. 0 (engine keda only) scales the stage to zero when "
+        "idle for scaleDownStabilizationSeconds: the router then holds the stage's requests (up to the "
+        "request timeout, then 503 with Retry-After) and counts them in "
+        "omnikube_stage_requests_waiting_for_replica, on which KEDA starts a replica.",
+    )
     max_replicas: Int = Field(ge=1, le=1000, description="Most replicas the autoscaler creates.")
     target_queue_depth: Int = Field(
         8,
@@ -340,6 +348,12 @@ class Autoscaling(KubeModel):
             message="autoscaling.metric: engine hpa scales on the queue only; drop metric (or set it to "
             "queue), or use engine keda",
             check=lambda m: m.engine is not AutoscalingEngine.HPA or m.metric in (None, AutoscalingMetric.QUEUE),
+        ),
+        Rule(
+            cel="!has(self.engine) || self.engine != 'hpa' || !has(self.minReplicas) || self.minReplicas >= 1",
+            message="autoscaling.minReplicas: engine hpa cannot scale to zero (a HorizontalPodAutoscaler "
+            "needs a feature gate for it); set minReplicas to 1 or more, or use engine keda",
+            check=lambda m: m.engine is not AutoscalingEngine.HPA or m.min_replicas >= 1,
         ),
         Rule(
             cel="!has(self.target) || (has(self.metric) && self.metric != 'queue')",

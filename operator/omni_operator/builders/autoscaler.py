@@ -21,6 +21,7 @@ __all__ = [
     "HPA_POD_METRIC",
     "KEDA_API_VERSION",
     "SIGNAL_METRICS",
+    "WAITING_METRIC",
     "autoscaler_queries",
     "build_stage_autoscaler",
     "default_metric",
@@ -29,6 +30,8 @@ __all__ = [
 KEDA_API_VERSION = "keda.sh/v1alpha1"
 HPA_API_VERSION = "autoscaling/v2"
 HPA_POD_METRIC = "omnikube_stage_requests_running"
+WAITING_METRIC = "omnikube_stage_requests_waiting_for_replica"
+"""Requests the router holds for a stage with no replica: what KEDA activates a stage at zero on."""
 """The per-pod metric an `engine: hpa` autoscaler reads through the custom-metrics API."""
 
 SIGNAL_METRICS: dict[AutoscalingMetric, str] = {
@@ -67,14 +70,11 @@ def autoscaler_queries(stage: OmniStage, namespace: str) -> list[tuple[Autoscali
     members = "|".join([stage.spec.stage, *stage.spec.colocated])
     router = f'namespace="{namespace}",pipeline="{pipeline}"'
     own = f'{router},stage=~"{members}"'
-    out = [
-        (
-            AutoscalingMetric.QUEUE,
-            f"sum({SIGNAL_METRICS[AutoscalingMetric.QUEUE]}{{{own}}})",
-            str(scaling.target_queue_depth),
-            "AverageValue",
-        )
-    ]
+    queue = f"sum({SIGNAL_METRICS[AutoscalingMetric.QUEUE]}{{{own}}})"
+    if scaling.min_replicas == 0:
+        # At zero replicas nothing is outstanding: the requests the router holds are the demand.
+        queue = f"({queue} or vector(0)) + (sum({WAITING_METRIC}{{{own}}}) or vector(0))"
+    out = [(AutoscalingMetric.QUEUE, queue, str(scaling.target_queue_depth), "AverageValue")]
     metric = scaling.metric or default_metric(StageKind(stage.spec.kind))
     if metric is AutoscalingMetric.QUEUE:
         return out
@@ -160,6 +160,8 @@ def build_stage_autoscaler(stage: dict[str, Any]) -> dict[str, Any] | None:
                 "scaleTargetRef": _scale_target(stage),
                 "minReplicaCount": scaling.min_replicas,
                 "maxReplicaCount": scaling.max_replicas,
+                # How long KEDA waits, once idle, before it takes the stage from 1 replica to 0.
+                "cooldownPeriod": scaling.scale_down_stabilization_seconds,
                 "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(scaling)}},
                 "triggers": triggers,
             },

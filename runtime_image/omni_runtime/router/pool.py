@@ -14,6 +14,7 @@ from typing import Any
 
 import zmq.asyncio
 
+from omni_runtime.metrics import Router as M
 from omni_runtime.router.balancer import ReplicaSet
 from omni_runtime.router.client import ReplicaClient, ReplicaState
 from omni_runtime.router.discovery import Discovery, make_discovery
@@ -26,6 +27,8 @@ __all__ = ["StagePool"]
 log = logging.getLogger(__name__)
 
 ROLL_WAIT_S = 10.0
+ZERO_RETRY_AFTER_S = 10
+"""Retry-After of a request that timed out waiting for a stage to scale up from zero (a replica loads)."""
 """How long `pick` waits for a usable replica while a stage is between replicas (one draining, or one
 discovered and not answering yet), before the request fails with 503."""
 
@@ -89,6 +92,8 @@ class StagePool:
         and not answering yet), waits up to `roll_wait_s` for one; otherwise, or after that, raises
         StageUnavailable describing every replica."""
         replicas = self.sets[stage]
+        if stage in self.pipeline.scale_from_zero and not replicas.replicas:
+            return await self._pick_after_zero(stage)
         deadline: float | None = None
         while True:
             try:
@@ -99,6 +104,31 @@ class StagePool:
                 if now >= deadline or not self._between_replicas(stage):
                     raise
             await asyncio.sleep(0.02)
+
+    async def _pick_after_zero(self, stage: str) -> ReplicaClient:
+        """A replica of a stage scaled to zero, once its autoscaler has started one. The wait is counted in
+        omnikube_stage_requests_waiting_for_replica (KEDA activates the stage on it) and ends half a second
+        before the request timeout, so the client gets a retriable 503 rather than a 504."""
+        replicas = self.sets[stage]
+        hold_s = max(0.1, self.pipeline.limits.request_timeout_s - 0.5)
+        waiting = M.waiting_for_replica.labels(self.pipeline.name, stage)
+        waiting.inc()
+        try:
+            async with asyncio.timeout(hold_s):
+                while True:
+                    try:
+                        return replicas.pick()
+                    except StageUnavailable:
+                        await asyncio.sleep(0.05)
+        except TimeoutError:
+            raise StageUnavailable(
+                f"stage {stage} is scaled to zero and no replica became ready within {hold_s:g}s (the request "
+                "timeout, router limit request_timeout_s); its autoscaler is starting one: retry, or raise "
+                "the stage's autoscaling.minReplicas to 1 to keep one warm",
+                retry_after=ZERO_RETRY_AFTER_S,
+            ) from None
+        finally:
+            waiting.dec()
 
     def _between_replicas(self, stage: str) -> bool:
         for client in self.sets[stage].replicas.values():
@@ -111,6 +141,14 @@ class StagePool:
     def ready(self) -> dict[str, int]:
         """Usable replicas per stage."""
         return {name: len(s.usable()) for name, s in self.sets.items()}
+
+    def serving(self) -> bool:
+        """Whether requests can be served: every stage has a usable replica, or may be scaled to zero
+        (its requests then wait for the autoscaler) and has no replica at all."""
+        return all(
+            n or (stage in self.pipeline.scale_from_zero and not self.sets[stage].replicas)
+            for stage, n in self.ready().items()
+        )
 
     def voices(self) -> dict[str, list[str]]:
         """The speakers each speech stage's usable replicas know (stages that report none are left out)."""

@@ -111,9 +111,11 @@ async def livez() -> Response:
 
 @router.get("/health")
 async def health(raw: Request) -> Response:
-    """Readiness: every stage has at least one ready replica (503 with the missing stages otherwise)."""
-    ready = raw.app.state.context.pool.ready()
-    ok = all(ready.values())
+    """Readiness: every stage has at least one ready replica, or is scaled to zero by its autoscaler
+    (503 with the missing stages otherwise)."""
+    pool = raw.app.state.context.pool
+    ready = pool.ready()
+    ok = pool.serving()
     body = {"status": "ok" if ok else "unavailable", "ready_replicas": ready}
     if not ok:
         body["message"] = f"stages without a ready replica: {sorted(s for s, n in ready.items() if not n)}"

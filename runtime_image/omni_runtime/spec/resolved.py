@@ -140,6 +140,13 @@ class ResolvedPipeline(BaseModel):
     colocation: dict[str, str] = Field(default_factory=dict, description="Stage name -> the stage whose pod it shares.")
     discovery: dict[str, StageDiscovery] = Field(default_factory=dict)
     limits: RouterLimits = Field(default_factory=RouterLimits)
+    scale_from_zero: list[str] = Field(
+        default_factory=list,
+        description="Stages an autoscaler may take to zero replicas (and back). While one has no replica "
+        "the router holds its requests (up to the request timeout, then 503 with Retry-After), counts "
+        "them in omnikube_stage_requests_waiting_for_replica (what the autoscaler activates on), and its "
+        "readiness does not wait for that stage.",
+    )
     mooncake_master_host: str | None = Field(
         None,
         description="Host (DNS name or IP) of the pipeline's one Mooncake master and metadata server, set "
