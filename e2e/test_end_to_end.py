@@ -244,11 +244,14 @@ def _autoscaler_exprs(env: Env) -> list[str]:
     autoscaled (each kind's default signal), and with each signal chosen explicitly."""
     exprs = []
     for manifest in PIPELINES:
-        for metric in (None, "ttft", "ttfp", "rtf", "denoisingSteps"):
+        for metric in (None, "ttft", "ttfp", "rtf", "denoisingSteps", "from zero"):
             scaled = copy.deepcopy(manifest)
             scaled["metadata"]["namespace"] = env.ns
             for stage in scaled["spec"]["stages"]:
-                stage["autoscaling"] = {"maxReplicas": 2} | ({"metric": metric} if metric else {})
+                if metric == "from zero":
+                    stage["autoscaling"] = {"minReplicas": 0, "maxReplicas": 2}
+                else:
+                    stage["autoscaling"] = {"maxReplicas": 2} | ({"metric": metric} if metric else {})
             for obj in render_pipeline(scaled, default_registry()):
                 if obj["kind"] == "ScaledObject":
                     exprs += [t["metadata"]["query"] for t in obj["spec"]["triggers"]]
