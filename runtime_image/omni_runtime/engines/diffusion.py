@@ -27,8 +27,10 @@ Output: `{"images": [png bytes, ...]}`; a stage whose `output_modality` is `hidd
 
 Video pipelines (their `__call__` takes `num_frames`) take `fps` too and give an MP4 per request, with
 progress outputs while they denoise: see `engines/video.py` (its engine args: `max_frames`,
-`default_fps`, `max_fps`). Every pipeline that takes `callback_on_step_end` stops between two
-denoising steps once every request of its batch is aborted, and reports its step time
+`default_fps`, `max_fps`). Speed options are engine args too, see `engines/diffusion_accel.py`:
+`enforce_eager`, `quantization`, `step_cache_threshold`, `attention_backend` (a request's
+`step_cache: false` turns the step cache off). Every pipeline that takes `callback_on_step_end` stops
+between two denoising steps once every request of its batch is aborted, and reports its step time
 (`omnikube_stage_denoise_step_seconds`).
 """
 
@@ -53,6 +55,7 @@ from typing import Any
 
 from omni_runtime.engines import video as V
 from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.engines.diffusion_accel import ACCEL_ENGINE_ARGS, Accel
 from omni_runtime.metrics import Stage as StageMetrics
 from omni_runtime.spec import Modality, ResolvedPipeline, StageSpec
 
@@ -111,6 +114,8 @@ class _Job:
     prompt: str | None = None
     negative_prompt: str | None = None
     embeds: dict[str, Any] = field(default_factory=dict)
+    step_cache: bool = True
+    """False: this request asked for every denoising step in full (`step_cache: false`)."""
     image: Any = None
     """The input picture (PIL, RGB) of an image-to-image request."""
     arrival: float = 0.0
@@ -153,8 +158,12 @@ class DiffusionEngine(Engine):
         self._load_kwargs = {
             k: v
             for k, v in stage.engine_args.items()
-            if k not in DIFFUSION_ENGINE_ARGS and k not in _REGISTRY_ONLY and k not in V.VIDEO_ENGINE_ARGS
+            if k not in DIFFUSION_ENGINE_ARGS
+            and k not in _REGISTRY_ONLY
+            and k not in V.VIDEO_ENGINE_ARGS
+            and k not in ACCEL_ENGINE_ARGS
         }
+        self.accel = Accel(stage.name, stage.engine_args)
         self.video = False
         """A video pipeline (set once loaded): MP4 outputs, `fps`, progress."""
         self._temporal = 1
@@ -200,11 +209,13 @@ class DiffusionEngine(Engine):
                 f"stage {self.stage.name!r}: torch_dtype {dtype_name!r} is not a torch dtype; "
                 "use float32, bfloat16 or float16"
             )
+        self.accel.check_device(self.device)
         started = time.monotonic()
         try:
             self.pipe = await asyncio.to_thread(self._load, dtype)
         except Exception as exc:  # diffusers raises many types while loading; the message matters
             raise EngineError(f"stage {self.stage.name!r}: diffusers failed to load {self.model_path}: {exc}") from exc
+        await asyncio.to_thread(self.accel.apply, self.pipe, self.device)
         self.load_seconds = time.monotonic() - started
         # PNG encoding (zlib) releases the GIL: a batch's images encode in parallel, one per core.
         workers = max(1, min(self.max_batch_size, os.cpu_count() or 1, 16))
@@ -232,6 +243,13 @@ class DiffusionEngine(Engine):
         self._takes_size = "height" in params and "width" in params
         self.size_multiple = _size_multiple(self.pipe)
         self.default_size = _default_size(self.pipe)
+        try:
+            await asyncio.to_thread(self.accel.warmup, self._warmup_call)
+        except Exception as exc:  # a compiler error: say which switch avoids it
+            raise EngineError(
+                f"stage {self.stage.name!r}: compiling the denoiser failed in its warm-up call: {exc}; "
+                "set engineArgs enforce_eager: true to run it uncompiled"
+            ) from exc
         self._arrived = asyncio.Event()
         self._worker = asyncio.create_task(self._loop(), name=f"diffusion-batcher-{self.stage.name}")
         log.info(
@@ -253,6 +271,22 @@ class DiffusionEngine(Engine):
         pipe = pipe.to(self.device)
         pipe.set_progress_bar_config(disable=True)
         return pipe
+
+    def _warmup_call(self, batch: int) -> None:
+        """A short call at the default size with `batch` prompts, to compile before the stage is ready."""
+        import torch
+
+        kwargs: dict[str, Any] = {"prompt": ["warm-up"] * batch, "num_inference_steps": 2, "output_type": "latent"}
+        if self._takes_size:
+            kwargs.update(height=self.default_size, width=self.default_size)
+        if self.video:
+            kwargs["num_frames"] = self._temporal + 1
+        if self._takes_image:
+            from PIL import Image
+
+            kwargs["image"] = [Image.new("RGB", (self.default_size, self.default_size))] * batch
+        with torch.inference_mode():
+            self.pipe(**kwargs)
 
     async def stop(self) -> None:
         """Fail queued requests, let a running call finish, and release the pipeline."""
@@ -298,6 +332,7 @@ class DiffusionEngine(Engine):
         negative = param_negative if negative is None else negative
         seed = params.pop("seed", None)
         n = params.pop("n", 1)
+        step_cache = self.accel.request_option(params)
         fps = V.check_video_params(params, name, self._video_args, self._temporal) if self.video else 0
         picture = self._input_image(request.data.get("image"))
         if picture is not None:  # the output's size defaults to the input's (rounded to the multiple)
@@ -363,7 +398,8 @@ class DiffusionEngine(Engine):
                     f"stage {name!r} takes either text or embeddings, not both; got {sorted(request.data)}"
                 )
             job = self._embeds_job(request.request_id, params, embeds, n, seed)
-            job.fps = fps
+            job.fps, job.step_cache = fps, step_cache
+            job.key += repr(step_cache)
             return job
         if not isinstance(data.get("prompt"), str) or not data["prompt"].strip():
             raise InvalidRequest(
@@ -376,10 +412,22 @@ class DiffusionEngine(Engine):
         if negative is not None and not isinstance(negative, str):
             raise InvalidRequest(f"negative_prompt must be a string, not {type(negative).__name__}")
         size = None if picture is None else picture.size
-        key = repr(("text", sorted(params.items()), n, negative is not None, size))
+        key = repr(("text", sorted(params.items()), n, negative is not None, size, step_cache))
         if picture is not None and self.video:  # video pipelines take one conditioning image per call
             key += request.request_id
-        return _Job(request.request_id, "text", key, params, n, seed, data["prompt"], negative, image=picture, fps=fps)
+        return _Job(
+            request.request_id,
+            "text",
+            key,
+            params,
+            n,
+            seed,
+            data["prompt"],
+            negative,
+            image=picture,
+            fps=fps,
+            step_cache=step_cache,
+        )
 
     def _schedule(self, value: Any, key: str) -> list[float]:
         """A custom `sigmas` / `timesteps` list: it sets the number of steps, so the step bound applies."""
@@ -497,6 +545,7 @@ class DiffusionEngine(Engine):
                 + sum(max(0, _steps(j.call, self._default_steps) - j.steps_done) for j in self._running)
             ),
             **self._stats,
+            **self.accel.stats(),
         }
 
     # -- batching ----------------------------------------------------------------------------------
@@ -607,7 +656,7 @@ class DiffusionEngine(Engine):
             dtype = self.pipe.dtype
             for key in first.embeds:
                 kwargs[key] = torch.cat([j.embeds[key] for j in batch]).to(self.device, dtype)
-        with torch.inference_mode():
+        with torch.inference_mode(), self.accel.call(first.step_cache):
             result = self.pipe(**kwargs)
         images = result.frames if self.video else result.images
         out = []

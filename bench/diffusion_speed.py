@@ -1,0 +1,374 @@
+"""Diffusion stage latency per image: diffusers eager vs the stage engine's compile / FP8 / step cache.
+
+    # CPU, a tiny random Flux (develop here; fp8 is refused on a CPU and compile does not apply):
+    .venv/bin/python bench/diffusion_speed.py --tiny --device cpu
+    # One H200: FLUX.1-dev-sized transformer + VAE, random weights, 1024x1024, 28 steps:
+    python3 bench/diffusion_speed.py
+    # Two H200s: sequence (Ulysses context) parallel transformer vs one GPU (diffusers' enable_parallelism):
+    python3 bench/diffusion_speed.py --parallel 2
+
+Every mode goes through omnikube's DiffusionEngine (its start-up compiles; a request returns a PNG), one
+request at a time; `eager` is the engine with `enforce_eager: true` and PyTorch SDPA, i.e. diffusers as is.
+Quality next to speed, against eager with the same inputs and seed: the final latents' relative error
+(||x - x_eager|| / ||x_eager||) and the PSNR of the decoded image. Concurrency: 8 requests at once, req/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import io
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "runtime_image"))
+
+from omni_runtime.engines.base import EngineError, EngineInput  # noqa: E402
+from omni_runtime.engines.diffusion import DiffusionEngine  # noqa: E402
+from omni_runtime.spec import Modality, ResolvedPipeline, StageKind, StageSpec  # noqa: E402
+from omni_runtime.spec.pipeline import PipelineSpec  # noqa: E402
+
+# FLUX.1-dev's transformer (diffusers' FluxTransformer2DModel defaults) and VAE; weights are random.
+FLUX = dict(
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
+)
+FLUX_VAE = dict(
+    latent_channels=16,
+    block_out_channels=(128, 256, 512, 512),
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    layers_per_block=2,
+    sample_size=1024,
+)
+TINY = dict(FLUX, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2)
+TINY.update(joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
+TINY_VAE = dict(FLUX_VAE, latent_channels=4, block_out_channels=(16, 16), sample_size=64, layers_per_block=1)
+TINY_VAE["norm_num_groups"] = 8
+TINY_VAE.update(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2)
+TEXT_TOKENS = 512
+MODES: dict[str, dict[str, Any]] = {
+    "eager": {"enforce_eager": True, "attention_backend": "native"},
+    "compile": {},
+    "compile+fp8": {"quantization": "fp8"},
+    "compile+cache": {"step_cache_threshold": None},
+    "compile+fp8+cache": {"quantization": "fp8", "step_cache_threshold": None},
+}
+
+
+def build_pipe(tiny: bool, device: str, dtype: Any) -> Any:
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # initialise in the final dtype: no float32 copy of 12B parameters
+    try:
+        with torch.device(device):
+            transformer = FluxTransformer2DModel(**(TINY if tiny else FLUX)).to(dtype)
+    finally:
+        torch.set_default_dtype(default)
+    with torch.device(device):
+        vae_cfg = TINY_VAE if tiny else FLUX_VAE
+        vae = AutoencoderKL(
+            **vae_cfg, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False
+        ).to(dtype)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )  # fmt: skip
+    pipe = FluxPipeline(scheduler, vae, None, None, None, None, transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+class SpeedEngine(DiffusionEngine):
+    """The real DiffusionEngine with `_load` building random weights on the device (nothing can be downloaded)
+    and a warm-up call from embeddings (the pipeline has no text encoders)."""
+
+    tiny = False
+    prebuilt: Any = None
+    """--one-model: every mode runs on this one pipeline, in order (FP8 replaces its Linear layers in place)."""
+
+    def _load(self, dtype: Any) -> Any:
+        return self.prebuilt or build_pipe(self.tiny, self.device, dtype)
+
+    def _warmup_call(self, batch: int) -> None:
+        import torch
+
+        with torch.inference_mode():
+            self.pipe(**embeds(self.pipe, batch, self.device, 0), num_inference_steps=2, output_type="latent")
+
+
+def embeds(pipe: Any, batch: int, device: str, seed: int) -> dict[str, Any]:
+    import torch
+
+    cfg = pipe.transformer.config
+    g = torch.Generator("cpu").manual_seed(1000 + seed)
+    e = torch.randn(batch, TEXT_TOKENS, cfg.joint_attention_dim, generator=g).to(device, pipe.dtype)
+    p = torch.randn(batch, cfg.pooled_projection_dim, generator=g).to(device, pipe.dtype)
+    return {"prompt_embeds": e, "pooled_prompt_embeds": p}
+
+
+def request(pipe: Any, i: int, args: argparse.Namespace, device: str, **extra: Any) -> EngineInput:
+    data = {k: v[:1] for k, v in embeds(pipe, 1, device, i).items()}
+    params = {"height": args.size, "width": args.size, "num_inference_steps": args.steps, "seed": i}
+    return EngineInput(f"r{i}", data, {**params, "guidance_scale": 3.5, **extra})
+
+
+async def one(engine: DiffusionEngine, req: EngineInput) -> bytes:
+    async for out in engine.generate(req):
+        if out.finished:
+            return out.data["images"][0]
+    raise RuntimeError("no final output")
+
+
+def psnr(a: bytes, b: bytes) -> float:
+    import numpy as np
+    from PIL import Image
+
+    x = np.asarray(Image.open(io.BytesIO(a)), dtype=np.float64)
+    y = np.asarray(Image.open(io.BytesIO(b)), dtype=np.float64)
+    mse = float(((x - y) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def latents(engine: DiffusionEngine, args: argparse.Namespace, step_cache: bool = True) -> Any:
+    import torch
+
+    pipe = engine.pipe
+    with torch.inference_mode(), engine.accel.call(step_cache):
+        out = pipe(
+            **embeds(pipe, 1, engine.device, 0),
+            height=args.size,
+            width=args.size,
+            num_inference_steps=args.steps,
+            guidance_scale=3.5,
+            generator=torch.Generator("cpu").manual_seed(0),
+            output_type="latent",
+        )
+    return out.images.float().cpu()
+
+
+async def run_mode(name: str, args: argparse.Namespace, ref: dict[str, Any]) -> dict[str, Any] | None:
+    import torch
+
+    engine_args = {k: (args.cache_threshold if v is None else v) for k, v in MODES[name].items()}
+    engine_args.update(device=args.device, max_batch_size=args.concurrency, batch_window_ms=20.0)
+    engine_args["torch_dtype"] = "float32" if args.device == "cpu" else "bfloat16"
+    stage = StageSpec(
+        name="dit", kind=StageKind.DIFFUSION, output_modality=Modality.IMAGE, final_output=True, engine_args=engine_args
+    )
+    topology = PipelineSpec(name="bench", stages=[stage])
+    resolved = ResolvedPipeline(name="bench", model="/nonexistent", served_model_name="bench", topology=topology)
+    engine = SpeedEngine(resolved, stage)
+    engine.tiny = args.tiny
+    if args.one_model and SpeedEngine.prebuilt is None:
+        import torch
+
+        SpeedEngine.prebuilt = build_pipe(
+            args.tiny, args.device, torch.float32 if args.device == "cpu" else torch.bfloat16
+        )
+    try:
+        await engine.start()
+    except EngineError as err:
+        print(f"{name:18s} refused: {err}", flush=True)
+        return None
+    res: dict[str, Any] = {}
+    try:
+        pipe = engine.pipe
+        await one(engine, request(pipe, 0, args, engine.device))  # warm: allocator, cuDNN plans
+        res = await measure(engine, args)
+        report(name, res, ref, engine, args)
+        if "cache" in name:  # the request's switch: every step in full, i.e. the mode without its cache
+            report(f"{name}(off)", await measure(engine, args, step_cache=False), ref, engine, args)
+            for threshold in args.more_thresholds:  # same compiled engine, other thresholds (the hooks' own)
+                for hook in engine.accel._cache_hooks:
+                    hook.threshold = threshold
+                report(f"{name}@{threshold}", await measure(engine, args), ref, engine, args)
+        if name in args.concurrency_modes:
+            # A cache mode's concurrency run has the cache off (step_cache=false): the mode without its cache.
+            extra = {"step_cache": False} if "cache" in name else {}
+            reqs = [request(pipe, i, args, engine.device, **extra) for i in range(args.concurrency)]
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(engine, r) for r in reqs))
+            res["rps"] = args.concurrency / (time.perf_counter() - t0)
+            label = f"{name}(off)" if extra else name
+            print(f"{label:18s} concurrency {args.concurrency}: {res['rps']:.3f} req/s", flush=True)
+    finally:
+        await engine.stop()
+        del engine
+        gc.collect()
+        torch._dynamo.reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return res
+
+
+async def measure(engine: DiffusionEngine, args: argparse.Namespace, step_cache: bool = True) -> dict[str, Any]:
+    pipe = engine.pipe
+    checks, hits = engine.accel.cache_checks, engine.accel.cached_steps
+    times, image = [], b""
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        extra = {} if step_cache else {"step_cache": False}
+        image = await one(engine, request(pipe, 0, args, engine.device, **extra))
+        times.append(time.perf_counter() - t0)
+    res: dict[str, Any] = {"latency": statistics.median(times), "times": times, "image": image}
+    res["cached"] = (engine.accel.cached_steps - hits, engine.accel.cache_checks - checks)
+    res["latents"] = latents(engine, args, step_cache)
+    return res
+
+
+def report(name: str, res: dict[str, Any], ref: dict[str, Any], engine: DiffusionEngine, args: Any) -> None:
+    line = f"{name:18s} {res['latency']:7.3f} s/image (runs {', '.join(f'{t:.3f}' for t in res['times'])})"
+    line += f"  attention={engine.accel.attention_backend} compile={engine.accel.compile_seconds:.1f}s"
+    if engine.accel.fp8_layers:
+        line += f" fp8_layers={engine.accel.fp8_layers}"
+    if res["cached"][1]:
+        line += f"  steps from cache {res['cached'][0]}/{res['cached'][1]}"
+    if ref:
+        rel = float((res["latents"] - ref["latents"]).norm() / ref["latents"].norm())
+        line += f"  x{ref['latency'] / res['latency']:.2f} vs eager  latents rel err {rel:.4f}"
+        line += f"  PSNR {psnr(res['image'], ref['image']):.1f} dB"
+    print(line, flush=True)
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    import torch
+
+    print(
+        f"# bench/diffusion_speed.py {'tiny' if args.tiny else 'flux-sized'} {args.size}x{args.size} "
+        f"steps={args.steps} repeats={args.repeats} device={args.device} torch={torch.__version__} "
+        f"cache_threshold={args.cache_threshold}"
+        + (f" gpu={torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""),
+        flush=True,
+    )
+    ref: dict[str, Any] = {}
+    results = {}
+    for name in args.modes:
+        try:
+            res = await run_mode(name, args, ref)
+        except Exception:  # one broken mode must not cost the others' figures
+            traceback.print_exc()
+            print(f"{name:18s} FAILED (traceback above)", flush=True)
+            continue
+        if res is None:
+            continue
+        results[name] = res
+        if name == "eager":
+            ref = res
+    if "eager" in results and "rps" in results["eager"]:
+        base = results["eager"]["rps"]
+        for name, res in results.items():
+            if "rps" in res:
+                print(f"concurrency {args.concurrency}: {name} {res['rps']:.3f} req/s = x{res['rps'] / base:.2f} eager")
+    if not args.tiny:
+        for name, target in (("compile+fp8", 3.0), ("compile", 3.0), ("compile+fp8+cache", 2.0)):
+            if name in results:
+                ok = "met" if results[name]["latency"] <= target else "NOT met"
+                print(f"target {name} <= {target} s: {results[name]['latency']:.3f} s ({ok})")
+    return 0
+
+
+def parallel_worker(rank: int, world: int, args: argparse.Namespace) -> None:
+    """One rank of the sequence-parallel run: the same random weights on every GPU (same seed), diffusers'
+    Ulysses context parallelism across `world` GPUs; rank 0 first times one GPU alone."""
+    import torch
+    import torch.distributed as dist
+    from diffusers import ContextParallelConfig
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    device = f"cuda:{rank}"
+    pipe = build_pipe(args.tiny, device, torch.bfloat16)
+    pipe.transformer.set_attention_backend("_native_cudnn")
+    kw = dict(height=args.size, width=args.size, num_inference_steps=args.steps, guidance_scale=3.5)
+
+    def timed(n: int = 2) -> tuple[float, Any]:
+        out = None
+        ts = []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = pipe(
+                    **embeds(pipe, 1, device, 0), **kw, generator=torch.Generator("cpu").manual_seed(0),
+                    output_type="latent",
+                ).images  # fmt: skip
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        return min(ts), out
+
+    one_gpu = ref = None
+    if rank == 0:
+        timed(1)
+        one_gpu, ref = timed()
+        print(f"parallel: 1 GPU transformer-only (28 steps, eager, cudnn attention): {one_gpu:.3f} s", flush=True)
+    dist.barrier()
+    pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+    timed(1)
+    two, out = timed()
+    if rank == 0:
+        err = float((out.float() - ref.float()).norm() / ref.float().norm())
+        print(
+            f"parallel: {world} GPUs Ulysses (eager): {two:.3f} s = {two / one_gpu:.2f}x one GPU "
+            f"(target <= 0.6: {'met' if two / one_gpu <= 0.6 else 'NOT met'}); latents rel err vs 1 GPU {err:.4f}",
+            flush=True,
+        )
+    try:
+        for block in [m for m in pipe.transformer.modules() if type(m).__name__ in pipe.transformer._repeated_blocks]:
+            block.forward = torch.compile(block.forward, dynamic=True)
+        timed(1)
+        two_c, _ = timed()
+        if rank == 0:
+            print(f"parallel: {world} GPUs Ulysses + compile: {two_c:.3f} s", flush=True)
+    except Exception as err:  # report and go on: the eager figure above stands
+        if rank == 0:
+            print(f"parallel: compile with context parallel failed: {type(err).__name__}: {err}", flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny random Flux (CPU development)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--size", type=int, default=None, help="image side (default 1024; 64 with --tiny)")
+    parser.add_argument("--steps", type=int, default=28)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cache-threshold", type=float, default=0.08)
+    parser.add_argument("--more-thresholds", type=float, nargs="*", default=[], help="cache modes: also these")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--concurrency-modes", nargs="*", default=["eager", "compile+fp8"])
+    parser.add_argument("--one-model", action="store_true", help="build once; modes in order on the same weights")
+    parser.add_argument("--parallel", type=int, default=0, help="GPUs for the sequence-parallel run (alone)")
+    args = parser.parse_args()
+    args.size = args.size or (64 if args.tiny else 1024)
+    if args.parallel:
+        import torch.multiprocessing as mp
+
+        mp.spawn(parallel_worker, args=(args.parallel, args), nprocs=args.parallel, join=True)
+        return 0
+    return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

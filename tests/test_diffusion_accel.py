@@ -1,0 +1,165 @@
+"""The diffusion engine's speed options on the CPU: settings refused with clear errors, FP8 refused where it
+cannot run (and its matmul's error against the float layer), and the step cache on the real tiny SD3 pipeline
+(it skips steps, stays within a PSNR bound of the full run, and a request can turn it off). Compilation and
+the GPU attention backends only run on a GPU: bench/diffusion_speed.py measures them there."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+
+from omni_runtime.engines.base import EngineError, EngineInput, InvalidRequest
+from omni_runtime.engines.diffusion import DiffusionEngine
+from omni_runtime.engines.diffusion_accel import Accel, Fp8Linear
+from omni_runtime.registry import get_pipeline
+from omni_runtime.spec import StageOverride
+from omni_runtime.spec.resolved import resolve_pipeline
+
+PARAMS = {"num_inference_steps": 6, "height": 64, "width": 64}
+CACHE_ARGS = {"torch_dtype": "float32", "batch_window_ms": 200, "step_cache_threshold": 0.9}
+PSNR_BOUND_DB = 25.0
+"""Tiny random Flux, 6 steps, threshold 0.9 (10 of 12 steps from the cache): measured 51 dB against the full run."""
+
+
+def _engine(model: Path | str, **engine_args: object) -> DiffusionEngine:
+    stage = StageOverride(name="dit", engine_args=engine_args, sampling_params=PARAMS)
+    pipeline = resolve_pipeline(get_pipeline("stable-diffusion-3"), name="t", model=str(model), stages=[stage])
+    return DiffusionEngine(pipeline, pipeline.topology.stage("dit"))
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(png)), dtype=np.float64)
+
+
+def _psnr(a: bytes, b: bytes) -> float:
+    mse = float(((_pixels(a) - _pixels(b)) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"quantization": "int4"}, "quantization='int4'"),
+        ({"step_cache_threshold": 1.5}, "step_cache_threshold=1.5"),
+        ({"enforce_eager": "sometimes"}, "enforce_eager='sometimes'"),
+        ({"attention_backend": ""}, "attention_backend=''"),
+    ],
+)
+def test_bad_speed_settings_are_refused_with_what_is_allowed(args: dict, message: str) -> None:
+    with pytest.raises(EngineError, match=message) as err:
+        Accel("dit", args)
+    assert "quantization (fp8 or unset)" in str(err.value)
+
+
+async def test_fp8_is_refused_on_a_cpu_before_loading_anything() -> None:
+    engine = _engine("/nonexistent/model", quantization="fp8", device="cpu")
+    with pytest.raises(EngineError, match=r"fp8 needs an NVIDIA GPU of compute capability 8\.9.*runs on cpu"):
+        await engine.start()
+    assert engine.pipe is None
+
+
+def test_fp8_linear_stays_close_to_the_float_layer() -> None:
+    """The FP8 layer's arithmetic (per-row scales, e4m3) through `torch._scaled_mm` on the CPU; the engine
+    refuses fp8 on a CPU since it is no faster there, but the error is the same as on a GPU."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 128).to(torch.bfloat16)
+    x = torch.randn(2, 7, 256, dtype=torch.bfloat16)
+    fp8 = Fp8Linear.build(linear)
+    with torch.inference_mode():
+        got, want = fp8(x).float(), linear(x).float()
+    assert got.shape == want.shape
+    assert float((got - want).norm() / want.norm()) < 0.06
+    assert not Fp8Linear.convertible(torch.nn.Linear(100, 128))  # _scaled_mm needs multiples of 16
+
+
+class _TinyFluxEngine(DiffusionEngine):
+    """The real engine on a tiny random-weight FluxPipeline built in memory (no text encoders: requests carry
+    embeddings). Flux, since diffusers' first block cache does not wrap SD3's blocks (refused, tested below)."""
+
+    def _load(self, dtype: torch.dtype) -> object:
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+        torch.manual_seed(0)
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+            axes_dims_rope=(4, 6, 6),
+        )  # fmt: skip
+        vae = AutoencoderKL(
+            latent_channels=4, block_out_channels=(16, 16), norm_num_groups=8, layers_per_block=1,
+            down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+            use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159,
+        )  # fmt: skip
+        pipe = FluxPipeline(FlowMatchEulerDiscreteScheduler(), vae.to(dtype), None, None, None, None, transformer)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe.to(dtype)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cached():
+    stage = StageOverride(name="dit", engine_args=CACHE_ARGS, sampling_params={**PARAMS, "guidance_scale": 3.5})
+    pipeline = resolve_pipeline(get_pipeline("flux"), name="t", model="/nonexistent/tiny-flux", stages=[stage])
+    engine = _TinyFluxEngine(pipeline, pipeline.topology.stage("dit"))
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+async def _image(engine: DiffusionEngine, rid: str, **params: object) -> bytes:
+    g = torch.Generator().manual_seed(7)
+    data = {
+        "prompt_embeds": torch.randn(1, 16, 32, generator=g),
+        "pooled_prompt_embeds": torch.randn(1, 32, generator=g),
+    }
+    async for out in engine.generate(EngineInput(rid, data, {"seed": 3, **params})):
+        if out.finished:
+            return out.data["images"][0]
+    raise AssertionError("no final output")
+
+
+@pytest.mark.models
+@pytest.mark.timeout(600)
+@pytest.mark.asyncio(loop_scope="module")
+async def test_step_cache_skips_steps_within_a_psnr_bound_and_a_request_can_turn_it_off(
+    cached: DiffusionEngine,
+) -> None:
+    assert not cached.accel.compiled  # a CPU never compiles
+    hits = cached.stats()["step_cache_hits_total"]
+    fast = await _image(cached, "c1")
+    assert cached.stats()["step_cache_hits_total"] > hits
+    hits = cached.stats()["step_cache_hits_total"]
+    full = await _image(cached, "c2", step_cache=False)
+    assert cached.stats()["step_cache_hits_total"] == hits  # every step ran in full
+    assert fast != full
+    assert _psnr(fast, full) >= PSNR_BOUND_DB
+    assert await _image(cached, "c3") == fast  # no state leaks from one call into the next
+    # Requests that differ in the switch never share a pipeline call.
+    await asyncio.gather(_image(cached, "m1"), _image(cached, "m2", step_cache=False))
+    assert sorted(map(sorted, list(cached.batch_log)[-2:])) == [["m1"], ["m2"]]
+    with pytest.raises(InvalidRequest, match="step_cache must be true or false"):
+        await _image(cached, "bad", step_cache="no")
+
+
+@pytest.mark.models
+@pytest.mark.timeout(600)
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"attention_backend": "warp-drive"}, "attention_backend 'warp-drive' cannot run here.*use auto, native"),
+        ({"step_cache_threshold": 0.1}, "step caching does not apply to SD3Transformer2DModel"),
+    ],
+)
+async def test_settings_the_model_cannot_take_fail_the_start(tiny_sd3_model: Path, args: dict, message: str) -> None:
+    engine = _engine(tiny_sd3_model, torch_dtype="float32", **args)
+    with pytest.raises(EngineError, match=message):
+        await engine.start()
+    await engine.stop()
