@@ -50,13 +50,29 @@ class Qwen3Code2Wav:
         from omni_runtime.engines.speech.weights import load_part
 
         config = Qwen3OmniMoeConfig.from_pretrained(folder).code2wav_config
-        self.module = Qwen3OmniMoeCode2Wav._from_config(config, dtype=dtype)
-        load_part(self.module, folder, "code2wav.")
+        module = Qwen3OmniMoeCode2Wav._from_config(config, dtype=dtype)
+        load_part(module, folder, "code2wav.")
+        self._setup(module, device, dtype)
+
+    @classmethod
+    def from_module(cls, module: Any, device: str, dtype: Any) -> Qwen3Code2Wav:
+        """Around a `Qwen3OmniMoeCode2Wav` already built (the GPU bench's random-weight one)."""
+        self = cls.__new__(cls)
+        self._setup(module, device, dtype)
+        return self
+
+    def _setup(self, module: Any, device: str, dtype: Any) -> None:
+        import torch
+
+        config = module.config
+        self.module = module
         self.module.to(device).eval()
         self.device, self.dtype = device, dtype
         self.groups = config.num_quantizers
         self.codebook = config.codebook_size
         self.samples_per_frame = int(self.module.total_upsample)
+        # on a GPU, decodes run on their own stream so a window never queues behind a talker step
+        self.stream = torch.cuda.Stream(device) if str(device).startswith("cuda") else None
 
     def decode(self, jobs: list[tuple[Any, int]]) -> list[Any]:
         """For each (codes [16, context + new], context frames): the float32 samples of the new frames.
@@ -65,20 +81,23 @@ class Qwen3Code2Wav:
         keeps the whole causal output, n * spf - tail samples; later ones drop the context's
         c * spf - tail samples, so windows join without a gap or an overlap.
         """
+        import contextlib
+
         import torch
 
         longest = max(codes.shape[1] for codes, _ in jobs)
-        batch = torch.zeros(len(jobs), self.groups, longest, dtype=torch.long, device=self.device)
+        padded = torch.zeros(len(jobs), self.groups, longest, dtype=torch.long)
         for i, (codes, _) in enumerate(jobs):
-            batch[i, :, : codes.shape[1]] = codes.to(self.device)
-        with torch.inference_mode():
-            wav = self.module(batch)[:, 0].float()
-        tail = longest * self.samples_per_frame - wav.shape[-1]  # 555 for Qwen3-Omni's decoder
-        out = []
-        for i, (codes, context) in enumerate(jobs):
-            end = codes.shape[1] * self.samples_per_frame - tail
-            start = context * self.samples_per_frame - tail if context else 0
-            out.append(wav[i, start:end].cpu())
+            padded[i, :, : codes.shape[1]] = codes
+        on_stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with torch.inference_mode(), on_stream:  # the copies back wait on this stream, not the default one
+            wav = self.module(padded.to(self.device))[:, 0].float()
+            tail = longest * self.samples_per_frame - wav.shape[-1]  # 555 for Qwen3-Omni's decoder
+            out = []
+            for i, (codes, context) in enumerate(jobs):
+                end = codes.shape[1] * self.samples_per_frame - tail
+                start = context * self.samples_per_frame - tail if context else 0
+                out.append(wav[i, start:end].cpu())
         return out
 
 

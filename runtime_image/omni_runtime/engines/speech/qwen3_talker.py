@@ -305,6 +305,17 @@ class Qwen3Talker:
         if len(spoken) < 4:  # the thinker ended without a token to speak
             r.finish_reason = "stop"
             return
+        with torch.inference_mode():
+            embeds, positions = self.prefill_inputs(r)
+            r.kv, r.length, r.last_hidden = kv_batch.prefill(self.talker.model, embeds, positions)
+            self._sample_code0(r, self.talker.codec_head(r.last_hidden))
+
+    def prefill_inputs(self, r: TalkerRequest) -> tuple[Any, Any]:
+        """The prefill's input rows [1, T, H] and positions [3, 1, T] (also what the GPU bench hands
+        transformers' own talker `generate()`)."""
+        import torch
+
+        spoken = self._spoken(r)
         c = self.config.talker_config
         with torch.inference_mode():
             assistant = self._project(spoken[:4])
@@ -318,8 +329,7 @@ class Qwen3Talker:
             embeds = torch.cat([user_rows, text_rows + codec_rows]).unsqueeze(0)
             # the talker's input ids: user-turn ids, then tts_pad for the assistant part (transformers')
             positions = self._positions(r, user_ids + [self.config.tts_pad_token_id] * text_rows.shape[0])
-            r.kv, r.length, r.last_hidden = kv_batch.prefill(self.talker.model, embeds, positions)
-            self._sample_code0(r, self.talker.codec_head(r.last_hidden))
+        return embeds, positions
 
     def _sample_code0(self, r: TalkerRequest, logits: Any) -> None:
         code = sample(logits, r.sampling, history=r.history, suppress=self.suppress, generator=r.generator)

@@ -1,0 +1,455 @@
+"""Speech at GPU speed: Qwen3-Omni-sized talker + code2wav, baseline vs the slab/graph path, one run.
+
+    python bench/speech_gpu.py                       # on a GPU (two GPUs: also the split layout)
+    python bench/speech_gpu.py --tiny --device cpu   # the same code on the tiny config, for debugging
+
+Models: transformers' Qwen3-Omni talker and code2wav with random weights, sized by the
+`Qwen3OmniMoeTalkerConfig` / `Qwen3OmniMoeCode2WavConfig` defaults (talker 20 layers, 128 experts,
+top-8, code predictor 5 layers; code2wav 8 layers). Where a default is missing or unusable the released
+Qwen3-Omni value is used and printed (16 code groups, shared expert 768, head_dim 128, mrope
+[24, 20, 20]). Answers: `--frames` 188 codec frames (15 s of audio); codec eos is suppressed so every
+answer has that length. Thinker: a synthetic stream of `--text-tokens` tokens at `--rate` tokens/s
+per request; all requests of a round arrive at once.
+
+- baseline: transformers' own `talker.generate()` (which needs the whole text first) then code2wav's
+  `chunked_decode`, one request at a time; TTFP = text stream + generate + decode.
+- ours: `slab_talker.SlabTalker` (KV slabs, grouped MoE, CUDA graphs) stepping every live request,
+  frames cut into code2wav windows (first `--first-window`, then `--window` new frames with
+  `--left-context` before, as the talker -> code2wav edge does), all ready windows decoded in one
+  `Qwen3Code2Wav.decode` call on its own CUDA stream in its own thread, in bf16.
+  TTFP = first thinker token in -> first audio packet out; RTF = (last packet - arrival) / audio seconds;
+  audio-s/s = audio seconds of the round / the round's wall time.
+  Colocated (both on GPU 0) and split (talker GPU 0, code2wav GPU 1; codes hop through host memory as
+  they would through the shm edge).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import queue
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime_image"))
+
+import torch  # noqa: E402
+
+from omni_runtime.engines.speech.code2wav import Qwen3Code2Wav  # noqa: E402
+from omni_runtime.engines.speech.qwen3_talker import Qwen3Talker  # noqa: E402
+from omni_runtime.engines.speech.sampling import Sampling  # noqa: E402
+from omni_runtime.engines.speech.slab_talker import SlabTalker  # noqa: E402
+
+RATE = 24000
+FULL = {  # where a transformers default is missing or unusable: the released Qwen3-Omni value
+    "shared_expert_intermediate_size": 768,
+    "head_dim": 128,
+    "num_code_groups": 16,
+    "mrope_section": [24, 20, 20],
+}
+
+
+def build_config(tiny: bool) -> Any:
+    from transformers import Qwen3OmniMoeConfig
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+        Qwen3OmniMoeCode2WavConfig,
+        Qwen3OmniMoeTalkerConfig,
+    )
+
+    from omni_runtime.tiny_models.qwen3_omni import CONFIG
+
+    config = copy.deepcopy(CONFIG)
+    config = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    if not tiny:
+        keep = ("id2label", "label2id", "transformers_version", "architectures", "dtype", "_name_or_path")
+        defaults = Qwen3OmniMoeTalkerConfig()
+        text = {k: v for k, v in defaults.text_config.to_dict().items() if k not in keep}
+        text.update(
+            num_experts=text.pop("num_local_experts", 128),
+            shared_expert_intermediate_size=FULL["shared_expert_intermediate_size"],
+            head_dim=FULL["head_dim"],
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1000000,
+                "interleaved": True,
+                "mrope_section": FULL["mrope_section"],
+            },  # fmt: skip
+        )
+        predictor = {k: v for k, v in defaults.code_predictor_config.to_dict().items() if k not in keep}
+        predictor["num_code_groups"] = FULL["num_code_groups"]
+        talker = config["talker_config"]
+        talker.update(text_config=text, code_predictor_config=predictor, thinker_hidden_size=2048)
+        talker["num_code_groups"] = FULL["num_code_groups"]
+        config["thinker_config"]["text_config"]["hidden_size"] = 2048
+        config["code2wav_config"] = {k: v for k, v in Qwen3OmniMoeCode2WavConfig().to_dict().items() if k not in keep}
+    return Qwen3OmniMoeConfig(**config)
+
+
+def build(config: Any, device: str, dtype: Any, c2w_devices: list[str]) -> tuple[Qwen3Talker, dict[str, Any]]:
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeCode2Wav,
+        Qwen3OmniMoeTalkerForConditionalGeneration,
+    )
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        talker = Qwen3OmniMoeTalkerForConditionalGeneration._from_config(config.talker_config, dtype=dtype)
+        vocab = config.thinker_config.text_config.vocab_size
+        table = torch.randn(vocab, config.thinker_config.text_config.hidden_size, dtype=dtype) * 0.02
+    with torch.no_grad():  # transformers' init leaves the fused expert tensors as torch.empty left them
+        for name, param in talker.named_parameters():
+            if ".experts." in name:
+                param.normal_(0.0, config.talker_config.text_config.initializer_range)
+    base = Qwen3Talker.from_modules(config, talker, table, device, dtype)
+    base.suppress[base.eos] = True  # every answer runs its full length (random weights would stop anywhere)
+    coders = {}
+    for dev in c2w_devices:
+        with torch.device(dev):
+            module = Qwen3OmniMoeCode2Wav._from_config(config.code2wav_config, dtype=dtype)
+        bad = [name for name, param in module.named_parameters() if not torch.isfinite(param).all()]
+        if bad:
+            raise SystemExit(f"code2wav's random init left non-finite weights in {bad[:5]}")
+        coders[dev] = Qwen3Code2Wav.from_module(module, dev, dtype)
+    params = sum(p.numel() for p in talker.parameters()) / 1e9
+    c2w = sum(p.numel() for p in next(iter(coders.values())).module.parameters()) / 1e6
+    print(
+        f"talker {params:.2f}B parameters, code2wav {c2w:.0f}M, {dtype}, talker on {device}, code2wav on {c2w_devices}"
+    )
+    return base, coders
+
+
+def prompt_ids(config: Any) -> list[int]:
+    user = [151644, config.user_token_id, 198] + [1000 + 37 * i for i in range(24)] + [151645, 198]
+    return user + [config.im_start_token_id, config.assistant_token_id, 198]
+
+
+def text_ids(count: int, seed: int) -> list[int]:
+    return [2000 + (seed * 131 + 17 * i) % 50000 for i in range(count)]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+# -- baseline --------------------------------------------------------------------------------------
+
+
+def baseline(base: Qwen3Talker, coder: Qwen3Code2Wav, args: argparse.Namespace) -> dict[str, float]:
+    """transformers' talker.generate() on the whole text, then code2wav.chunked_decode; one request."""
+    config = base.config
+    r = base.new_request("base", prompt_ids(config), "ethan", Sampling())
+    r.text = text_ids(args.text_tokens, 0)
+    r.text_done = True
+    vocab = config.talker_config.text_config.vocab_size
+    with torch.inference_mode():
+        embeds, _ = base.prefill_inputs(r)
+        spoken = base._spoken(r)
+        trailing = torch.cat([base._project(spoken[4:]), base.tts_eos[None]])[None]
+        ids = torch.full(embeds.shape[:2], config.tts_pad_token_id, device=base.device)
+        sync(base.device)
+        start = time.perf_counter()
+        out = base.talker.generate(
+            inputs_embeds=embeds,
+            trailing_text_hidden=trailing,
+            tts_pad_embed=base.tts_pad[None, None],
+            talker_input_ids=ids,
+            attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long, device=base.device),
+            max_new_tokens=args.baseline_frames + 1,
+            do_sample=True,
+            top_k=50,
+            top_p=1.0,
+            temperature=0.9,
+            repetition_penalty=1.05,
+            eos_token_id=base.eos,
+            suppress_tokens=list(range(vocab - 1024, vocab)),  # eos too: the full length, as ours
+            output_hidden_states=True,
+            return_dict_in_generate=True,
+        )
+        codes = torch.stack([h[-1] for h in out.hidden_states if h[-1] is not None], dim=1).transpose(1, 2)
+        sync(base.device)
+        generated = time.perf_counter()
+        wav = coder.module.chunked_decode(codes.to(coder.device), chunk_size=300, left_context_size=25)
+        sync(coder.device)
+        done = time.perf_counter()
+    frames = codes.shape[-1]
+    audio = wav.shape[-1] / RATE
+    text_wait = args.text_tokens / args.rate
+    result = {
+        "frames": frames,
+        "talker_s": generated - start,
+        "code2wav_s": done - generated,
+        "ttfp_ms": 1000 * (text_wait + done - start),
+        "rtf": (text_wait + done - start) / audio,
+        "audio_s_per_s": audio / (done - start),
+    }
+    print(
+        f"baseline (transformers talker.generate + code2wav, sequential): {frames} frames = {audio:.2f} s audio; "
+        f"talker {result['talker_s']:.2f} s ({1000 * result['talker_s'] / frames:.1f} ms/frame), code2wav "
+        f"{1000 * result['code2wav_s']:.0f} ms; TTFP {result['ttfp_ms']:.0f} ms (incl. {1000 * text_wait:.0f} ms "
+        f"of text stream), RTF {result['rtf']:.3f}, {result['audio_s_per_s']:.2f} audio-s/s"
+    )
+    return result
+
+
+# -- ours ------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Stream:
+    request: Any
+    text: list[int]
+    fed: int = 0
+    codes: list[list[int]] = field(default_factory=list)
+    sent: int = 0
+    first_packet: float | None = None
+    last_packet: float = 0.0
+    samples: int = 0
+    windows: int = 0
+
+
+class Code2WavWorker:
+    """One thread: every window queued at the moment is decoded in one call (its own CUDA stream)."""
+
+    def __init__(self, coder: Qwen3Code2Wav) -> None:
+        self.coder = coder
+        self.jobs: queue.Queue = queue.Queue()
+        self.calls = 0
+        self.windows = 0
+        self.busy = 0.0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            batch = [job]
+            while not self.jobs.empty():
+                extra = self.jobs.get_nowait()
+                if extra is None:
+                    self.jobs.put(None)
+                    break
+                batch.append(extra)
+            started = time.perf_counter()
+            wavs = self.coder.decode([(codes, context) for _, codes, context in batch])
+            now = time.perf_counter()
+            self.busy += now - started
+            self.calls += 1
+            self.windows += len(batch)
+            for (stream, _, _), wav in zip(batch, wavs, strict=True):
+                if stream.first_packet is None:
+                    stream.first_packet = now
+                stream.last_packet = now
+                stream.samples += wav.shape[0]
+                stream.windows += 1
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
+
+
+def _cut(stream: _Stream, worker: Code2WavWorker, args: argparse.Namespace, final: bool) -> None:
+    """Queue the next window(s) of `stream` (first `first_window` frames, then `window`)."""
+    while True:
+        pending = len(stream.codes) - stream.sent
+        need = args.first_window if stream.sent == 0 else args.window
+        if pending <= 0 or (pending < need and not final):
+            return
+        new = min(pending, need)
+        context = min(args.left_context, stream.sent)
+        frames = stream.codes[stream.sent - context : stream.sent + new]
+        worker.jobs.put((stream, torch.tensor(frames, dtype=torch.long).T.contiguous(), context))
+        stream.sent += new
+
+
+def round_trip(talker: SlabTalker, coder: Qwen3Code2Wav, count: int, args: argparse.Namespace) -> dict[str, float]:
+    base = talker.base
+    worker = Code2WavWorker(coder)
+    sampling = Sampling(temperature=0.9, top_k=50, max_tokens=args.frames)
+    streams = []
+    start = time.perf_counter()
+    for i in range(count):
+        r = talker.new_request(f"r{i}", prompt_ids(base.config), "ethan", sampling)
+        streams.append(_Stream(r, text_ids(args.text_tokens, i + 1)))
+    steps = 0
+    while True:
+        now = time.perf_counter()
+        due = min(args.text_tokens, int((now - start) * args.rate) + 1)
+        for s in streams:
+            if s.fed < due:
+                s.request.text.extend(s.text[s.fed : due])
+                s.fed = due
+            s.request.text_done = s.fed >= args.text_tokens
+        live = [s.request for s in streams if s.request.finish_reason is None]
+        if not live:
+            break
+        frames, moved = talker.advance(live)
+        steps += moved
+        for s in streams:
+            new = frames.get(s.request.id)
+            if new:
+                s.codes.extend(new)
+            _cut(s, worker, args, final=s.request.finish_reason is not None)
+        if not moved:
+            time.sleep(0.0005)
+    worker.stop()
+    end = max(s.last_packet for s in streams)
+    audio = [s.samples / RATE for s in streams]
+    ttfp = [1000 * ((s.first_packet or end) - start) for s in streams]
+    rtf = [(s.last_packet - start) / a for s, a in zip(streams, audio, strict=True) if a]
+    reasons = {s.request.finish_reason for s in streams}
+    return {
+        "ttfp_ms": statistics.median(ttfp),
+        "ttfp_max_ms": max(ttfp),
+        "rtf": statistics.median(rtf),
+        "rtf_max": max(rtf),
+        "audio_s_per_s": sum(audio) / (end - start),
+        "audio_s": statistics.median(audio),
+        "steps": steps,
+        "c2w_calls": worker.calls,
+        "c2w_windows_per_call": worker.windows / max(worker.calls, 1),
+        "c2w_busy_s": worker.busy,
+        "wall_s": end - start,
+        "reasons": ",".join(sorted(str(r) for r in reasons)),
+    }
+
+
+def graph_check(base: Qwen3Talker) -> None:
+    """Greedy frames of 2 requests through the eager passes and through their CUDA graphs: equal?"""
+    runs = []
+    for graphs in (False, True):
+        talker = SlabTalker(base, max_batch=2, max_length=128, graphs=graphs)
+        requests = []
+        for i in range(2):
+            r = talker.new_request(f"g{i}", prompt_ids(base.config), "ethan", Sampling(temperature=0.0, max_tokens=12))
+            r.text, r.text_done = text_ids(20 + 5 * i, i), True
+            requests.append(r)
+        out: dict[str, list[list[int]]] = {r.id: [] for r in requests}
+        while any(r.finish_reason is None for r in requests):
+            frames, _ = talker.advance([r for r in requests if r.finish_reason is None])
+            for rid, new in frames.items():
+                out[rid] += new
+        runs.append(out)
+        del talker
+    same = runs[0] == runs[1]
+    print(f"CUDA graphs replay the eager passes (greedy, 2 requests x 12 frames): {'equal' if same else 'DIFFERENT'}")
+    if not same:
+        for rid in runs[0]:
+            print(f"  {rid}: eager {runs[0][rid][:2]} graphs {runs[1][rid][:2]}")
+
+
+def bf16_error(config: Any, coder: Qwen3Code2Wav) -> None:
+    """The same codes through the bf16 code2wav and an fp32 copy of it: how far the audio moves."""
+    if coder.module.dtype == torch.float32:
+        return
+    fp32 = copy.deepcopy(coder.module).float()
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, config.code2wav_config.codebook_size, (4, coder.groups, 100), generator=g)
+    with torch.inference_mode():
+        low = coder.module(codes.to(coder.device)).float()
+        high = fp32(codes.to(coder.device)).float()
+    diff = low - high
+    rel = (diff.norm() / high.norm()).item()
+    snr = 20 * torch.log10(high.norm() / diff.norm()).item()
+    print(
+        f"code2wav bf16 vs fp32 on the same 4 x 100 frames: max |diff| {diff.abs().max().item():.2e} "
+        f"(peak |fp32| {high.abs().max().item():.2e}), relative L2 error {rel:.2e}, SNR {snr:.1f} dB "
+        f"(bar: SNR >= 30 dB, the error under 1/30 of the signal)"
+    )
+    del fp32
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny test config (for debugging on a CPU)")
+    parser.add_argument("--device", default="cuda", help="cuda or cpu")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--frames", type=int, default=188, help="codec frames per answer (188 = 15 s)")
+    parser.add_argument("--baseline-frames", type=int, default=188)
+    parser.add_argument("--text-tokens", type=int, default=60)
+    parser.add_argument("--rate", type=float, default=50.0, help="thinker tokens per second per request")
+    parser.add_argument("--first-window", type=int, default=4)
+    parser.add_argument("--window", type=int, default=25)
+    parser.add_argument("--left-context", type=int, default=25)
+    parser.add_argument("--max-length", type=int, default=512, help="talker KV slab positions per slot")
+    parser.add_argument("--layouts", default="colocated,split")
+    args = parser.parse_args()
+    cuda = args.device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    gpus = torch.cuda.device_count() if cuda else 0
+    talker_device = "cuda:0" if cuda else "cpu"
+    layouts = {"colocated": talker_device}
+    if "split" in args.layouts and gpus >= 2:
+        layouts["split"] = "cuda:1"
+    layouts = {k: v for k, v in layouts.items() if k in args.layouts.split(",")}
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    print(f"command: {' '.join(sys.argv)}")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0) if cuda else 'cpu'} x {gpus}")
+    config = build_config(args.tiny)
+    if not args.tiny:
+        print(f"sizes not given by the transformers defaults (released Qwen3-Omni values): {FULL}")
+    base, coders = build(config, talker_device, dtype, sorted(set(layouts.values())))
+    bf16_error(config, coders[talker_device])
+    if cuda:
+        try:
+            graph_check(base)
+        except Exception as exc:  # report and measure on
+            print(f"graph check failed: {type(exc).__name__}: {exc}")
+    results: dict[str, Any] = {}
+    if args.baseline_frames:
+        try:
+            results["baseline"] = baseline(base, coders[talker_device], args)
+        except Exception as exc:  # the rest of the run still measures ours
+            print(f"baseline failed: {type(exc).__name__}: {exc}")
+    talker = SlabTalker(base, max_batch=max(concurrency), max_length=args.max_length)
+    started = time.perf_counter()
+    talker.capture(concurrency)
+    buckets = sorted({talker._bucket(c) for c in concurrency})
+    took = time.perf_counter() - started
+    print(f"captured CUDA graphs for batch buckets {buckets} in {took:.1f} s" if talker.use_graphs else "eager passes")
+    for layout, c2w_device in layouts.items():
+        coder = coders[c2w_device]
+        round_trip(talker, coder, min(2, max(concurrency)), argparse.Namespace(**{**vars(args), "frames": 8}))
+        for c in concurrency:
+            try:
+                r = round_trip(talker, coder, c, args)
+            except Exception as exc:  # report and measure on
+                print(f"ours {layout} c={c} failed: {type(exc).__name__}: {exc}")
+                continue
+            results[f"{layout}-{c}"] = r
+            print(
+                f"ours {layout:9s} c={c:3d}: TTFP median {r['ttfp_ms']:.0f} ms (max {r['ttfp_max_ms']:.0f}), "
+                f"RTF median {r['rtf']:.3f} (max {r['rtf_max']:.3f}), {r['audio_s_per_s']:.1f} audio-s/s, "
+                f"{r['audio_s']:.2f} s audio each, {r['steps']} steps in {r['wall_s']:.2f} s, code2wav "
+                f"{r['c2w_calls']} calls x {r['c2w_windows_per_call']:.1f} windows ({r['c2w_busy_s']:.2f} s busy), "
+                f"finish {r['reasons']}"
+            )
+    b = results.get("baseline")
+    for layout in layouts:
+        top = results.get(f"{layout}-{max(concurrency)}")
+        if b and top:
+            ratio = top["audio_s_per_s"] / b["audio_s_per_s"]
+            print(
+                f"{layout}: audio-s/s at c={max(concurrency)} / sequential baseline = "
+                f"{top['audio_s_per_s']:.1f} / {b['audio_s_per_s']:.2f} = {ratio:.1f}x"
+            )
+    one, top = results.get("colocated-1"), results.get(f"colocated-{max(concurrency)}")
+    if one and top and not args.tiny:
+        checks = [
+            ("TTFP <= 100 ms at c=1", one["ttfp_ms"] <= 100),
+            (f"TTFP <= 250 ms at c={max(concurrency)}", top["ttfp_ms"] <= 250),
+            (f"RTF <= 0.25 at c={max(concurrency)}", top["rtf"] <= 0.25),
+            (f">= 128 audio-s/s at c={max(concurrency)}", top["audio_s_per_s"] >= 128),
+        ]
+        print("targets (colocated, medians): " + "; ".join(f"{n}: {'met' if ok else 'NOT met'}" for n, ok in checks))
+
+
+if __name__ == "__main__":
+    main()
