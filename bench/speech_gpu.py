@@ -345,6 +345,24 @@ def graph_check(base: Qwen3Talker) -> None:
             print(f"  {rid}: eager {runs[0][rid][:2]} graphs {runs[1][rid][:2]}")
 
 
+def pass_times(talker: SlabTalker, sizes: list[int]) -> None:
+    """Replay time of each captured pass (CUDA events, 20 replays, no request active)."""
+    talker.active.zero_()
+    parts = []
+    for n in sizes:
+        for name in ("frames", "decode"):
+            graph = talker._graphs[(name, n)]
+            graph.replay()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(20):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            parts.append(f"{name} n={n} {begin.elapsed_time(end) / 20:.2f} ms")
+    print("graph replay per pass: " + ", ".join(parts))
+
+
 def bf16_error(config: Any, coder: Qwen3Code2Wav) -> None:
     """The same codes through the bf16 code2wav and an fp32 copy of it: how far the audio moves."""
     if coder.module.dtype == torch.float32:
@@ -414,6 +432,8 @@ def main() -> None:
     buckets = sorted({talker._bucket(c) for c in concurrency})
     took = time.perf_counter() - started
     print(f"captured CUDA graphs for batch buckets {buckets} in {took:.1f} s" if talker.use_graphs else "eager passes")
+    if talker.use_graphs:
+        pass_times(talker, sorted(buckets))
     for layout, c2w_device in layouts.items():
         coder = coders[c2w_device]
         round_trip(talker, coder, min(2, max(concurrency)), argparse.Namespace(**{**vars(args), "frames": 8}))

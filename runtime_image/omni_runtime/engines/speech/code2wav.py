@@ -92,6 +92,10 @@ class Qwen3Code2Wav:
         on_stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), on_stream:  # the copies back wait on this stream, not the default one
             wav = self.module(padded.to(self.device))[:, 0].float()
+            if self.stream is not None:  # wait without holding the GIL (a talker may share the process)
+                from omni_runtime.engines.speech.slab_talker import wait_quietly
+
+                wait_quietly(self.device, self.stream)
             tail = longest * self.samples_per_frame - wav.shape[-1]  # 555 for Qwen3-Omni's decoder
             out = []
             for i, (codes, context) in enumerate(jobs):

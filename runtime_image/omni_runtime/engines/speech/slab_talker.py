@@ -34,7 +34,7 @@ from typing import Any
 
 from omni_runtime.engines.speech.qwen3_talker import CODE_PREDICTOR_TOP_K, CODE_PREDICTOR_TOP_P, Qwen3Talker
 
-__all__ = ["SlabTalker", "grouped_moe", "sample_rows"]
+__all__ = ["SlabTalker", "grouped_moe", "sample_rows", "wait_quietly"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,21 @@ def sample_rows(logits: Any, temperature: Any, top_k: Any, top_p: Any, greedy: A
     race = probs / torch.empty_like(probs).exponential_()
     drawn = order.gather(-1, race.argmax(-1, keepdim=True))[:, 0]
     return torch.where(greedy, best, drawn)
+
+
+def wait_quietly(device: Any, stream: Any = None) -> None:
+    """Wait for the work queued so far on `stream` (default: the current one) of a CUDA `device`,
+    polling with sleeps so other Python threads run meanwhile; a blocking sync would hold the GIL."""
+    import time
+
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return
+    event = torch.cuda.Event()
+    event.record(stream if stream is not None else torch.cuda.current_stream(device))
+    while not event.query():
+        time.sleep(0.00005)
 
 
 @dataclass(eq=False)
@@ -236,6 +251,12 @@ class SlabTalker:
         self.frame[:n] = torch.where(on[:, None], total, self.frame[:n])
         self.codes[:n] = torch.where(on[:, None], torch.stack(codes, dim=1), self.codes[:n])
 
+    def _read(self, values: Any) -> list[Any]:
+        """`values.tolist()`, waiting for the device without holding the GIL (code2wav's thread in
+        this process launches its kernels meanwhile)."""
+        wait_quietly(values.device)
+        return values.tolist()
+
     def _run(self, name: str, n: int) -> None:
         import torch
 
@@ -294,23 +315,45 @@ class SlabTalker:
     def new_request(self, *args: Any, **kwargs: Any) -> Any:
         return self.base.new_request(*args, **kwargs)
 
-    def _admit(self, r: Any) -> None:
-        """After `r`'s prefill: copy its KV into a free slot and load its sampling state there."""
+    def _prefill(self, r: Any) -> None:
+        """`Qwen3Talker.prefill` with its K/V written straight into a free slot and its MoE layers
+        grouped (eager: prompt lengths vary); then the slot takes the request's sampling state."""
         import torch
 
+        base = self.base
+        if len(base._spoken(r)) < 4:  # the thinker ended without a token to speak
+            r.finish_reason = "stop"
+            return
         if not self.free:
             r.finish_reason = "error: no free talker slot"
             return
-        if r.length >= self.max_length:
-            r.finish_reason = "length"  # the prompt alone fills the slab's positions
-            return
-        slot = _Slot(self.free.pop(0))
-        i = slot.index
-        self.slots[id(r)] = slot
+        model = base.talker.model
         with torch.inference_mode():
-            for layer, (k, v) in enumerate(r.kv):
-                self.k[layer, i, :, : r.length] = k[0]
-                self.v[layer, i, :, : r.length] = v[0]
+            x, positions = base.prefill_inputs(r)
+            length = x.shape[1]
+            if length >= self.max_length:
+                r.finish_reason = "length"  # the prompt alone fills the slab's positions
+                return
+            slot = _Slot(self.free.pop(0))
+            i = slot.index
+            self.slots[id(r)] = slot
+            cos, sin = model.rotary_emb(x, positions)
+            for index, layer in enumerate(model.layers):
+
+                def write(k: Any, v: Any, index: int = index) -> tuple[Any, Any]:
+                    self.k[index, i, :, :length] = k[0]
+                    self.v[index, i, :, :length] = v[0]
+                    return k, v
+
+                h = layer.input_layernorm(x)
+                x = x + self._attend(layer.self_attn, h, cos, sin, write, None)
+                h = layer.post_attention_layernorm(x)
+                mlp = layer.mlp
+                x = x + (grouped_moe(mlp, h[0]).unsqueeze(0) if hasattr(mlp, "experts") else mlp(h))
+            r.last_hidden = model.norm(x)[0, -1]
+            r.length = length
+            r.kv = [(None, None)]  # the slab holds it
+            base._sample_code0(r, base.talker.codec_head(r.last_hidden))
             self.lengths[i] = r.length
             self.rope_delta[i] = r.rope_delta
             self.hidden[i] = r.last_hidden
@@ -324,7 +367,6 @@ class SlabTalker:
             self.top_p[i] = sampling.top_p
             self.penalty[i] = sampling.repetition_penalty
             self.greedy[i] = sampling.greedy
-        r.kv = [(None, None)]  # the slab holds it now; the prompt's tensors are freed
 
     def _release(self, r: Any) -> None:
         slot = self.slots.pop(id(r), None)
@@ -348,9 +390,7 @@ class SlabTalker:
         self.free.sort()
         for r in requests:
             if r.kv is None and r.finish_reason is None and base.prefill_ready(r):
-                base.prefill(r)
-                if r.finish_reason is None:
-                    self._admit(r)
+                self._prefill(r)
                 moved = True
         for r in requests:
             if r.code0 is not None and r.finish_reason is None and r.code0 == base.eos:
@@ -363,7 +403,7 @@ class SlabTalker:
             index = torch.tensor([self.slots[id(r)].index for r in pending], device=self.device)
             self.active[index] = True
             self._run("frames", n)
-            codes = self.codes[index].tolist()
+            codes = self._read(self.codes[index])
             for r, frame in zip(pending, codes, strict=True):
                 frames[r.id] = [frame]
                 r.code0 = None
@@ -372,7 +412,7 @@ class SlabTalker:
                 if r.frames >= r.sampling.max_tokens:
                     r.finish_reason = "length"
             moved = True
-        ready = []
+        ready, tokens, fixed = [], [], []
         for r in requests:
             slot = self.slots.get(id(r))
             if slot is None or not slot.has_frame or r.finish_reason is not None:
@@ -380,19 +420,28 @@ class SlabTalker:
             if r.length >= self.max_length:
                 r.finish_reason = "length"
                 continue
-            text = base._trailing(r)
-            if text is not None:
-                ready.append((r, text))
+            known = base._spoken(r)  # as Qwen3Talker._trailing, with one projection for the batch
+            at = 4 + r.step
+            if at < len(known):
+                tokens.append(known[at])
+                fixed.append(None)
+            elif r.text_done:
+                fixed.append(base.tts_eos if at == len(known) else base.tts_pad)
+            else:
+                continue
+            ready.append(r)
         if ready:
             n = self._span()
-            index = torch.tensor([self.slots[id(r)].index for r, _ in ready], device=self.device)
+            index = torch.tensor([self.slots[id(r)].index for r in ready], device=self.device)
             with torch.inference_mode():
-                self.text[index] = torch.stack([t for _, t in ready]).to(self.text.dtype)
+                projected = iter(base._project(tokens) if tokens else [])
+                rows = [row if row is not None else next(projected) for row in fixed]
+                self.text[index] = torch.stack(rows).to(self.text.dtype)
             self.active.zero_()
             self.active[index] = True
             self._run("decode", n)
-            code0 = self.code0[index].tolist()
-            for (r, _), code in zip(ready, code0, strict=True):
+            code0 = self._read(self.code0[index])
+            for r, code in zip(ready, code0, strict=True):
                 r.code0 = code
                 r.history.append(code)
                 r.length += 1
