@@ -56,7 +56,7 @@ FLUX_VAE = dict(
     layers_per_block=2,
     sample_size=1024,
 )
-TINY = dict(FLUX, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2)
+TINY = dict(FLUX, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16, num_attention_heads=2)
 TINY.update(joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
 TINY_VAE = dict(FLUX_VAE, latent_channels=4, block_out_channels=(16, 16), sample_size=64, layers_per_block=1)
 TINY_VAE["norm_num_groups"] = 8

@@ -399,7 +399,11 @@ class PipelineStage(Placement):
         "tool-call parser (as `vllm serve --tool-call-parser`, e.g. `hermes` for Qwen2.5/Qwen3) that reads "
         "tool calls from the stage's text and constrains `tool_choice` required or a named function; "
         "without it requests with tools are refused unless `tool_choice` is `none`. A name that is not a "
-        "vLLM parser fails the stage at start with the list of names.",
+        "vLLM parser fails the stage at start with the list of names. Diffusion stages also take omnikube's speed "
+        "options: `enforce_eager` (true: never torch.compile; on GPUs the repeated transformer blocks are "
+        "compiled at start-up by default), `quantization: fp8` (FP8 matmuls; Ada/Hopper GPUs only, refused "
+        "elsewhere), `step_cache_threshold` (first block cache, e.g. 0.08; 0 or unset: off; a request turns it "
+        "off with `step_cache: false`) and `attention_backend` (auto: FlashAttention-3, cuDNN or SDPA by GPU).",
     )
     sampling_params: dict[str, Any] = Field(
         default_factory=dict,

@@ -21,6 +21,7 @@ Each choice is logged at start. The CPU path is unchanged unless a stage asks fo
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 import time
@@ -83,33 +84,43 @@ class Fp8Linear:
         """`_scaled_mm` needs both matrix dimensions to be multiples of 16."""
         return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
 
-    @classmethod
-    def build(cls, linear: Any) -> Any:
-        import torch
+    @staticmethod
+    def build(linear: Any) -> Any:
+        """The FP8 module replacing `linear` (its weights are quantized here, once)."""
+        return _fp8_module_class()(linear)
 
-        class _Module(torch.nn.Module):
-            def __init__(self, src: torch.nn.Linear) -> None:
-                super().__init__()
-                w = src.weight.detach()
-                scale = w.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / cls.FP8_MAX
-                # (out, in) row-major, so .t() below is the column-major operand _scaled_mm wants.
-                self.register_buffer("weight_fp8", (w.float() / scale).to(torch.float8_e4m3fn))
-                self.register_buffer("weight_scale", scale.reshape(1, -1).contiguous())
-                self.bias = None if src.bias is None else torch.nn.Parameter(src.bias.detach(), requires_grad=False)
-                self.in_features, self.out_features = src.in_features, src.out_features
 
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                flat = x.reshape(-1, x.shape[-1])
-                x_scale = flat.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / cls.FP8_MAX
-                xq = (flat.float() / x_scale).clamp(-cls.FP8_MAX, cls.FP8_MAX).to(torch.float8_e4m3fn)
-                out = torch._scaled_mm(
-                    xq, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale, out_dtype=x.dtype
-                )
-                if self.bias is not None:
-                    out = out + self.bias
-                return out.reshape(*x.shape[:-1], self.out_features)
+@functools.cache
+def _fp8_module_class() -> Any:
+    """One class for every FP8 layer, made once: torch.compile guards on a module's class, so a class per
+    layer would compile each block anew (torch is imported only when a stage asks for fp8)."""
+    import torch
 
-        return _Module(linear)
+    fp8_max = Fp8Linear.FP8_MAX
+
+    class Fp8LinearModule(torch.nn.Module):
+        def __init__(self, src: torch.nn.Linear) -> None:
+            super().__init__()
+            w = src.weight.detach()
+            scale = w.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / fp8_max
+            # (out, in) row-major, so .t() below is the column-major operand _scaled_mm wants.
+            self.register_buffer("weight_fp8", (w.float() / scale).to(torch.float8_e4m3fn))
+            self.register_buffer("weight_scale", scale.reshape(1, -1).contiguous())
+            self.bias = None if src.bias is None else torch.nn.Parameter(src.bias.detach(), requires_grad=False)
+            self.in_features, self.out_features = src.in_features, src.out_features
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            flat = x.reshape(-1, x.shape[-1])
+            x_scale = flat.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / fp8_max
+            xq = (flat.float() / x_scale).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+            out = torch._scaled_mm(
+                xq, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale, out_dtype=x.dtype
+            )
+            if self.bias is not None:
+                out = out + self.bias
+            return out.reshape(*x.shape[:-1], self.out_features)
+
+    return Fp8LinearModule
 
 
 def _repeated_blocks(model: Any) -> list[Any]:
