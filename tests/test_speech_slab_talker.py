@@ -89,6 +89,8 @@ def test_device_sampling_keeps_to_its_filters() -> None:
         got = sample_rows(logits, ones, k, p, greedy)
         assert got[0] == logits[0].argmax() and got[1] == logits[1].argmax() and got[3] == logits[3].argmax()
         assert got[2] in top[2]  # drawn, but only among the 5 best
+        fixed = sample_rows(logits, ones, k, ones, torch.zeros(4, dtype=torch.bool), fixed_k=5)
+        assert all(fixed[i] in top[i] for i in range(4))
     drawn = {
         int(sample_rows(logits, ones, torch.zeros(4, dtype=torch.long), ones, torch.zeros(4, dtype=torch.bool))[0])
         for _ in range(50)

@@ -63,24 +63,40 @@ def grouped_moe(block: Any, x: Any) -> Any:
     gate, up = gate_up.chunk(2, dim=-1)
     down = torch._grouped_mm(experts.act_fn(gate) * up, experts.down_proj.transpose(1, 2), offs=offs)
     down = down * weights.reshape(-1)[order, None].to(down.dtype)
-    out = torch.zeros_like(x).index_add_(0, order // k, down.to(x.dtype))
+    # back to (token, choice) order by a permutation, then a sum over the k choices: deterministic,
+    # where an index_add_ would add in whatever order the GPU's atomics land
+    unsorted = torch.empty_like(down)
+    unsorted[order] = down
+    out = unsorted.view(-1, k, down.shape[-1]).sum(1).to(x.dtype)
     shared = block.shared_expert(x)
     return out + F.sigmoid(block.shared_expert_gate(x)) * shared
 
 
-def sample_rows(logits: Any, temperature: Any, top_k: Any, top_p: Any, greedy: Any) -> Any:
+def rms(norm: Any, x: Any) -> Any:
+    """A transformers Qwen RMSNorm module applied as torch's fused `rms_norm` (same arithmetic: float32
+    statistics, the weight applied in the input's dtype)."""
+    import torch.nn.functional as F
+
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
+
+
+def sample_rows(logits: Any, temperature: Any, top_k: Any, top_p: Any, greedy: Any, fixed_k: int = 0) -> Any:
     """One token per row of `logits` [B, V] (float), all on the device: argmax where `greedy` [B], else
     temperature [B], top-k [B] (<= 0: off) and top-p [B] as transformers filters, then an exponential
-    race (argmax of p / Exp(1) draws a token with probability p)."""
+    race (argmax of p / Exp(1) draws a token with probability p). `fixed_k`: every row's top-k is
+    this one number (the code predictor's 50), so a `topk` replaces the sort of the whole vocabulary."""
     import torch
 
     vocab = logits.shape[-1]
     best = logits.argmax(-1)
     scores = logits / temperature.clamp_min(1e-5)[:, None]
-    ordered, order = scores.sort(-1, descending=True)
-    rank = torch.arange(vocab, device=logits.device)[None]
-    k = torch.where(top_k > 0, top_k, vocab)
-    ordered = ordered.masked_fill(rank >= k[:, None], float("-inf"))
+    if 0 < fixed_k < vocab:
+        ordered, order = scores.topk(fixed_k, dim=-1)
+    else:
+        ordered, order = scores.sort(-1, descending=True)
+        rank = torch.arange(vocab, device=logits.device)[None]
+        k = torch.where(top_k > 0, top_k, vocab)
+        ordered = ordered.masked_fill(rank >= k[:, None], float("-inf"))
     probs = ordered.softmax(-1)
     before = probs.cumsum(-1) - probs  # mass of the tokens ranked above: keep while < top_p (first always)
     ordered = ordered.masked_fill(before >= top_p[:, None], float("-inf"))
@@ -158,9 +174,32 @@ class SlabTalker:
         self.free = list(range(max_batch))
         self.use_graphs = str(dev).startswith("cuda") if graphs is None else graphs
         self._graphs: dict[tuple[str, int], Any] = {}
+        self._qkv: dict[int, tuple[Any, list[int]]] = {}
+        self._gate_up: dict[int, Any] = {}
         self._pool: Any = None
 
     # -- the passes (fixed shapes: n slots) ----------------------------------------------------------
+
+    def _fused(self, attn: Any) -> tuple[Any, list[int]]:
+        """q, k and v projections as one weight (one matmul instead of three), made once per layer."""
+        import torch
+
+        key = id(attn)
+        if key not in self._qkv:
+            weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+            self._qkv[key] = (torch.cat(weights).detach(), [w.shape[0] for w in weights])
+        return self._qkv[key]
+
+    def _mlp(self, mlp: Any, x: Any) -> Any:
+        """A dense SwiGLU MLP with its gate and up projections as one matmul."""
+        import torch
+        import torch.nn.functional as F
+
+        key = id(mlp)
+        if key not in self._gate_up:
+            self._gate_up[key] = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+        gate, up = F.linear(x, self._gate_up[key]).chunk(2, dim=-1)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
 
     def _attend(self, attn: Any, x: Any, cos: Any, sin: Any, write: Any, mask: Any) -> Any:
         """q/k/v of `x` [n, T, H], rope, K/V written into the caches by `write(k, v)`, attention with `mask`."""
@@ -168,9 +207,11 @@ class SlabTalker:
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
         n, t, _ = x.shape
-        q = attn.q_norm(attn.q_proj(x).view(n, t, -1, attn.head_dim)).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(x).view(n, t, -1, attn.head_dim)).transpose(1, 2)
-        v = attn.v_proj(x).view(n, t, -1, attn.head_dim).transpose(1, 2)
+        weight, sizes = self._fused(attn)
+        q, k, v = F.linear(x, weight).split(sizes, dim=-1)
+        q = rms(attn.q_norm, q.view(n, t, -1, attn.head_dim)).transpose(1, 2)
+        k = rms(attn.k_norm, k.view(n, t, -1, attn.head_dim)).transpose(1, 2)
+        v = v.view(n, t, -1, attn.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         keys, values = write(k, v)
         out = F.scaled_dot_product_attention(
@@ -195,12 +236,12 @@ class SlabTalker:
                 self.v[index, rows, :, at] = v[:, :, 0]
                 return self.k[index, :n], self.v[index, :n]
 
-            h = layer.input_layernorm(x)
+            h = rms(layer.input_layernorm, x)
             x = x + self._attend(layer.self_attn, h, cos, sin, write, mask)
-            h = layer.post_attention_layernorm(x)
+            h = rms(layer.post_attention_layernorm, x)
             mlp = layer.mlp
             x = x + (grouped_moe(mlp, h[:, 0]).unsqueeze(1) if hasattr(mlp, "experts") else mlp(h))
-        hidden = model.norm(x)[:, 0]
+        hidden = rms(model.norm, x)[:, 0]
         logits = self.base.talker.codec_head(hidden).float()
         penalty = self.penalty[:n, None]
         logits = torch.where(
@@ -238,11 +279,11 @@ class SlabTalker:
                     self.pv[index, :n, :, start : start + t] = v
                     return self.pk[index, :n, :, : start + t], self.pv[index, :n, :, : start + t]
 
-                h = layer.input_layernorm(x)
+                h = rms(layer.input_layernorm, x)
                 x = x + self._attend(layer.self_attn, h, cos, sin, write, None)
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
-            logits = heads[group](predictor.norm(x)[:, -1]).float()
-            code = sample_rows(logits, ones, k50, p08, self.greedy[:n])
+                x = x + self._mlp(layer.mlp, rms(layer.post_attention_layernorm, x))
+            logits = heads[group](rms(predictor.norm, x[:, -1])).float()
+            code = sample_rows(logits, ones, k50, p08, self.greedy[:n], fixed_k=CODE_PREDICTOR_TOP_K)
             codes.append(code)
             x = predictor.codec_embedding[group](code).unsqueeze(1)
             total = total + x[:, 0]
@@ -345,12 +386,12 @@ class SlabTalker:
                     self.v[index, i, :, :length] = v[0]
                     return k, v
 
-                h = layer.input_layernorm(x)
+                h = rms(layer.input_layernorm, x)
                 x = x + self._attend(layer.self_attn, h, cos, sin, write, None)
-                h = layer.post_attention_layernorm(x)
+                h = rms(layer.post_attention_layernorm, x)
                 mlp = layer.mlp
                 x = x + (grouped_moe(mlp, h[0]).unsqueeze(0) if hasattr(mlp, "experts") else mlp(h))
-            r.last_hidden = model.norm(x)[0, -1]
+            r.last_hidden = rms(model.norm, x)[0, -1]
             r.length = length
             r.kv = [(None, None)]  # the slab holds it
             base._sample_code0(r, base.talker.codec_head(r.last_hidden))
