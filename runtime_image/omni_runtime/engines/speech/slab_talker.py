@@ -453,7 +453,9 @@ class SlabTalker:
                 if r.frames >= r.sampling.max_tokens:
                     r.finish_reason = "length"
             moved = True
-        ready, tokens, fixed = [], [], []
+        ready: list[Any] = []
+        tokens: list[int] = []
+        fixed: list[Any] = []  # per ready request: a fixed text row (tts_eos / tts_pad) or None (a token)
         for r in requests:
             slot = self.slots.get(id(r))
             if slot is None or not slot.has_frame or r.finish_reason is not None:
