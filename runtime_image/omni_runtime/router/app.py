@@ -26,7 +26,7 @@ from omni_runtime.router.jobs import VideoJobs
 from omni_runtime.router.openapi import REJECTING_BODIES, document
 from omni_runtime.router.orchestrator import Orchestrator
 from omni_runtime.router.pool import StagePool
-from omni_runtime.router.routes import ROUTES, router
+from omni_runtime.router.routes import ROUTES, endpoint_of, router
 from omni_runtime.router.serving.base import RouterContext
 from omni_runtime.router.serving.chat import ServingChat
 from omni_runtime.router.serving.completions import ServingCompletions
@@ -164,7 +164,7 @@ class _Guard:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        endpoint = path if path in ROUTES else "other"
+        endpoint = endpoint_of(path)
         status = 500
         started = False
 

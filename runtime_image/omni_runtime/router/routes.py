@@ -12,14 +12,23 @@ from omni_runtime.router.protocol.completions import CompletionRequest, Detokeni
 from omni_runtime.router.protocol.images import ImageGenerationRequest
 from omni_runtime.router.protocol.models import ModelList
 
-__all__ = ["ROUTES", "router"]
+__all__ = ["ROUTES", "endpoint_of", "router"]
 
 router = APIRouter()
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/images/generations",
           "/v1/images/edits", "/v1/audio/speech",
-          "/v1/audio/voices", "/v1/videos", "/v1/videos/sync", "/v1/models", "/health", "/livez",
-          "/metrics")  # fmt: skip
+          "/v1/audio/voices", "/v1/videos", "/v1/videos/sync", "/v1/videos/{video_id}",
+          "/v1/videos/{video_id}/content", "/v1/models", "/health", "/livez", "/metrics")  # fmt: skip
+
+
+def endpoint_of(path: str) -> str:
+    """The route a request path is counted under in the metrics: one of ROUTES, or `other`."""
+    if path in ROUTES:
+        return path
+    if path.startswith("/v1/videos/") and path != "/v1/videos/":
+        return "/v1/videos/{video_id}/content" if path.endswith("/content") else "/v1/videos/{video_id}"
+    return "other"
 
 
 @router.post("/v1/chat/completions")
