@@ -723,3 +723,19 @@ async def test_text_to_image_stage_refuses_an_image(dit: DiffusionEngine) -> Non
     request = EngineInput("t1", {"prompt": "x", "image": _png_bytes("red", (64, 64))}, {})
     with pytest.raises(InvalidRequest, match="takes no image input; send only a prompt"):
         await _collect(dit, request)
+
+
+def test_a_stage_runs_in_a_dtype_its_device_has() -> None:
+    """The rule a diffusion stage applies to its torch_dtype. A CPU without fast bfloat16/float16 kernels
+    cannot be had on this machine, so the detection is overridden here (the real detection runs in every
+    served test, where the topology's bfloat16 reaches it)."""
+    import torch
+
+    from omni_runtime.engines.diffusion import device_dtype
+
+    assert device_dtype("cpu", torch.bfloat16, cpu_bf16=True) == (torch.bfloat16, "")
+    dtype, why = device_dtype("cpu", torch.bfloat16, cpu_bf16=False)
+    assert dtype == torch.float32 and "no fast bfloat16" in why
+    dtype, why = device_dtype("cpu", torch.float16, cpu_fp16=False)
+    assert dtype == torch.float32 and "no fast float16" in why
+    assert device_dtype("cpu", torch.float32) == (torch.float32, "")

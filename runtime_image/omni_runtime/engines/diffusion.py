@@ -11,7 +11,7 @@ Engine args (the rest go to `DiffusionPipeline.from_pretrained`):
 
 | key | default | meaning |
 |---|---|---|
-| `torch_dtype` | `float32` on CPU, `bfloat16` on CUDA | weights dtype name (given to diffusers as `dtype=`) |
+| `torch_dtype` | `float32` on CPU, `bfloat16` on CUDA | dtype; replaced when the device lacks it (`device_dtype`) |
 | `device` | `cuda` when available, else `cpu` | where the pipeline runs |
 | `batch_window_ms` | 10 | how long the oldest waiting request waits for company |
 | `max_batch_size` | 8 | most images (requests x `n`) in one pipeline call |
@@ -32,6 +32,13 @@ progress outputs while they denoise: see `engines/video.py` (its engine args: `m
 `step_cache: false` turns the step cache off). Every pipeline that takes `callback_on_step_end` stops
 between two denoising steps once every request of its batch is aborted, and reports its step time
 (`omnikube_stage_denoise_step_seconds`).
+
+Before the stage reports ready it runs a self-check: one request of one denoising step at the smallest
+size (twice the size multiple; the fewest frames for video; a gray picture for image-input stages), with
+the stage's sampling_params, through the same parsing, pipeline call and encoding as every request. When it
+fails, `start()` raises with what to change, so the stage never becomes ready instead of failing every
+request. On a CPU a half-precision check that fails is retried once in float32 (logged): a kernel the CPU
+lacks shows only when it runs.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from omni_runtime.engines.diffusion_accel import ACCEL_ENGINE_ARGS, Accel
 from omni_runtime.metrics import Stage as StageMetrics
 from omni_runtime.spec import Modality, ResolvedPipeline, StageSpec
 
-__all__ = ["DIFFUSION_ENGINE_ARGS", "DiffusionEngine"]
+__all__ = ["DIFFUSION_ENGINE_ARGS", "DiffusionEngine", "device_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -210,13 +217,45 @@ class DiffusionEngine(Engine):
                 "use float32, bfloat16 or float16"
             )
         self.accel.check_device(self.device)
+        fitting, why = device_dtype(self.device, dtype)
+        if fitting != dtype:
+            log.warning("stage %s: torch_dtype %s -> %s: %s", self.stage.name, dtype_name, fitting, why)
         started = time.monotonic()
+        await self._load_pipeline(fitting)
+        try:
+            await self._self_check()
+        except Exception as exc:
+            if isinstance(exc, InvalidRequest) or self.device != "cpu" or fitting == torch.float32:
+                raise EngineError(self._self_check_failed(exc, fitting)) from exc
+            # A half-precision kernel this CPU lacks shows only when it runs: float32 always runs on a CPU.
+            log.warning(
+                "stage %s: the self-check failed in %s on the CPU (%s); loading again in float32",
+                self.stage.name, fitting, exc,
+            )  # fmt: skip
+            await self.stop()
+            await self._load_pipeline(torch.float32)
+            try:
+                await self._self_check()
+            except Exception as again:
+                raise EngineError(self._self_check_failed(again, torch.float32)) from again
+        self.load_seconds = time.monotonic() - started
+        log.info(
+            "stage %s: diffusers loaded %s (%s, %s, %s) and passed its self-check in %.1fs",
+            self.stage.name,
+            self.model_path,
+            type(self.pipe).__name__,
+            self.device,
+            self.pipe.dtype,
+            self.load_seconds,
+        )
+
+    async def _load_pipeline(self, dtype: Any) -> None:
+        """Load the pipeline in `dtype` and read what it takes (sizes, inputs, video or not)."""
         try:
             self.pipe = await asyncio.to_thread(self._load, dtype)
         except Exception as exc:  # diffusers raises many types while loading; the message matters
             raise EngineError(f"stage {self.stage.name!r}: diffusers failed to load {self.model_path}: {exc}") from exc
         await asyncio.to_thread(self.accel.apply, self.pipe, self.device)
-        self.load_seconds = time.monotonic() - started
         # PNG encoding (zlib) releases the GIL: a batch's images encode in parallel, one per core.
         workers = max(1, min(self.max_batch_size, os.cpu_count() or 1, 16))
         self._encoder = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="omnikube-png")
@@ -252,14 +291,47 @@ class DiffusionEngine(Engine):
             ) from exc
         self._arrived = asyncio.Event()
         self._worker = asyncio.create_task(self._loop(), name=f"diffusion-batcher-{self.stage.name}")
+
+    async def _self_check(self) -> None:
+        """One denoising step of one tiny request, through the same parsing, call and encoding as every
+        request, before the stage reports ready: a stage that would fail every request never becomes ready."""
+        name = self.stage.name
+        if Modality.TEXT not in self.stage.input_modalities:
+            log.info("stage %s: no self-check (its input is not a prompt)", name)
+            return
+        edge = 2 * self.size_multiple
+        params: dict[str, Any] = {"num_inference_steps": 1, "seed": 0, "n": 1}
+        if self._takes_size:
+            params.update(height=edge, width=edge)
+        if self.video:
+            params["num_frames"] = self._temporal + 1
+        data: dict[str, Any] = {"prompt": "omnikube self-check"}
+        if self._takes_image and Modality.IMAGE in self.stage.input_modalities:
+            from PIL import Image
+
+            data["image"] = _png(Image.new("RGB", (edge, edge), "gray"))
+        job = self._parse(EngineInput("omnikube-self-check", data, params))
+        started = time.monotonic()
+        results = await asyncio.to_thread(self._call, [job])
+        assert self._encoder is not None, "started engines have an encoder"
+        await _encode_results(results, self._encoder)
         log.info(
-            "stage %s: diffusers loaded %s (%s, %s, %s) in %.1fs",
-            self.stage.name,
-            self.model_path,
-            type(self.pipe).__name__,
-            self.device,
-            dtype,
-            self.load_seconds,
+            "stage %s: self-check passed (one step at %dx%d in %.2fs)", name, edge, edge, time.monotonic() - started
+        )
+
+    def _self_check_failed(self, exc: BaseException, dtype: Any) -> str:
+        """What the stage says when its self-check fails: what ran, what failed, what to change."""
+        hint = (
+            "check the stage's engine_args and sampling_params (the check runs them with one step at the "
+            "smallest size), and that the model folder holds a complete diffusers pipeline"
+        )
+        if isinstance(exc, InvalidRequest):
+            hint = "the stage's engine_args or sampling_params refuse even this request; change them"
+        elif str(dtype) != "torch.float32":
+            hint = f"set the stage's engine_args torch_dtype: float32 (it ran in {dtype}), or {hint}"
+        return (
+            f"stage {self.stage.name!r}: the self-check (one denoising step of {type(self.pipe).__name__} on "
+            f"{self.device} in {dtype}) failed, so every request would fail: {type(exc).__name__}: {exc}; {hint}"
         )
 
     def _load(self, dtype: Any) -> Any:
@@ -691,6 +763,33 @@ class DiffusionEngine(Engine):
             return {}
 
         return on_step
+
+
+def device_dtype(
+    device: str, dtype: Any, *, cpu_bf16: bool | None = None, cpu_fp16: bool | None = None
+) -> tuple[Any, str]:
+    """The dtype a stage runs in on `device` when asked for `dtype`, and why it differs ("" when it does not).
+
+    The rule: on a CPU, bfloat16 (float16) is kept only when oneDNN has fast kernels for it there
+    (AVX512-BF16 / AMX, resp. AVX512-FP16); otherwise float32, which every CPU runs. On CUDA, bfloat16 on a
+    GPU without it (before Ampere) becomes float16. `cpu_bf16` / `cpu_fp16` override the detection (tests).
+    """
+    import torch
+
+    if device == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        mkldnn = torch.ops.mkldnn
+        if dtype == torch.bfloat16:
+            fast = cpu_bf16 if cpu_bf16 is not None else bool(mkldnn._is_mkldnn_bf16_supported())
+        else:
+            fast = cpu_fp16 if cpu_fp16 is not None else bool(mkldnn._is_mkldnn_fp16_supported())
+        if not fast:
+            return (
+                torch.float32,
+                f"this CPU has no fast {str(dtype).removeprefix('torch.')} kernels; float32 runs everywhere",
+            )
+    if str(device).startswith("cuda") and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        return torch.float16, "this GPU has no bfloat16 (it needs compute capability 8.0 or newer)"
+    return dtype, ""
 
 
 async def _encode_results(results: list[dict[str, Any]], pool: concurrent.futures.Executor) -> list[dict[str, Any]]:
