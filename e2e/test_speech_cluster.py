@@ -1,12 +1,14 @@
-"""Speech in the cluster: tiny Qwen3-Omni applied as an OmniPipeline (thinker -> talker -> code2wav), the way a
-user would (`kubectl apply` of a CR), answered through the router pod with the official `openai` client.
+"""Speech in the cluster: tiny Qwen3-Omni and tiny Qwen2.5-Omni, each applied as an OmniPipeline (thinker -> talker
+-> code2wav, code2wav being Qwen2.5's token2wav), the way a user would (`kubectl apply` of a CR), answered through
+the router pod with the official `openai` client. The module's cases run for both models, one pipeline at a time.
 
 Thinker and talker run in separate pods (thinker -> talker over Mooncake p2p), code2wav runs in the talker's pod
-(`colocateWith`, talker -> code2wav over shm). One pipeline is shared by the module: text and speech in one reply,
-text and audio streamed as they are made, `/v1/audio/speech`, an image spoken about (the thinker's rows at the
-image positions cross to the talker's pod), a client that disconnects mid-audio leaving no
-payload held in any stage, and a talker pod killed mid-request (that request fails with a retriable error event,
-nothing hangs, and once the Deployment's new talker pod is Ready the next request succeeds).
+(`colocateWith`, talker -> code2wav over shm). One pipeline per model is shared by the module's cases: text and
+speech in one reply, text and audio streamed as they are made, `/v1/audio/speech` (at the topology's default
+sampling, not a greedy thinker). On Qwen3-Omni also: an image spoken about (the thinker's rows at the image
+positions cross to the talker's pod), a client that disconnects mid-audio leaving no payload held in any stage,
+and a talker pod killed mid-request (that request fails with a retriable error event, nothing hangs, and once the
+Deployment's new talker pod is Ready the next request succeeds).
 
 Real: the control plane, Helm, the operator holding only the chart ServiceAccount's token, the pod runner running
 router, stages and the Mooncake master as processes in their own network namespaces, vLLM for the thinker, the
@@ -18,7 +20,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import uuid
 import wave
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,8 +27,8 @@ from dataclasses import dataclass, field
 import httpx
 import openai
 import pytest
-from chartlib import Release, ServiceAccountOperator, helm
-from clusterlib import REPO, apply, condition, kubectl_json, wait_for
+from chartlib import Release, ServiceAccountOperator, operator_release
+from clusterlib import apply, condition, kubectl_json, wait_for
 from podrunner.node import RUNNER_LABEL
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -67,7 +68,11 @@ QWEN3 = Model(
     "qwen3-omni", "tiny-qwen3-omni", "qwen3-omni", voice="ethan",
     thinker_args={"limit_mm_per_prompt": {"image": 1, "audio": 0, "video": 0}},  # audio into vLLM needs PyAV
 )  # fmt: skip
-MODELS = [QWEN3]
+QWEN25 = Model(
+    "qwen2-5-omni", "tiny-qwen2-5-omni", "qwen2-5-omni", voice="chelsie",
+    thinker_args={"limit_mm_per_prompt": {"image": 0, "audio": 0, "video": 0}},
+)  # fmt: skip
+MODELS = [QWEN3, QWEN25]
 
 
 def manifest(m: Model) -> dict:
@@ -194,21 +199,8 @@ class Env:
 def release(cluster, podrunner, tmp_path_factory) -> Iterator[tuple[Release, ServiceAccountOperator]]:
     """The chart installed once for the module, its operator (holding only the chart's token) watching the
     apps namespace."""
-    suffix = uuid.uuid4().hex[:6]
-    rel = Release(name=f"sp-{suffix}", namespace=f"sp-{suffix}-system", apps=f"sp-{suffix}-apps")
-    for ns in (rel.namespace, rel.apps):
-        cluster.kubectl("create", "namespace", ns)
-    helm(cluster, "install", rel.name, str(REPO / "charts" / "omnikube"), "--namespace", rel.namespace,
-         "--set", "crds.install=false")  # fmt: skip
-    rel.installed = True
-    operator = ServiceAccountOperator(cluster, rel, tmp_path_factory.mktemp("sp-operator"), [rel.apps]).start()
-    try:
-        yield rel, operator
-    finally:
-        operator.stop()
-        helm(cluster, "uninstall", rel.name, "--namespace", rel.namespace, check=False)
-        for ns in (rel.apps, rel.namespace):
-            cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    with operator_release(cluster, "sp", tmp_path_factory.mktemp("sp-operator")) as installed:
+        yield installed
 
 
 @pytest.fixture(scope="module", params=MODELS, ids=[m.name for m in MODELS])
@@ -325,9 +317,8 @@ def test_speech_route(env: Env) -> None:
     with env.client() as api:
         wav = api.audio.speech.create(
             model=env.name, input="Hello from the cluster.", voice=env.m.voice, response_format="wav",
-            # a greedy thinker: on CPU, with its hidden-state route on (media_hidden_layer), a sampled thinker
-            # request kills vLLM's EngineCore (the rejection sampler's Triton kernels do not run on CPU)
-            extra_body={"sampling_params_list": [{"max_tokens": 8, "temperature": 0.0}, {}]},
+            # the topology's default sampling (qwen3-omni's thinker samples at 0.4 with its hidden-state route on)
+            extra_body={"sampling_params_list": [{"max_tokens": 8}, {}]},
         )  # fmt: skip
     assert wav_frames(wav.content) > 0
     assert_nothing_held(env)
