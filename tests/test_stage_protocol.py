@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import numpy as np
 import pytest
 import torch
+import zmq
+import zmq.asyncio
+from servelib import EchoEngine, echo_cluster, echo_pipeline
 
 from omni_runtime.connectors import InlineHandle, MooncakeHandle, ShmHandle
+from omni_runtime.spec import PipelineSpec, StageSpec
 from omni_runtime.stage import protocol as P
+from omni_runtime.stage.auth import Channel
 from omni_runtime.stage.outputs import count_items, merge, summarize
 
 
@@ -118,3 +125,51 @@ def test_merge_folds_deltas_by_type() -> None:
     assert count_items({"audio": np.zeros((2, 480))}) == 480
     assert count_items({"images": [b"x"]}) == 1
     assert summarize({"prompt": "p", "t": torch.ones(1), "k": 3}) == {"prompt": "p", "k": 3}
+
+
+class RowsEngine(EchoEngine):
+    """EchoEngine whose pieces also carry what a thinker sends its talker (hidden-state rows, media rows and
+    shapes), as the `ar` engine's do with `hidden_state_layers` / `media_hidden_layer` on."""
+
+    async def generate(self, request):
+        async for out in super().generate(request):
+            out.data.update(hidden_states={"0": torch.ones(1, 4)}, media_hidden_states=torch.ones(2, 4),
+                            media_grids={"image_grid_thw": torch.tensor([[1, 2, 2]])})  # fmt: skip
+            yield out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "folded"])
+async def test_a_final_stage_sends_the_router_only_client_fields(stream: bool) -> None:
+    """A thinker that is a final output and a talker's upstream (qwen2-5-omni): its pieces for the router carry
+    its text and tokens, never the rows meant for the talker (the router must not receive tensors). Real stage
+    server and ZeroMQ; the test speaks the router's side of the protocol."""
+    topology = PipelineSpec(name="rows", stages=[StageSpec(name="thinker", kind="ar", final_output=True)], edges=[])
+    async with echo_cluster(echo_pipeline(topology, name="rows"), engines={"thinker": RowsEngine}) as cluster:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{cluster.servers['thinker'][0].port}")
+        channel = Channel(cluster.key, "router")
+        try:
+            await sock.send_multipart(channel.seal(P.encode(P.Hello())))
+            welcome, _ = P.decode(channel.open(await asyncio.wait_for(sock.recv_multipart(), 10)))
+            assert isinstance(welcome, P.Welcome)
+            submit = P.Submit(id="r.0.thinker.primary", request_id="r", stage="thinker", data=True, final=True,
+                              stream=stream)  # fmt: skip
+            await sock.send_multipart(channel.seal(P.encode(submit, {"prompt": "the sea is wide"})))
+            pieces = []
+            while True:
+                message, rest = P.decode(channel.open(await asyncio.wait_for(sock.recv_multipart(), 10)))
+                if isinstance(message, P.Output) and message.data:
+                    pieces.append(P.payload_of(message, rest))
+                if isinstance(message, P.Failed):
+                    pytest.fail(message.message)
+                if isinstance(message, P.Output) and message.finished:
+                    break
+        finally:
+            sock.close(0)
+            ctx.term()
+    assert len(pieces) == (4 if stream else 1), pieces
+    assert all(set(p) == {"text", "token_ids"} for p in pieces), pieces
+    assert "".join(p["text"] for p in pieces) == "the sea is wide "

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ITEM_KEYS", "audio_seconds", "count_items", "merge", "summarize"]
+__all__ = ["DOWNSTREAM_ONLY_KEYS", "ITEM_KEYS", "audio_seconds", "client_fields", "count_items", "merge", "summarize"]
 
 DEFAULT_SAMPLE_RATE = 24000
 """Rate of an `audio` output that names no `sample_rate` (Qwen-Omni's codecs run at 24 kHz)."""
@@ -20,8 +20,21 @@ DEFAULT_SAMPLE_RATE = 24000
 ITEM_KEYS = ("codes", "codec_codes", "token_ids", "hidden_states", "latents", "audio")
 """Keys whose length counts a piece's items (first one present wins): codec codes, tokens, frames."""
 
+DOWNSTREAM_ONLY_KEYS = ("hidden_states", "media_hidden_states", "media_grids")
+"""Keys an engine output carries for the next stage only (a thinker's hidden-state rows, media rows and media
+shapes for its talker): never part of what the client sees."""
+
 _CAT_LAST = {"audio", "waveform"}
 """Time runs along the last dimension of these (channels x samples)."""
+
+
+def client_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` without DOWNSTREAM_ONLY_KEYS: what a final stage sends to the router. A thinker that is both a final
+    output (its text) and a talker's upstream (qwen2-5-omni) would otherwise send its rows to the router, which
+    would decode tensors it has no use for (and keep them for the whole request when the reply is not streamed)."""
+    if not any(key in data for key in DOWNSTREAM_ONLY_KEYS):
+        return data
+    return {key: value for key, value in data.items() if key not in DOWNSTREAM_ONLY_KEYS}
 
 
 def merge(into: dict[str, Any] | None, piece: dict[str, Any]) -> dict[str, Any]:

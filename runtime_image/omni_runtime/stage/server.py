@@ -36,7 +36,7 @@ from omni_runtime.stage import protocol as P
 from omni_runtime.stage.auth import NO_SESSION, AuthError, Channel, HelloLedger, PipelineKey, open_hello
 from omni_runtime.stage.connectors import ConnectorSet, ConnectorSettings, ConnectorUnavailable
 from omni_runtime.stage.inputs import owned, process_inputs
-from omni_runtime.stage.outputs import audio_seconds, count_items, merge, summarize
+from omni_runtime.stage.outputs import audio_seconds, client_fields, count_items, merge, summarize
 
 __all__ = ["StageServer", "max_message_bytes"]
 
@@ -572,10 +572,11 @@ class StageServer:
             acc.last = out
             self._count_audio(work, out.data)
             if s.final:
+                piece = client_fields(out.data)  # the downstream-only rows stay off the router's edge
                 if s.stream:
-                    await self._send_final(work, out.data)
+                    await self._send_final(work, piece)
                 else:
-                    acc.data = merge(acc.data, out.data)
+                    acc.data = merge(acc.data, piece)
             await edges.add(out.data, put, finished=out.finished and ends_work)
         work.running_engine_id = None
 
