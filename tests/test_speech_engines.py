@@ -342,6 +342,51 @@ def test_qwen2_5_token2wav_whole_equals_transformers_and_windows_join() -> None:
     np.testing.assert_allclose(joined[mask], oneshot[mask], atol=1e-4)
 
 
+def test_qwen2_5_token2wav_decodes_windows_of_concurrent_requests_together() -> None:
+    """Three concurrent windowed requests of different lengths and voices (4 codes, then 25): the windows
+    waiting at the same moment are decoded in shared calls (stats: fewer calls than windows), windows of one
+    length in one DiT + BigVGAN call, and each request's waveform equals its decode alone (1e-4: the same
+    model in another batch shape)."""
+    import numpy as np
+    import torch
+
+    folder = tiny_model("tiny-qwen2-5-omni")
+    pipeline = resolve_pipeline(get_pipeline("qwen2-5-omni"), name="q", model=str(folder))
+    cases = [(70, "ethan", 1), (45, "chelsie", 2), (30, "ethan", 3)]
+    codes = [torch.randint(0, 8192, (n,), generator=torch.Generator().manual_seed(n)) for n, _, _ in cases]
+
+    async def decode(engine, rid: str, i: int):
+        cuts = [0, 4, *range(29, len(codes[i]), 25), len(codes[i])]
+
+        async def rest():
+            for a, b in zip(cuts[1:], cuts[2:], strict=False):
+                yield {"codes": codes[i][a:b].numpy()}
+
+        params = {"voice": cases[i][1], "seed": cases[i][2]}
+        request = EngineInput(rid, {"codes": codes[i][:4].numpy()}, params, chunks=rest())
+        return np.concatenate([o.data["audio"] async for o in engine.generate(request) if "audio" in o.data])
+
+    async def main():
+        engine = make_engine(pipeline, "code2wav")
+        await engine.start()
+        try:
+            alone = [await decode(engine, f"a{i}", i) for i in range(3)]
+            before = engine.stats()
+            together = await asyncio.gather(*(decode(engine, f"t{i}", i) for i in range(3)))
+            after = engine.stats()
+            return alone, together, before, after
+        finally:
+            await engine.stop()
+
+    alone, together, before, after = asyncio.run(main())
+    assert before["calls_total"] == before["windows_total"] == 4 + 3 + 3  # one at a time: a call per window
+    calls, windows = after["calls_total"] - before["calls_total"], after["windows_total"] - before["windows_total"]
+    assert windows == 10 and calls < windows, (calls, windows)  # windows shared calls
+    for (n, _, _), one, batched in zip(cases, alone, together, strict=True):
+        assert one.shape == batched.shape == (n * 480,)
+        np.testing.assert_allclose(batched, one, atol=1e-4)
+
+
 Q25_CASES = [("Hello, who are you?", 8, 30), ("Tell me a story about a cat and a dog, please.", 12, 24), ("Hi", 5, 16)]
 """(user text, thinker tokens, talker codes): different prompt and answer lengths."""
 

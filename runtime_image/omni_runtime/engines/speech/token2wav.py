@@ -17,6 +17,11 @@ and reference mel) followed by BigVGAN. The DiT attends within blocks of `block_
   with no sample lost or doubled. Codes whose DiT block reach (and BigVGAN's) lies inside the
   window equal a one-shot decode with the same noise; the last block or two of a window lack the
   codes after it (the DiT looks one block ahead), so they differ there: streaming's price.
+  Windows of concurrent requests waiting at the same moment are decoded together: those of one length
+  (and reference-mel length) in one DiT + BigVGAN call. They are not padded to one length as Qwen3's
+  causal code2wav does: the DiT attends a block ahead and BigVGAN's convolutions see both sides, so a
+  padded window's last codes would differ from its decode alone. Requests that run in step (the same
+  window schedule) have windows of one length until their last; `stats()` counts calls and windows.
 
 Speakers come from the checkpoint's `spk_dict.pt` (param `voice`, default Chelsie).
 Input chunks: `{"codes": (frames,) or (frames, 1)}` or `{"input": (1, frames)}` (int; the talker's
@@ -28,8 +33,10 @@ window (one for a whole output). Engine args: `device`, `num_steps` (10, the ODE
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +44,9 @@ from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOu
 from omni_runtime.engines.speech.stage_args import checked_engine_args, stage_device, stage_model_path
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 
-__all__ = ["Qwen25Token2Wav", "Token2WavEngine"]
+__all__ = ["Qwen25Token2Wav", "Token2WavEngine", "WindowJob"]
+
+log = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000
 DEFAULT_VOICE = "Chelsie"
@@ -45,6 +54,16 @@ ENGINE_ARGS = {"runner", "device", "num_steps", "left_context"}
 GUIDANCE_SCALE = 0.5
 SWAY_COEFFICIENT = -1.0
 """transformers' defaults for `Qwen2_5OmniToken2WavModel.forward`."""
+
+
+@dataclass(frozen=True)
+class WindowJob:
+    """One request's window to decode: codes[start:] of all its `codes` so far."""
+
+    codes: Any
+    start: int
+    voice: str
+    seed: int
 
 
 class Qwen25Token2Wav:
@@ -69,6 +88,8 @@ class Qwen25Token2Wav:
         self.mel_dim = int(dit.mel_dim)
         self.block_codes = max(1, self.block // self.repeats)
         """Codes per DiT block: a window's context starts on a multiple of this."""
+        self.calls = 0
+        """Window-decoding model calls so far (one call decodes every window of a group)."""
         self.speakers: dict[str, dict[str, Any]] = torch.load(folder / "spk_dict.pt", weights_only=True)
 
     def decode(self, codes: Any, voice: str, seed: int, num_steps: int) -> Any:
@@ -129,18 +150,43 @@ class Qwen25Token2Wav:
     def decode_window(self, codes: Any, start: int, voice: str, seed: int, num_steps: int, left_context: int) -> Any:
         """Samples of codes[start:] (codes: all of a request's codes so far), decoded with at least
         `left_context` earlier codes from a DiT block boundary on; see the module docstring."""
+        return self.decode_windows([WindowJob(codes, start, voice, seed)], num_steps, left_context)[0]
+
+    def decode_windows(self, jobs: list[WindowJob], num_steps: int, left_context: int) -> list[Any]:
+        """`decode_window` of every job, the jobs whose windows have the same length (and speakers the same
+        reference-mel length) in one DiT + BigVGAN call each. Not padded to one length: the DiT attends a
+        block ahead and BigVGAN's convolutions see both sides, so padding would change a window's last codes."""
         import torch
 
-        context_start = max(0, (start - left_context) // self.block_codes * self.block_codes) if start else 0
-        window = codes[context_start:].view(1, -1).to(self.device)
-        noise = self._noise(seed, context_start * self.repeats, codes.shape[0] * self.repeats)
-        with torch.inference_mode():
-            mel = self._sample(window, noise, self.speakers[voice], num_steps)
-            wav = self.module.code2wav_bigvgan_model(mel).reshape(-1).float().cpu()
         per_code = self.repeats * self.samples_per_mel_frame
-        tail = window.shape[1] * per_code - wav.shape[0]
-        context = start - context_start
-        return wav[context * per_code - tail if context else 0 : window.shape[1] * per_code - tail]
+        prepared = []
+        for job in jobs:
+            start = job.start
+            context_start = max(0, (start - left_context) // self.block_codes * self.block_codes) if start else 0
+            window = job.codes[context_start:].view(1, -1)
+            noise = self._noise(job.seed, context_start * self.repeats, job.codes.shape[0] * self.repeats)
+            prepared.append((window, noise, self.speakers[job.voice], start - context_start))
+        groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        for i, (window, _, speaker, _) in enumerate(prepared):
+            groups.setdefault((window.shape[1], tuple(speaker["ref_mel"].shape)), []).append(i)
+        out: list[Any] = [None] * len(jobs)
+        for members in groups.values():
+            windows = torch.cat([prepared[i][0] for i in members]).to(self.device)
+            noise = torch.cat([prepared[i][1] for i in members])
+            speakers = {
+                "cond": torch.cat([prepared[i][2]["cond"].reshape(1, -1) for i in members]),
+                "ref_mel": torch.cat([prepared[i][2]["ref_mel"].reshape(1, *prepared[i][2]["ref_mel"].shape[-2:])
+                                      for i in members]),
+            }  # fmt: skip
+            with torch.inference_mode():
+                mel = self._sample(windows, noise, speakers, num_steps)
+                wav = self.module.code2wav_bigvgan_model(mel).float().cpu().reshape(len(members), -1)
+            self.calls += 1
+            tail = windows.shape[1] * per_code - wav.shape[1]
+            for row, i in enumerate(members):
+                context = prepared[i][3]
+                out[i] = wav[row, context * per_code - tail if context else 0 : windows.shape[1] * per_code - tail]
+        return out
 
     @property
     def samples_per_mel_frame(self) -> int:
@@ -172,12 +218,37 @@ class Token2WavEngine(Engine):
         self._lock = threading.Lock()
         self._aborted: set[str] = set()
         self._running: set[str] = set()
+        self._queue: asyncio.Queue[tuple[WindowJob, asyncio.Future]] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self._stats = {"windows_total": 0.0, "last_batch_size": 0.0}
 
     async def start(self) -> None:
         try:
             self.model = await asyncio.to_thread(Qwen25Token2Wav, self.model_path, self.device)
         except Exception as exc:
             raise EngineError(f"stage {self.stage.name!r}: cannot load token2wav of {self.model_path}: {exc}") from exc
+        self._task = asyncio.create_task(self._batcher(), name=f"token2wav-{self.stage.name}")
+
+    async def _batcher(self) -> None:
+        """Decode the windows waiting at the same moment (of concurrent requests) together."""
+        while True:
+            batch = [await self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            assert self.model is not None
+            try:
+                wavs = await asyncio.to_thread(self._decode_windows, [job for job, _ in batch])
+            except Exception as exc:  # a decode fault fails the windows of that call, not the stage
+                log.exception("token2wav window decode failed")
+                for _, done in batch:
+                    if not done.done():
+                        done.set_exception(EngineError(f"stage {self.stage.name!r}: token2wav failed: {exc}"))
+                continue
+            self._stats["windows_total"] += len(batch)
+            self._stats["last_batch_size"] = float(len(batch))
+            for (_, done), wav in zip(batch, wavs, strict=True):
+                if not done.done():
+                    done.set_result(wav)
 
     def voices(self) -> list[str]:
         return sorted(name.lower() for name in self.model.speakers) if self.model is not None else []
@@ -216,10 +287,15 @@ class Token2WavEngine(Engine):
         with self._lock:
             return self.model.decode(codes, voice, seed, self.num_steps)
 
-    def _decode_window(self, codes: Any, start: int, voice: str, seed: int) -> Any:
+    def _decode_windows(self, jobs: list[WindowJob]) -> list[Any]:
         assert self.model is not None
         with self._lock:
-            return self.model.decode_window(codes, start, voice, seed, self.num_steps, self.left_context)
+            return self.model.decode_windows(jobs, self.num_steps, self.left_context)
+
+    async def _decode_window(self, job: WindowJob) -> Any:
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((job, done))
+        return await done
 
     async def generate(self, request: EngineInput) -> AsyncIterator[EngineOutput]:
         import torch
@@ -250,7 +326,7 @@ class Token2WavEngine(Engine):
                 if rid in self._aborted:
                     break
                 history = torch.cat(parts)
-                wav = await asyncio.to_thread(self._decode_window, history, emitted, voice, seed)
+                wav = await self._decode_window(WindowJob(history, emitted, voice, seed))
                 emitted, samples = history.shape[0], samples + wav.shape[0]
                 yield EngineOutput(rid, {"audio": wav.numpy(), "sample_rate": SAMPLE_RATE})
             if rid in self._aborted:
@@ -273,4 +349,11 @@ class Token2WavEngine(Engine):
             self._aborted.add(request_id)
 
     async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
         self.model = None
+
+    def stats(self) -> dict[str, float]:
+        calls = float(self.model.calls) if self.model is not None else 0.0
+        return {"running_requests": float(len(self._running)), "calls_total": calls, **self._stats}
