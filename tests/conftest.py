@@ -36,3 +36,8 @@ def tiny_wan_t2v_model() -> Path:
 @pytest.fixture(scope="session")
 def tiny_wan_i2v_model() -> Path:
     return tiny_model("tiny-wan2-2-i2v")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_model() -> Path:
+    return tiny_model("tiny-flux")

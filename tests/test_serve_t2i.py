@@ -2,6 +2,7 @@
 
 - `tiny-sd3` alone (one diffusion stage, the topology's engine args untouched): text-to-image, sizes,
   seeds, `n`; a stage whose self-check fails never becomes ready.
+- `tiny-flux` (FluxPipeline, the flux topology's engine args untouched): text-to-image at the requested size.
 - `tiny-sd3-img2img` (one diffusion stage that takes an image): `/v1/images/edits`.
 - `prompt-enhanced-t2i` (enhancer AR stage with a CFG negative companion -> SD3 stage), once per
   connector of its edge (`inline`, `shm`, `mooncake`): the enhancer's text reaches the diffusion stage
@@ -142,6 +143,26 @@ def test_a_stage_that_would_fail_every_request_never_becomes_ready(tiny_sd3_mode
     text = str(err.value)
     assert "self-check" in text and "every request would fail" in text
     assert "accepts 1 to 0 (max_inference_steps)" in text and "engine_args or sampling_params" in text
+
+
+@pytest.fixture(scope="module")
+def flux(tiny_flux_model, tmp_path_factory):
+    spec = {  # the flux topology's engine args untouched; only its 1024x1024, 28 steps made tiny
+        "model": str(tiny_flux_model),
+        "name": "flux-e2e",
+        "stages": [{"name": "dit", "sampling_params": DIT_PARAMS}],
+    }
+    yield from serving(Serve(spec, tmp_path_factory.mktemp("serve-flux")))
+
+
+def test_flux_draws_the_requested_size(flux) -> None:
+    assert flux.resolved["topology"]["name"] == "flux"  # chosen by the folder's FluxPipeline
+    api = openai.OpenAI(base_url=flux.endpoint, api_key="none", max_retries=0)
+    out = api.images.generate(model="flux-e2e", prompt="a red apple", size="80x48", n=2, extra_body={"seed": 3})
+    assert [png(d.b64_json).size for d in out.data] == [(80, 48), (80, 48)]
+    default = api.images.generate(model="flux-e2e", prompt="a red apple")
+    assert png(default.data[0].b64_json).size == (64, 64)
+    api.close()
 
 
 # -- image to image: /v1/images/edits --------------------------------------------------------------

@@ -6,6 +6,8 @@
   `DiffusionPipeline.from_pretrained`.
 - `tiny-sd3-img2img`: the same components as StableDiffusion3Img2ImgPipeline (image + prompt ->
   image), for `/v1/images/edits`.
+- `tiny-flux`: FluxPipeline (CLIP + T5 text encoders, guidance embedding); loads with
+  `DiffusionPipeline.from_pretrained`.
 - `tiny-prompt-enhanced-t2i`: `enhancer/` (the chat model) + `dit/` (the SD3 pipeline) +
   `omnikube_pipeline.json` naming the registry pipeline `prompt-enhanced-t2i`.
 - `tiny-qwen3-omni`: Qwen3OmniMoeForConditionalGeneration (MoE thinker, talker with code predictor,
@@ -63,7 +65,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_runtime.tiny_models import prompt_enhanced_t2i, qwen2_5_omni, qwen2_chat, qwen3_omni, sd3, sd3_img2img, wan
+from omni_runtime.tiny_models import (
+    flux,
+    prompt_enhanced_t2i,
+    qwen2_5_omni,
+    qwen2_chat,
+    qwen3_omni,
+    sd3,
+    sd3_img2img,
+    wan,
+)
 from omni_runtime.tiny_models._build import build_atomically, default_cache_dir, read_stamp
 
 __all__ = ["MODELS", "TinyModel", "build_all", "default_cache_dir", "ensure", "read_stamp"]
@@ -117,6 +128,12 @@ MODELS: dict[str, TinyModel] = {
             _build_prompt_enhanced,
             "prompt-enhanced-t2i: enhancer/ (chat) + dit/ (SD3) + omnikube_pipeline.json",
             depends_on=(qwen2_chat.NAME, sd3.NAME),
+        ),
+        TinyModel(
+            flux.NAME,
+            flux.VERSION,
+            lambda out, _cache: flux.build(out),
+            "FluxPipeline (FLUX.1 layout: CLIP + T5, guidance embedding), 16-px multiples (diffusers stage)",
         ),
         TinyModel(
             wan.T2V_NAME,
