@@ -356,45 +356,72 @@ class SlabTalker:
     def new_request(self, *args: Any, **kwargs: Any) -> Any:
         return self.base.new_request(*args, **kwargs)
 
-    def _prefill(self, r: Any) -> None:
-        """`Qwen3Talker.prefill` with its K/V written straight into a free slot and its MoE layers
-        grouped (eager: prompt lengths vary); then the slot takes the request's sampling state."""
+    def _prefill(self, batch: list[Any]) -> None:
+        """`Qwen3Talker.prefill` for every request in `batch` in one pass: prompts right-padded to the
+        longest, a causal mask that also hides each row's padding, K/V written straight into a free
+        slot each, MoE layers grouped (eager: prompt lengths vary). Then each slot takes its request's
+        code 0, hidden state and sampling state."""
         import torch
 
         base = self.base
-        if len(base._spoken(r)) < 4:  # the thinker ended without a token to speak
-            r.finish_reason = "stop"
-            return
-        if not self.free:
-            r.finish_reason = "error: no free talker slot"
-            return
         model = base.talker.model
+        chosen: list[tuple[Any, Any, Any]] = []
         with torch.inference_mode():
-            x, positions = base.prefill_inputs(r)
-            length = x.shape[1]
-            if length >= self.max_length:
-                r.finish_reason = "length"  # the prompt alone fills the slab's positions
+            for r in batch:
+                if len(base._spoken(r)) < 4:  # the thinker ended without a token to speak
+                    r.finish_reason = "stop"
+                    continue
+                if len(chosen) >= len(self.free):
+                    r.finish_reason = "error: no free talker slot"
+                    continue
+                embeds, positions = base.prefill_inputs(r)
+                if embeds.shape[1] >= self.max_length:
+                    r.finish_reason = "length"  # the prompt alone fills the slab's positions
+                    continue
+                chosen.append((r, embeds, positions))
+            if not chosen:
                 return
-            slot = _Slot(self.free.pop(0))
-            i = slot.index
-            self.slots[id(r)] = slot
+            n = len(chosen)
+            lengths = [embeds.shape[1] for _, embeds, _ in chosen]
+            t = max(lengths)
+            x = chosen[0][1].new_zeros(n, t, chosen[0][1].shape[-1])
+            positions = torch.zeros(3, n, t, dtype=torch.long, device=self.device)
+            for j, (_, embeds, at) in enumerate(chosen):
+                x[j, : lengths[j]] = embeds[0]
+                positions[:, j, : lengths[j]] = at[:, 0]
+            size = torch.tensor(lengths, device=self.device)
+            keys = torch.arange(t, device=self.device)
+            mask = (keys[None, :, None] >= keys[None, None, :]) & (keys[None, None, :] < size[:, None, None])
+            mask = mask.unsqueeze(1)  # [n, 1, t, t]
+            slots = [_Slot(self.free.pop(0)) for _ in chosen]
+            rows = torch.tensor([slot.index for slot in slots], device=self.device)
             cos, sin = model.rotary_emb(x, positions)
             for index, layer in enumerate(model.layers):
 
                 def write(k: Any, v: Any, index: int = index) -> tuple[Any, Any]:
-                    self.k[index, i, :, :length] = k[0]
-                    self.v[index, i, :, :length] = v[0]
+                    self.k[index, rows, :, :t] = k  # padding rows land past the length: masked, then overwritten
+                    self.v[index, rows, :, :t] = v
                     return k, v
 
                 h = rms(layer.input_layernorm, x)
-                x = x + self._attend(layer.self_attn, h, cos, sin, write, None)
+                x = x + self._attend(layer.self_attn, h, cos, sin, write, mask)
                 h = rms(layer.post_attention_layernorm, x)
                 mlp = layer.mlp
-                x = x + (grouped_moe(mlp, h[0]).unsqueeze(0) if hasattr(mlp, "experts") else mlp(h))
-            r.last_hidden = rms(model.norm, x)[0, -1]
-            r.length = length
-            r.kv = [(None, None)]  # the slab holds it
-            base._sample_code0(r, base.talker.codec_head(r.last_hidden))
+                x = x + (grouped_moe(mlp, h.reshape(n * t, -1)).view(n, t, -1) if hasattr(mlp, "experts") else mlp(h))
+            last = rms(model.norm, x)[torch.arange(n, device=self.device), size - 1]
+            for j, ((r, _, _), slot) in enumerate(zip(chosen, slots, strict=True)):
+                self.slots[id(r)] = slot
+                r.last_hidden = last[j]
+                r.length = lengths[j]
+                r.kv = [(None, None)]  # the slab holds it
+                base._sample_code0(r, base.talker.codec_head(r.last_hidden))
+                self._load(slot.index, r)
+
+    def _load(self, i: int, r: Any) -> None:
+        """Slot `i` takes request `r`'s length, hidden state, code 0 and sampling state."""
+        import torch
+
+        with torch.inference_mode():
             self.lengths[i] = r.length
             self.rope_delta[i] = r.rope_delta
             self.hidden[i] = r.last_hidden
@@ -429,10 +456,10 @@ class SlabTalker:
         for key in [key for key in self.slots if key not in live]:  # aborted or dropped by the engine
             self.free.append(self.slots.pop(key).index)
         self.free.sort()
-        for r in requests:
-            if r.kv is None and r.finish_reason is None and base.prefill_ready(r):
-                self._prefill(r)
-                moved = True
+        starting = [r for r in requests if r.kv is None and r.finish_reason is None and base.prefill_ready(r)]
+        if starting:
+            self._prefill(starting)
+            moved = True
         for r in requests:
             if r.code0 is not None and r.finish_reason is None and r.code0 == base.eos:
                 r.finish_reason, r.code0 = "stop", None
