@@ -47,6 +47,8 @@ async def test_ids_name_their_owner() -> None:
     new = jobs.new_id()
     assert owner_of(new) == "10.1.2.3:8000" and jobs.owns(new)
     assert owner_of("video_nope") is None and owner_of("video_!!_x") is None and owner_of("chatcmpl-1") is None
+    tag = new.split("_")[1]
+    assert owner_of(f"video_{tag}_..") is None and owner_of(f"video_{tag}_{'g' * 24}") is None
 
 
 async def test_ttl_and_size_cap_remove_videos_and_a_restart_finds_the_rest(tmp_path: Path) -> None:

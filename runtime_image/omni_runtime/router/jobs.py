@@ -14,7 +14,9 @@ restarted replica finds them again (each MP4 has a JSON sidecar holding its job)
 Bounds (`router.limits.videos`): `max_concurrent_jobs` run at once, `max_queued_jobs` wait, more get
 429; finished and failed jobs are kept `ttl_s`, and at most `max_bytes` of MP4s (oldest removed
 first). A job whose stage dies, or whose replica disappears, fails with the reason; it never stays
-`in_progress`.
+`in_progress`. `request_timeout_s` does not apply to jobs (a video may take longer than any HTTP request
+should); a hung stage is caught by the router's ping timeout instead. A SIGTERM's drain period bounds
+them like requests.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def owner_of(job_id: str) -> str | None:
     parts = job_id.split("_")
     if len(parts) != 3 or parts[0] != "video" or not parts[1] or len(parts[1]) > 120:
         return None
+    if len(parts[2]) != 24 or any(c not in "0123456789abcdef" for c in parts[2]):
+        return None  # ids name files: only what new_id makes is ever looked up
     tag = parts[1].upper()
     try:
         return base64.b32decode(tag + "=" * (-len(tag) % 8)).decode("ascii")
