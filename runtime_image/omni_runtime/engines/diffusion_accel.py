@@ -291,7 +291,8 @@ class Accel:
             return
         started = time.monotonic()
         for batch in (1, 2):
-            call(batch)
+            with self.call(step_cache=True):  # as a request's call: the step cache's hooks need their context
+                call(batch)
         self.compile_seconds = time.monotonic() - started
         log.info("stage %s: compiled the denoiser's blocks in %.1fs (warm-up calls)", self.stage, self.compile_seconds)
 
