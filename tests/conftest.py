@@ -41,3 +41,13 @@ def tiny_wan_i2v_model() -> Path:
 @pytest.fixture(scope="session")
 def tiny_flux_model() -> Path:
     return tiny_model("tiny-flux")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image_model() -> Path:
+    return tiny_model("tiny-qwen-image")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image_edit_model() -> Path:
+    return tiny_model("tiny-qwen-image-edit")

@@ -33,6 +33,7 @@ BUILTIN = {
     "qwen3-omni",
     "qwen2-5-omni",
     "qwen-image",
+    "qwen-image-edit",
     "flux",
     "wan2-2-t2v",
     "wan2-2-i2v",
@@ -134,6 +135,7 @@ def test_qwen2_5_omni_matches_its_architecture() -> None:
     ("name", "diffusers_class", "modality"),
     [
         ("qwen-image", "QwenImagePipeline", "image"),
+        ("qwen-image-edit", "QwenImageEditPipeline", "image"),
         ("flux", "FluxPipeline", "image"),
         ("wan2-2-t2v", "WanPipeline", "video"),
         ("wan2-2-i2v", "WanImageToVideoPipeline", "video"),
@@ -237,6 +239,7 @@ def test_resolve_from_config_json(tmp_path: Path, architectures: list[str], pipe
     [
         ("FluxPipeline", "flux"),
         ("QwenImagePipeline", "qwen-image"),
+        ("QwenImageEditPipeline", "qwen-image-edit"),
         ("WanPipeline", "wan2-2-t2v"),
         ("WanImageToVideoPipeline", "wan2-2-i2v"),
         ("StableDiffusion3Pipeline", "stable-diffusion-3"),

@@ -2,7 +2,8 @@
 
 - `tiny-sd3` alone (one diffusion stage, the topology's engine args untouched): text-to-image, sizes,
   seeds, `n`; a stage whose self-check fails never becomes ready.
-- `tiny-flux` (FluxPipeline, the flux topology's engine args untouched): text-to-image at the requested size.
+- `tiny-flux`, `tiny-qwen-image` (their topologies' engine args untouched): text-to-image at the requested size.
+- `tiny-qwen-image-edit` (QwenImageEditPipeline): `/v1/images/edits`.
 - `tiny-sd3-img2img` (one diffusion stage that takes an image): `/v1/images/edits`.
 - `prompt-enhanced-t2i` (enhancer AR stage with a CFG negative companion -> SD3 stage), once per
   connector of its edge (`inline`, `shm`, `mooncake`): the enhancer's text reaches the diffusion stage
@@ -165,6 +166,26 @@ def test_flux_draws_the_requested_size(flux) -> None:
     api.close()
 
 
+@pytest.fixture(scope="module")
+def qwen_image(tiny_qwen_image_model, tmp_path_factory):
+    spec = {  # the qwen-image topology's engine args untouched; only its 1024x1024, 50 steps made tiny
+        "model": str(tiny_qwen_image_model),
+        "name": "qwen-image-e2e",
+        "stages": [{"name": "dit", "sampling_params": DIT_PARAMS}],
+    }
+    yield from serving(Serve(spec, tmp_path_factory.mktemp("serve-qwen-image")))
+
+
+def test_qwen_image_draws_the_requested_size(qwen_image) -> None:
+    assert qwen_image.resolved["topology"]["name"] == "qwen-image"
+    api = openai.OpenAI(base_url=qwen_image.endpoint, api_key="none", max_retries=0)
+    out = api.images.generate(
+        model="qwen-image-e2e", prompt="a red apple", size="80x48", n=2, extra_body={"negative_prompt": "blurry"}
+    )
+    assert [png(d.b64_json).size for d in out.data] == [(80, 48), (80, 48)]
+    api.close()
+
+
 # -- image to image: /v1/images/edits --------------------------------------------------------------
 
 
@@ -214,6 +235,30 @@ def test_image_edit_errors_say_what_to_change(img2img) -> None:
     with pytest.raises(openai.BadRequestError) as err:  # inpainting is not served: never silently ignored
         api.images.edit(model="edit-e2e", image=("red.png", red), mask=("m.png", red), prompt="a boat")
     assert err.value.body["param"] == "mask" and "masks are not served" in err.value.body["message"]
+    api.close()
+
+
+@pytest.fixture(scope="module")
+def qwen_edit(tiny_qwen_image_edit_model, tmp_path_factory):
+    spec = {  # the qwen-image-edit topology's engine args untouched
+        "model": str(tiny_qwen_image_edit_model),
+        "name": "qwen-edit-e2e",
+        "stages": [{"name": "dit", "sampling_params": {"num_inference_steps": 2}}],
+    }
+    yield from serving(Serve(spec, tmp_path_factory.mktemp("serve-qwen-edit")))
+
+
+def test_qwen_image_edit_takes_the_uploaded_image(qwen_edit) -> None:
+    assert qwen_edit.resolved["topology"]["name"] == "qwen-image-edit"
+    api = openai.OpenAI(base_url=qwen_edit.endpoint, api_key="none", max_retries=0)
+    red = png_file("red", (80, 48))
+    out = api.images.edit(model="qwen-edit-e2e", image=("red.png", red), prompt="a boat", extra_body={"seed": 5})
+    assert png(out.data[0].b64_json).size == (80, 48)  # the input image's size unless the request names one
+    sized = api.images.edit(model="qwen-edit-e2e", image=("red.png", red), prompt="a boat", size="64x64")
+    assert png(sized.data[0].b64_json).size == (64, 64)
+    with pytest.raises(openai.BadRequestError) as err:
+        api.images.generate(model="qwen-edit-e2e", prompt="a boat")
+    assert "/v1/images/edits" in err.value.body["message"]
     api.close()
 
 

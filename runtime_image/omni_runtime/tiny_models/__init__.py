@@ -8,6 +8,8 @@
   image), for `/v1/images/edits`.
 - `tiny-flux`: FluxPipeline (CLIP + T5 text encoders, guidance embedding); loads with
   `DiffusionPipeline.from_pretrained`.
+- `tiny-qwen-image`, `tiny-qwen-image-edit`: QwenImagePipeline / QwenImageEditPipeline with a shrunk
+  Qwen2.5-VL text encoder (the edit one also reads the picture through its vision tower).
 - `tiny-prompt-enhanced-t2i`: `enhancer/` (the chat model) + `dit/` (the SD3 pipeline) +
   `omnikube_pipeline.json` naming the registry pipeline `prompt-enhanced-t2i`.
 - `tiny-qwen3-omni`: Qwen3OmniMoeForConditionalGeneration (MoE thinker, talker with code predictor,
@@ -71,6 +73,7 @@ from omni_runtime.tiny_models import (
     qwen2_5_omni,
     qwen2_chat,
     qwen3_omni,
+    qwen_image,
     sd3,
     sd3_img2img,
     wan,
@@ -134,6 +137,18 @@ MODELS: dict[str, TinyModel] = {
             flux.VERSION,
             lambda out, _cache: flux.build(out),
             "FluxPipeline (FLUX.1 layout: CLIP + T5, guidance embedding), 16-px multiples (diffusers stage)",
+        ),
+        TinyModel(
+            qwen_image.NAME,
+            qwen_image.VERSION,
+            lambda out, _cache: qwen_image.build(out),
+            "QwenImagePipeline (Qwen2.5-VL text encoder shrunk), 16-px multiples (diffusers stage)",
+        ),
+        TinyModel(
+            qwen_image.EDIT_NAME,
+            qwen_image.VERSION,
+            lambda out, _cache: qwen_image.build_edit(out),
+            "QwenImageEditPipeline: tiny-qwen-image's components + a Qwen2-VL processor (images/edits)",
         ),
         TinyModel(
             wan.T2V_NAME,
