@@ -137,6 +137,17 @@ def test_a_container_that_serves_again_is_not_degraded_by_its_last_exit() -> Non
     assert pod_problem([pod(terminated(CONNECTOR_MESSAGE, ready=True))], "enhancer") is None
 
 
+def test_a_stage_whose_engine_cannot_serve_says_what_to_change() -> None:
+    message = (
+        "stage dit: engine failed to load: stage 'dit': the self-check (one denoising step of FluxPipeline on cpu "
+        "in torch.bfloat16) failed, so every request would fail: ...; set the stage's engine_args torch_dtype: float32"
+    )
+    told = Termination(reason=ExitReason.ENGINE_FAILED, message=message).dumps()
+    cond = pod_problem([pod(terminated(told))], "dit")
+    assert cond is not None and cond.reason is Reason.ENGINE_FAILED
+    assert "every request would fail" in cond.message and "torch_dtype: float32" in cond.message
+
+
 def test_a_crash_with_a_plain_log_tail_stays_a_crash_loop() -> None:
     cond = pod_problem([pod(terminated("Traceback ... ConnectorUnavailable ... mooncake"))], "enhancer")
     assert cond is not None and cond.reason is Reason.CRASH_LOOP  # words in a log never choose the reason

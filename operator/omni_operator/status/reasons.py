@@ -44,6 +44,8 @@ class Reason(str, Enum):
     IMAGE_PULL = "ImagePull"
     CONTAINER_CONFIG = "ContainerConfig"
     CONNECTOR_UNAVAILABLE = "ConnectorUnavailable"
+    ENGINE_FAILED = "EngineFailed"
+    """A stage's engine failed to load or failed its self-check; the message says what to change."""
     AUTOSCALER_UNAVAILABLE = "AutoscalerUnavailable"
     """A stage asks for a KEDA ScaledObject and the cluster has no KEDA CRDs."""
     STAGE_DEGRADED = "StageDegraded"

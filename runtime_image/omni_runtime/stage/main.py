@@ -65,6 +65,8 @@ async def serve(settings: StageSettings, *, key: PipelineKey) -> int:
             Termination(reason=ExitReason.CONNECTOR_UNAVAILABLE, message=str(err)[-3000:]).write(
                 settings.termination_log
             )
+        else:  # the engine failed to load or its self-check failed: the pod's status says what to change
+            Termination(reason=ExitReason.ENGINE_FAILED, message=str(err)[-3000:]).write(settings.termination_log)
     elif stop.is_set():
         drain = asyncio.create_task(server.drain(settings.drain_timeout))
         forced = asyncio.create_task(force.wait())

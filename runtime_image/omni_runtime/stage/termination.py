@@ -25,6 +25,9 @@ class ExitReason(str, Enum):
 
     CONNECTOR_UNAVAILABLE = "ConnectorUnavailable"
     """A connector an edge of the stage needs could not start (e.g. the Mooncake master is unreachable)."""
+    ENGINE_FAILED = "EngineFailed"
+    """The stage's engine failed to load, or its self-check (one tiny request) failed, so every request would;
+    the message says what to change."""
 
 
 class Termination(BaseModel):
