@@ -562,10 +562,15 @@ async def test_qwen3_omni_media_prompt_speaks_as_transformers_through_the_stages
     The image request sampled at the thinker's default (temperature 0.4, seeded, twice) answers alike
     with its media rows (it killed vLLM's EngineCore on CPU before `vllm_plugins.expand_kernel`).
 
-    Known gap: vLLM's layer-2 rows at the image positions are NOT transformers' (max |diff| 0.072 where
-    |HF| reaches 0.113, on this tiny random checkpoint; text rows agree to 1e-7, greedy tokens agree; cause
-    not found: vLLM's vision tower or its loading of the tiny vision weights are suspects), so the image
-    request's codes follow vLLM's rows, not transformers'. The talker's handling of media rows is anchored
+    Known gap, cause found: vLLM's layer-2 rows at the image positions are transformers' rows plus the
+    deepstack visual features (max |diff| 1.3e-7 after adding them; 0.072 without, where |HF| reaches 0.113).
+    Transformers 5 records `hidden_states[k]` as decoder layer k-1's output, BEFORE the thinker adds
+    deepstack feature k-1 at the image positions (for k <= len(deepstack_visual_indexes)); vLLM's aux
+    capture takes the residual stream after that add, which is what layer k actually reads. The vision
+    tower, its weights and the preprocessing agree (layer-0 rows at the image positions: 5e-8). The tiny
+    checkpoint hits this because its accept_hidden_layer (2) is within its 2 deepstack layers; the real
+    Qwen3-Omni (accept_hidden_layer 24, far past its few deepstack layers) does not. So the image request's codes
+    follow vLLM's rows, not transformers'. The talker's handling of media rows is anchored
     to transformers' in test_speech_engines, fed transformers' own rows."""
     import base64
     import io
