@@ -30,38 +30,21 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "runtime_image"))
 
+# FLUX.1-dev's transformer and VAE, as the batching bench builds them (weights are random).
+from diffusion_batching import FLUX_TEXT_TOKENS as TEXT_TOKENS  # noqa: E402
+from diffusion_batching import FLUX_TRANSFORMER as FLUX  # noqa: E402
+from diffusion_batching import FLUX_VAE  # noqa: E402
+
 from omni_runtime.engines.base import EngineError, EngineInput  # noqa: E402
 from omni_runtime.engines.diffusion import DiffusionEngine  # noqa: E402
 from omni_runtime.spec import Modality, ResolvedPipeline, StageKind, StageSpec  # noqa: E402
 from omni_runtime.spec.pipeline import PipelineSpec  # noqa: E402
 
-# FLUX.1-dev's transformer (diffusers' FluxTransformer2DModel defaults) and VAE; weights are random.
-FLUX = dict(
-    patch_size=1,
-    in_channels=64,
-    num_layers=19,
-    num_single_layers=38,
-    attention_head_dim=128,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    pooled_projection_dim=768,
-    guidance_embeds=True,
-    axes_dims_rope=(16, 56, 56),
-)
-FLUX_VAE = dict(
-    latent_channels=16,
-    block_out_channels=(128, 256, 512, 512),
-    down_block_types=("DownEncoderBlock2D",) * 4,
-    up_block_types=("UpDecoderBlock2D",) * 4,
-    layers_per_block=2,
-    sample_size=1024,
-)
 TINY = dict(FLUX, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16, num_attention_heads=2)
 TINY.update(joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
 TINY_VAE = dict(FLUX_VAE, latent_channels=4, block_out_channels=(16, 16), sample_size=64, layers_per_block=1)
 TINY_VAE["norm_num_groups"] = 8
 TINY_VAE.update(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2)
-TEXT_TOKENS = 512
 MODES: dict[str, dict[str, Any]] = {
     "eager": {"enforce_eager": True, "attention_backend": "native"},
     "compile": {},
@@ -85,9 +68,7 @@ def build_pipe(tiny: bool, device: str, dtype: Any) -> Any:
         torch.set_default_dtype(default)
     with torch.device(device):
         vae_cfg = TINY_VAE if tiny else FLUX_VAE
-        vae = AutoencoderKL(
-            **vae_cfg, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False
-        ).to(dtype)
+        vae = AutoencoderKL(**vae_cfg).to(dtype)
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
         max_image_seq_len=4096,
