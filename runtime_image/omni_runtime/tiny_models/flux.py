@@ -32,7 +32,7 @@ SEED = 2468
 def build_pipeline():
     """The tiny pipeline in memory (deterministic: fixed seeds per component)."""
     import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     clip_tokenizer = sd3._clip_tokenizer()
@@ -51,21 +51,7 @@ def build_pipeline():
         axes_dims_rope=(4, 6, 6),
     )
     torch.manual_seed(SEED + 1)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 16, 16, 16),
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=4,
-        sample_size=64,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
+    vae = sd3._vae(scaling_factor=0.3611, shift_factor=0.1159)
     clip_config = CLIPTextConfig(
         vocab_size=len(clip_tokenizer),
         hidden_size=sd3.CLIP_HIDDEN,

@@ -107,11 +107,32 @@ def _t5_encoder(tokenizer):
     return T5EncoderModel(config).eval()
 
 
+def _vae(scaling_factor: float, shift_factor: float):
+    """The tiny 16-latent VAE of SD3 and FLUX (4 levels, scale factor 8); they differ only in its latent
+    scaling. Random weights from the caller's seed."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 16, 16, 16),
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=4,
+        sample_size=64,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+
 def build_pipeline():
     """The tiny pipeline in memory (deterministic: fixed seeds per component)."""
     import torch
     from diffusers import (
-        AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
@@ -134,21 +155,7 @@ def build_pipeline():
         pos_embed_max_size=32,
     )
     torch.manual_seed(SEED + 1)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 16, 16, 16),
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=4,
-        sample_size=64,
-        scaling_factor=1.5305,
-        shift_factor=0.0609,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
+    vae = _vae(scaling_factor=1.5305, shift_factor=0.0609)
     pipe = StableDiffusion3Pipeline(
         transformer=transformer.eval(),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
