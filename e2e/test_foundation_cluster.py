@@ -158,6 +158,48 @@ def test_invalid_pipeline_is_rejected_naming_the_field(cluster, namespace: str, 
     assert got.returncode != 0
 
 
+AUTOSCALING_LLM = {"metric": "ttft", "maxReplicas": 3}
+# (case id, autoscaling of the first stage, the field the message names, words of the message)
+INVALID_AUTOSCALING = [
+    ("target-zero", AUTOSCALING_LLM | {"target": 0}, "spec.stages[0].autoscaling", "target: must be above 0"),
+    ("target-zero-milli", AUTOSCALING_LLM | {"target": "0m"}, "spec.stages[0].autoscaling", "must be above 0"),
+    ("target-zero-decimal", AUTOSCALING_LLM | {"target": "0.0"}, "spec.stages[0].autoscaling", "must be above 0"),
+    ("target-negative", AUTOSCALING_LLM | {"target": -1}, "spec.stages[0].autoscaling", "must be above 0"),
+    ("target-negative-string", AUTOSCALING_LLM | {"target": "-1"}, "spec.stages[0].autoscaling.target", "should match"),
+    ("min-over-max", {"minReplicas": 5, "maxReplicas": 2}, "spec.stages[0].autoscaling", "must not exceed maxReplicas"),
+    (
+        "stabilization-negative",
+        {"maxReplicas": 2, "scaleDownStabilizationSeconds": -1},
+        "spec.stages[0].autoscaling.scaleDownStabilizationSeconds",
+        "greater than or equal to 0",
+    ),
+    ("window-short", {"maxReplicas": 2, "windowSeconds": 5}, "spec.stages[0].autoscaling.windowSeconds", "15"),
+    ("max-zero", {"maxReplicas": 0}, "spec.stages[0].autoscaling.maxReplicas", "greater than or equal to 1"),
+    ("queue-depth-zero", {"maxReplicas": 2, "targetQueueDepth": 0}, "spec.stages[0].autoscaling.targetQueueDepth", "1"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "autoscaling", "field", "words"), INVALID_AUTOSCALING, ids=[c[0] for c in INVALID_AUTOSCALING]
+)
+def test_autoscaling_that_would_misbehave_is_refused_saying_what_to_set(
+    cluster, namespace: str, case, autoscaling, field, words
+) -> None:
+    """A target of 0 (or below) would ask for maxReplicas at any load; the apiserver refuses it with the
+    CRD's message, like min over max and a negative stabilization window."""
+    obj = _mutate("spec.stages.0.autoscaling", autoscaling)(_valid_pipeline(case))
+    out = _apply(cluster, namespace, obj)
+    assert out.returncode != 0, f"{case} was accepted"
+    assert field in out.stderr and words in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("target", [2, "500m", "1.5", "1e-1"])
+def test_autoscaling_targets_above_zero_are_accepted(cluster, namespace: str, target) -> None:
+    obj = _mutate("spec.stages.0.autoscaling", AUTOSCALING_LLM | {"target": target})(_valid_pipeline("target-ok"))
+    out = _apply(cluster, namespace, obj)
+    assert out.returncode == 0, out.stderr
+
+
 def _omnistage(name: str) -> dict:
     return {
         "apiVersion": "omnikube.io/v1alpha1",

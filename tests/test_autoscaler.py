@@ -14,14 +14,16 @@ from typing import Any
 import pytest
 import yaml
 
-from omni_operator.api import API_VERSION
-from omni_operator.builders.autoscaler import HPA_POD_METRIC, SIGNAL_METRICS
+from omni_operator.api import API_VERSION, AutoscalingMetric
+from omni_operator.api.common import DEFAULT_AUTOSCALING_TARGETS
+from omni_operator.builders.autoscaler import HPA_POD_METRIC, SIGNAL_METRICS, default_metric
 from omni_operator.render import RenderError, render_pipeline
 from omni_operator.status.conditions import Condition
 from omni_operator.status.reasons import Reason
 from omni_operator.status.stage_status import stage_conditions
 from omni_runtime.metrics import REGISTRY
 from omni_runtime.registry import default_registry
+from omni_runtime.spec import StageKind
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "config" / "samples"
@@ -125,6 +127,7 @@ def test_engine_hpa_renders_a_plain_hpa_on_a_pods_metric() -> None:
         ({"metric": "queue", "target": "2", "maxReplicas": 2}, "autoscaling.target: applies to metric"),
         ({"maxReplicas": 2, "prometheusAddress": "prometheus:9090"}, "prometheusAddress"),
         ({"engine": "hpa", "minReplicas": 0, "maxReplicas": 2}, "engine hpa cannot scale to zero"),
+        ({"metric": "ttft", "target": "0", "maxReplicas": 2}, "autoscaling.target: must be above 0"),
     ],
 )
 def test_settings_that_would_do_nothing_are_refused(autoscaling: dict[str, Any], words: str) -> None:
@@ -203,3 +206,18 @@ def test_a_stage_that_scales_from_zero_activates_on_the_requests_the_router_hold
     # The router learns which stages may have no replica: the talker and code2wav, which shares its pods.
     config = json.loads(next(o for o in objects if o["kind"] == "ConfigMap")["data"]["resolved.json"])
     assert sorted(config["scale_from_zero"]) == ["code2wav", "talker"]
+
+
+def test_the_crd_names_the_defaults_and_metrics_the_builder_uses() -> None:
+    """One table (api/common.py) serves the builder and the CRD's words: each stage kind's default signal,
+    each signal's default target and metric, as `kubectl explain` shows them."""
+    crd = yaml.safe_load((ROOT / "crds" / "omnistages.omnikube.io.yaml").read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    fields = schema["properties"]["spec"]["properties"]["autoscaling"]["properties"]
+    metric_words, target_words = fields["metric"]["description"], fields["target"]["description"]
+    for kind in StageKind:
+        assert f"{default_metric(kind).value} for {kind.value} stages" in metric_words
+    for metric, name in SIGNAL_METRICS.items():
+        if metric is not AutoscalingMetric.QUEUE:
+            assert f"{metric.value} (" in metric_words and name in metric_words
+            assert f"{metric.value} {DEFAULT_AUTOSCALING_TARGETS[metric]}" in target_words

@@ -424,6 +424,26 @@ INVALID = {
         "spec.stages[0].autoscaling",
         "autoscaling.minReplicas: must not exceed maxReplicas",
     ),
+    "autoscaling target 0": (
+        _stage(autoscaling={"metric": "ttft", "target": 0, "maxReplicas": 2}),
+        "spec.stages[0].autoscaling.target",
+        "autoscaling.target: must be above 0",
+    ),
+    "autoscaling target 0m": (
+        _stage(autoscaling={"metric": "ttfp", "target": "0m", "maxReplicas": 2}),
+        "spec.stages[0].autoscaling.target",
+        "set it to the value to aim for",
+    ),
+    "autoscaling target negative": (
+        _stage(autoscaling={"metric": "rtf", "target": -1, "maxReplicas": 2}),
+        "spec.stages[0].autoscaling.target",
+        "must be above 0",
+    ),
+    "autoscaling stabilization negative": (
+        _stage(autoscaling={"maxReplicas": 2, "scaleDownStabilizationSeconds": -1}),
+        "spec.stages[0].autoscaling.scaleDownStabilizationSeconds",
+        "greater than or equal to 0",
+    ),
     "accelerator count 0": (
         _stage(accelerator={"type": "nvidia.com/gpu", "count": 0}),
         "spec.stages[0].accelerator",
@@ -526,6 +546,7 @@ def test_offline_messages_match_the_cel_messages(crds: list[dict[str, Any]]) -> 
     }
     for case in (
         "autoscaling min > max",
+        "autoscaling target 0",
         "accelerator count 0",
         "pvc and hostPath",
         "edge to itself",

@@ -5,9 +5,20 @@ from __future__ import annotations
 from enum import Enum
 from typing import Annotated, Any, ClassVar
 
-from pydantic import Field
+from pydantic import Field, PlainValidator, WithJsonSchema
 
-from omni_operator.api.base import Bool, Int, KubeModel, Quantity, Rule, list_map, unique_rule
+from omni_operator.api.base import (
+    QUANTITY_PATTERN,
+    Bool,
+    Int,
+    KubeModel,
+    Quantity,
+    Rule,
+    list_map,
+    parse_quantity,
+    unique_rule,
+)
+from omni_runtime.spec import StageKind
 from omni_runtime.spec.pipeline import NAME_PATTERN
 
 __all__ = [
@@ -25,6 +36,8 @@ __all__ = [
     "Autoscaling",
     "AutoscalingEngine",
     "AutoscalingMetric",
+    "AUTOSCALING_SIGNAL_METRICS",
+    "DEFAULT_AUTOSCALING_METRICS",
     "DEFAULT_AUTOSCALING_TARGETS",
     "DEFAULT_PROMETHEUS_ADDRESS",
     "Condition",
@@ -265,6 +278,23 @@ class AutoscalingMetric(str, Enum):
     """Denoising steps queued or still to run per replica of a diffusion stage."""
 
 
+AUTOSCALING_SIGNAL_METRICS: dict[AutoscalingMetric, str] = {
+    AutoscalingMetric.QUEUE: "omnikube_stage_outstanding_requests",
+    AutoscalingMetric.TTFT: "omnikube_time_to_first_token_seconds",
+    AutoscalingMetric.TTFP: "omnikube_time_to_first_packet_seconds",
+    AutoscalingMetric.RTF: "omnikube_audio_real_time_factor",
+    AutoscalingMetric.DENOISING_STEPS: "omnikube_stage_denoising_steps_queued",
+}
+"""The runtime metric behind each signal (histograms by their base name): the autoscaler builder queries
+them and the CRD's descriptions name them, from this one table."""
+
+DEFAULT_AUTOSCALING_METRICS: dict[StageKind, AutoscalingMetric] = {
+    StageKind.AR: AutoscalingMetric.TTFT,
+    StageKind.GENERATION: AutoscalingMetric.TTFP,
+    StageKind.DIFFUSION: AutoscalingMetric.DENOISING_STEPS,
+}
+"""`autoscaling.metric` when unset, per stage kind (the builder's choice and the CRD's words)."""
+
 DEFAULT_AUTOSCALING_TARGETS: dict[AutoscalingMetric, str] = {
     AutoscalingMetric.TTFT: "2",
     AutoscalingMetric.TTFP: "1",
@@ -272,6 +302,61 @@ DEFAULT_AUTOSCALING_TARGETS: dict[AutoscalingMetric, str] = {
     AutoscalingMetric.DENOISING_STEPS: "200",
 }
 """`autoscaling.target` when unset, per metric (queue uses targetQueueDepth)."""
+
+_KIND_EXAMPLES = {StageKind.GENERATION: " (talker, code2wav)"}
+_SIGNAL_WORDS = {
+    AutoscalingMetric.TTFT: "p90 of {}",
+    AutoscalingMetric.TTFP: "p90 of {}",
+    AutoscalingMetric.RTF: "p90 of {}",
+    AutoscalingMetric.DENOISING_STEPS: "{} per replica",
+}
+
+
+def _metric_description() -> str:
+    """`autoscaling.metric`'s description, written from the tables above so the CRD cannot drift from them."""
+    signals = ", ".join(
+        f"{m.value} ({words.format(AUTOSCALING_SIGNAL_METRICS[m])})" for m, words in _SIGNAL_WORDS.items()
+    )
+    unset = ", ".join(
+        f"{metric.value} for {kind.value} stages{_KIND_EXAMPLES.get(kind, '')}"
+        for kind, metric in DEFAULT_AUTOSCALING_METRICS.items()
+    )
+    return f"The stage's own signal, scaled on beside the queue: {signals} or queue (the queue alone). Unset: {unset}."
+
+
+def _target_description() -> str:
+    unset = ", ".join(f"{m.value} {target}" for m, target in DEFAULT_AUTOSCALING_TARGETS.items())
+    return (
+        "The value of `metric` the autoscaler aims for, above 0: seconds for ttft and ttfp (500m is half a "
+        f"second), a ratio for rtf, steps per replica for denoisingSteps. Unset: {unset}."
+    )
+
+
+TARGET_MESSAGE = (
+    "autoscaling.target: must be above 0 (at 0 the autoscaler would always want maxReplicas); set it to the "
+    "value to aim for, e.g. 500m for half a second of ttft or ttfp, or drop target for the metric's default"
+)
+
+
+def _check_target(value: Any) -> int | str:
+    """A quantity above 0 (an integer or a quantity string); the message says what to set."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{value!r} is not a Kubernetes quantity; use an integer or a string like 500m or 2")
+    try:
+        number = parse_quantity(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a Kubernetes quantity; write it like 500m, 2 or 1.5") from None
+    if number <= 0:
+        raise ValueError(TARGET_MESSAGE)
+    return value
+
+
+AutoscalingTarget = Annotated[
+    int | str,
+    PlainValidator(_check_target),
+    WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN, "maxLength": 64}),
+]
+"""`autoscaling.target`: a quantity above 0."""
 
 DEFAULT_PROMETHEUS_ADDRESS = "http://prometheus-operated.monitoring.svc:9090"
 """Where KEDA queries Prometheus unless `autoscaling.prometheusAddress` says otherwise (the Service the
@@ -307,20 +392,8 @@ class Autoscaling(KubeModel):
         "omnikube_stage_outstanding_requests: sent to the replica and not finished, those queued in its "
         "engine included); above it, it adds replicas. Every autoscaled stage scales on it.",
     )
-    metric: AutoscalingMetric | None = Field(
-        None,
-        description="The stage's own signal, scaled on beside the queue: ttft (p90 of "
-        "omnikube_time_to_first_token_seconds), ttfp (p90 of omnikube_time_to_first_packet_seconds), rtf "
-        "(p90 of omnikube_audio_real_time_factor), denoisingSteps (omnikube_stage_denoising_steps_queued per "
-        "replica) or queue (the queue alone). Unset: ttft for ar stages, ttfp for generation stages "
-        "(talker, code2wav), denoisingSteps for diffusion stages.",
-    )
-    target: Quantity | None = Field(
-        None,
-        description="The value of `metric` the autoscaler aims for: seconds for ttft and ttfp (500m is half "
-        "a second), a ratio for rtf, steps per replica for denoisingSteps. Unset: ttft 2, ttfp 1, rtf 800m, "
-        "denoisingSteps 200.",
-    )
+    metric: AutoscalingMetric | None = Field(None, description=_metric_description())
+    target: AutoscalingTarget | None = Field(None, description=_target_description())
     window_seconds: Int = Field(
         60, ge=15, le=3600, description="Window of the p90 of ttft, ttfp and rtf (a PromQL rate range)."
     )
@@ -360,6 +433,14 @@ class Autoscaling(KubeModel):
             message="autoscaling.target: applies to metric ttft, ttfp, rtf or denoisingSteps (the queue's "
             "target is targetQueueDepth); set such a metric too, or drop target",
             check=lambda m: m.target is None or m.metric not in (None, AutoscalingMetric.QUEUE),
+        ),
+        Rule(
+            # The schema's pattern refuses negative strings but an int-or-string's integer escapes it, and 0
+            # matches it: CEL's quantity library compares both forms.
+            cel="!has(self.target) || (type(self.target) == int ? int(self.target) > 0 : "
+            "(isQuantity(string(self.target)) && quantity(string(self.target)).isGreaterThan(quantity('0'))))",
+            message=TARGET_MESSAGE,
+            check=lambda m: m.target is None or parse_quantity(m.target) > 0,
         ),
     )
 

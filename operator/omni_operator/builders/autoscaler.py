@@ -12,7 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from omni_operator.api import API_VERSION, AutoscalingEngine, AutoscalingMetric, OmniStage, parse_quantity
-from omni_operator.api.common import DEFAULT_AUTOSCALING_TARGETS, Autoscaling
+from omni_operator.api.common import (
+    AUTOSCALING_SIGNAL_METRICS,
+    DEFAULT_AUTOSCALING_METRICS,
+    DEFAULT_AUTOSCALING_TARGETS,
+    Autoscaling,
+)
 from omni_operator.builders.meta import labels, owner_reference, with_hash
 from omni_runtime.spec import StageKind
 
@@ -30,30 +35,20 @@ __all__ = [
 KEDA_API_VERSION = "keda.sh/v1alpha1"
 HPA_API_VERSION = "autoscaling/v2"
 HPA_POD_METRIC = "omnikube_stage_requests_running"
+"""The per-pod metric an `engine: hpa` autoscaler reads through the custom-metrics API."""
 WAITING_METRIC = "omnikube_stage_requests_waiting_for_replica"
 """Requests the router holds for a stage with no replica: what KEDA activates a stage at zero on."""
-"""The per-pod metric an `engine: hpa` autoscaler reads through the custom-metrics API."""
 
-SIGNAL_METRICS: dict[AutoscalingMetric, str] = {
-    AutoscalingMetric.QUEUE: "omnikube_stage_outstanding_requests",
-    AutoscalingMetric.TTFT: "omnikube_time_to_first_token_seconds",
-    AutoscalingMetric.TTFP: "omnikube_time_to_first_packet_seconds",
-    AutoscalingMetric.RTF: "omnikube_audio_real_time_factor",
-    AutoscalingMetric.DENOISING_STEPS: "omnikube_stage_denoising_steps_queued",
-}
-"""The runtime metric behind each signal (histograms by their base name)."""
+SIGNAL_METRICS = AUTOSCALING_SIGNAL_METRICS
+"""The runtime metric behind each signal (histograms by their base name): the CRD's table, so the
+queries and the field descriptions name the same metrics."""
 
-_DEFAULT_BY_KIND = {
-    StageKind.AR: AutoscalingMetric.TTFT,
-    StageKind.GENERATION: AutoscalingMetric.TTFP,
-    StageKind.DIFFUSION: AutoscalingMetric.DENOISING_STEPS,
-}
 _PERCENTILES = (AutoscalingMetric.TTFT, AutoscalingMetric.TTFP, AutoscalingMetric.RTF)
 
 
 def default_metric(kind: StageKind) -> AutoscalingMetric:
     """The signal a stage of `kind` scales on when `autoscaling.metric` is unset."""
-    return _DEFAULT_BY_KIND[kind]
+    return DEFAULT_AUTOSCALING_METRICS[kind]
 
 
 def _number(value: Any) -> str:
