@@ -108,6 +108,24 @@ def test_text_and_speech_in_one_reply(omni: Serve) -> None:
     assert_nothing_held(omni)
 
 
+def test_a_parameter_a_speech_stage_does_not_take_is_a_400(omni: Serve) -> None:
+    """Talker and code2wav read only their own knobs; anything else in `sampling_params_list` would be
+    ignored without a word, so it is refused, naming the parameter and the stage."""
+    with api_of(omni) as api:
+        cases = [
+            ([{}, {"min_p": 0.1}], "'talker' does not take the parameter(s) ['min_p']"),
+            ([{}, {}, {"speed": 2}], "'code2wav' does not take the parameter(s) ['speed']"),
+        ]
+        for per_stage, named in cases:
+            with pytest.raises(openai.BadRequestError) as err:
+                api.chat.completions.create(
+                    model=omni.model, messages=user("Hi."), modalities=["text", "audio"], max_tokens=4,
+                    extra_body={"sampling_params_list": per_stage},
+                )  # fmt: skip
+            assert named in str(err.value)
+    assert_nothing_held(omni)
+
+
 def test_streamed_audio_starts_before_the_text_is_finished(omni: Serve) -> None:
     with api_of(omni) as api:
         # 400 thinker tokens (ignore_eos): on an idle machine 96 tokens could all be written before the first

@@ -8,13 +8,13 @@ every kind, and the router never knows which engine is behind a stage.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 
-__all__ = ["Engine", "EngineError", "EngineInput", "EngineOutput", "InvalidRequest"]
+__all__ = ["Engine", "EngineError", "EngineInput", "EngineOutput", "InvalidRequest", "refuse_unknown_params"]
 
 Payload = dict[str, Any]
 """Same value types as connectors' Payload: tensors, bytes, str, numbers, None, lists/dicts of those."""
@@ -28,6 +28,20 @@ class InvalidRequest(ValueError):
     """The request cannot run on this engine (too long a prompt, bad size...): 4xx to the client.
 
     The message says what was wrong and what to change."""
+
+
+def refuse_unknown_params(stage: str, params: dict[str, Any], known: Iterable[str]) -> None:
+    """Raise InvalidRequest naming the parameters in `params` that this stage's engine does not read.
+
+    An engine that drops a parameter it does not know gives the user something other than what was asked
+    for without a word (a `min_p` sent to a talker that has none), so it is refused instead."""
+    allowed = set(known)
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise InvalidRequest(
+            f"stage {stage!r} does not take the parameter(s) {unknown}; it takes {sorted(allowed) or 'none'} "
+            "(check sampling_params_list: one dict per stage, in topological order)"
+        )
 
 
 @dataclass

@@ -28,7 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.engines.base import (
+    Engine,
+    EngineError,
+    EngineInput,
+    EngineOutput,
+    InvalidRequest,
+    refuse_unknown_params,
+)
 from omni_runtime.engines.speech.stage_args import checked_engine_args, stage_device, stage_dtype, stage_model_path
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 
@@ -182,6 +189,7 @@ class Code2WavEngine(Engine):
         if self.model is None:
             raise EngineError(f"stage {self.stage.name!r} is not started")
         rid = request.request_id
+        refuse_unknown_params(self.stage.name, request.params, ())  # its decode has no knobs
         self._running.add(rid)
         history = torch.zeros(self.model.groups, 0, dtype=torch.long)
         samples = 0

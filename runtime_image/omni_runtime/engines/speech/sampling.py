@@ -8,7 +8,7 @@ sampling) temperature, top-k, top-p. `temperature` 0 is greedy, as `do_sample=Fa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = ["Sampling", "sample"]
 
@@ -24,6 +24,11 @@ class Sampling:
     repetition_penalty: float = 1.05
     max_tokens: int = 4096
     seed: int | None = None
+
+    PARAMS: ClassVar[frozenset[str]] = frozenset(
+        {"temperature", "top_k", "top_p", "repetition_penalty", "max_tokens", "seed"}
+    )
+    """The request parameters `from_params` reads."""
 
     @property
     def greedy(self) -> bool:

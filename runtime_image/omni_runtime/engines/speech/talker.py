@@ -33,7 +33,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.engines.base import (
+    Engine,
+    EngineError,
+    EngineInput,
+    EngineOutput,
+    InvalidRequest,
+    refuse_unknown_params,
+)
 from omni_runtime.engines.speech.sampling import Sampling
 from omni_runtime.engines.speech.stage_args import checked_engine_args, stage_device, stage_dtype, stage_model_path
 from omni_runtime.spec import ResolvedPipeline, StageSpec
@@ -173,6 +180,7 @@ class TalkerEngine(Engine):
             raise InvalidRequest(f"request {request_id!r} is already running on stage {self.stage.name!r}")
         if len(self._live) >= self.max_requests:
             raise EngineError(f"stage {self.stage.name!r} runs {len(self._live)} requests (max_requests); retry later")
+        refuse_unknown_params(self.stage.name, params, Sampling.PARAMS | {"voice"})
         try:
             sampling = Sampling.from_params(params, default_max=4096)
             request = self.new_request(request_id, first, speaker or self.default_speaker, sampling, extra)

@@ -40,7 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.engines.base import (
+    Engine,
+    EngineError,
+    EngineInput,
+    EngineOutput,
+    InvalidRequest,
+    refuse_unknown_params,
+)
 from omni_runtime.engines.speech.stage_args import checked_engine_args, stage_device, stage_model_path
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 
@@ -303,6 +310,7 @@ class Token2WavEngine(Engine):
         if self.model is None:
             raise EngineError(f"stage {self.stage.name!r} is not started")
         rid = request.request_id
+        refuse_unknown_params(self.stage.name, request.params, {"voice", "seed"})
         voice = self._voice(request.params.get("voice"))
         seed = int(request.params.get("seed") or 0)
 
