@@ -80,6 +80,14 @@ def _hosts_file(ip: str, hostname: str, services: str = "") -> str:
     )
 
 
+# The pod's /etc/resolv.conf under dnsPolicy ClusterFirst (the default). No cluster DNS server runs here:
+# Service names come from /etc/hosts (dns.py). The host's resolver is not reachable from a pod's network,
+# so a lookup of any other name would wait out its timeouts (seconds per name); a nameserver on the pod's
+# own loopback, where nothing listens, refuses at once, so such a lookup fails at once, as it does when
+# CoreDNS answers NXDOMAIN.
+RESOLV_CONF = "# Pod resolver (omnikube pod runner): Service names are in /etc/hosts.\nnameserver 127.0.0.1\n"
+
+
 class PodWorker:
     def __init__(self, svc: Services, pod: dict) -> None:
         self.svc = svc
@@ -90,6 +98,9 @@ class PodWorker:
         self.dir = pod_dir(svc.state_dir, self.namespace, self.name)
         self.sandbox_dir = self.dir / f".sandbox-{self.uid[:8]}"
         self.host_network = bool(pod["spec"].get("hostNetwork"))
+        # The stand-in resolver (RESOLV_CONF) unless dnsPolicy is Default or the pod is on the host's network
+        # (whose resolver answers from there).
+        self.cluster_dns = not self.host_network and pod["spec"].get("dnsPolicy") != "Default"
         self.sandbox: Sandbox = Sandbox(self.dir / "agent.log", host_network=self.host_network)
         self.ip: ipaddress.IPv4Address | None = None
         self.veth = VETH_PREFIX + hashlib.sha1(self.uid.encode()).hexdigest()[:8]
@@ -172,6 +183,11 @@ class PodWorker:
             [
                 {"source": str(self.sandbox_dir / "hosts"), "target": "/etc/hosts", "readonly": False},
                 {"source": str(self.sandbox_dir / "hostname"), "target": "/etc/hostname", "readonly": False},
+                *(
+                    [{"source": str(self.sandbox_dir / "resolv.conf"), "target": "/etc/resolv.conf", "readonly": True}]
+                    if self.cluster_dns
+                    else []
+                ),
                 {"source": str(termination), "target": _termination_path(spec), "readonly": False},
                 *container_mounts(spec, self.volumes, env),
             ],
@@ -362,6 +378,8 @@ class PodWorker:
         hostname = self._hostname()
         self.write_hosts()
         (self.sandbox_dir / "hostname").write_text(hostname + "\n")
+        if self.cluster_dns:
+            (self.sandbox_dir / "resolv.conf").write_text(RESOLV_CONF)
         (self.sandbox_dir / "rootfs").mkdir(exist_ok=True)
         delay = 1.0
         while True:
