@@ -271,63 +271,142 @@ async def main_async(args: argparse.Namespace) -> int:
     return 0
 
 
+def _link_report(rank: int, world: int, device: str) -> None:
+    """Why sequence parallelism pays or not here: peer access and NCCL's all-to-all / all-reduce bandwidth at
+    the sizes Ulysses moves (one attention's q of a 1024x1024 Flux image: 4608 tokens x 3072 bf16 values)."""
+    import torch
+    import torch.distributed as dist
+
+    gpu = device.startswith("cuda")
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    if rank == 0 and gpu:
+        peers = [torch.cuda.can_device_access_peer(0, j) for j in range(1, world)]
+        print(f"parallel: peer access 0->others {peers}, nccl {torch.cuda.nccl.version()}", flush=True)
+    for mib in (1, 7, 28, 112):
+        x = torch.randn(mib * 2**20 // 2, device=device, dtype=torch.bfloat16)
+        y = torch.empty_like(x)
+        for op in ("all_to_all", "all_reduce"):
+
+            def once(op: str = op, x: Any = x, y: Any = y) -> None:
+                if op == "all_to_all":
+                    dist.all_to_all_single(y, x)
+                else:
+                    dist.all_reduce(y)
+
+            for _ in range(3):
+                once()
+            sync()
+            n = 20 if gpu else 2
+            t0 = time.perf_counter()
+            for _ in range(n):
+                once()
+            sync()
+            dt = (time.perf_counter() - t0) / n
+            # bytes each rank sends to others: all-to-all (w-1)/w of x; ring all-reduce 2(w-1)/w of x
+            sent = x.numel() * 2 * (world - 1) / world * (1 if op == "all_to_all" else 2)
+            if rank == 0:
+                print(
+                    f"parallel: {op:10s} {mib:4d} MiB: {dt * 1e6:9.1f} us, {sent / dt / 1e9:7.1f} GB/s per rank",
+                    flush=True,
+                )
+
+
 def parallel_worker(rank: int, world: int, args: argparse.Namespace) -> None:
     """One rank of the sequence-parallel run: the same random weights on every GPU (same seed), diffusers'
-    Ulysses context parallelism across `world` GPUs; rank 0 first times one GPU alone."""
+    Ulysses context parallelism across `world` GPUs; rank 0 first times one GPU alone. Transformer only
+    (output_type=latent), eager, cuDNN attention; then the time NCCL takes in one parallel call (profiler)."""
     import torch
     import torch.distributed as dist
     from diffusers import ContextParallelConfig
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    device = f"cuda:{rank}"
-    pipe = build_pipe(args.tiny, device, torch.bfloat16)
-    pipe.transformer.set_attention_backend("_native_cudnn")
-    kw = dict(height=args.size, width=args.size, num_inference_steps=args.steps, guidance_scale=3.5)
+    gpu = args.device != "cpu"
+    if gpu:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    else:  # CPU check of this code path (gloo)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = f"cuda:{rank}" if gpu else "cpu"
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    _link_report(rank, world, device)
+    pipe = build_pipe(args.tiny, device, torch.bfloat16 if gpu else torch.float32)
+    pipe.transformer.set_attention_backend("_native_cudnn" if gpu else "native")
 
-    def timed(n: int = 2) -> tuple[float, Any]:
+    def timed(size: int, n: int = 2, steps: int | None = None) -> tuple[float, Any]:
+        kw = dict(height=size, width=size, num_inference_steps=steps or args.steps, guidance_scale=3.5)
         out = None
         ts = []
         for _ in range(n):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = pipe(
                     **embeds(pipe, 1, device, 0), **kw, generator=torch.Generator("cpu").manual_seed(0),
                     output_type="latent",
                 ).images  # fmt: skip
-            torch.cuda.synchronize()
+            sync()
             ts.append(time.perf_counter() - t0)
         return min(ts), out
 
-    one_gpu = ref = None
+    sizes = args.parallel_sizes
+    one: dict[int, tuple[float, Any]] = {}
     if rank == 0:
-        timed(1)
-        one_gpu, ref = timed()
-        print(f"parallel: 1 GPU transformer-only (28 steps, eager, cudnn attention): {one_gpu:.3f} s", flush=True)
+        for size in sizes:
+            timed(size, 1)
+            one[size] = timed(size)
+            print(f"parallel: {size}^2 {args.steps} steps, 1 GPU eager: {one[size][0]:.3f} s", flush=True)
     dist.barrier()
     pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
-    timed(1)
-    two, out = timed()
+    for size in sizes:
+        timed(size, 1)
+        two, out = timed(size)
+        if rank == 0:
+            ref = one[size][1]
+            err = float((out.float() - ref.float()).norm() / ref.float().norm())
+            print(
+                f"parallel: {size}^2 {world} GPUs Ulysses eager: {two:.3f} s = {two / one[size][0]:.2f}x one GPU "
+                f"(target <= 0.6: {'met' if two / one[size][0] <= 0.6 else 'NOT met'}); latents rel err "
+                f"vs 1 GPU {err:.4f}",
+                flush=True,
+            )
+    # Where the time goes in one 2-step parallel call at the first size: NCCL kernels vs everything else.
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+        timed(sizes[0], 1, steps=2)
     if rank == 0:
-        err = float((out.float() - ref.float()).norm() / ref.float().norm())
+        events = prof.key_averages()
+        own = (lambda e: e.self_device_time_total) if gpu else (lambda e: e.self_cpu_time_total)
+        total = sum(own(e) for e in events)
+        nccl = sum(own(e) for e in events if "nccl" in e.key.lower() or "gloo" in e.key.lower())
         print(
-            f"parallel: {world} GPUs Ulysses (eager): {two:.3f} s = {two / one_gpu:.2f}x one GPU "
-            f"(target <= 0.6: {'met' if two / one_gpu <= 0.6 else 'NOT met'}); latents rel err vs 1 GPU {err:.4f}",
+            f"parallel: profile of a 2-step {world}-GPU call at {sizes[0]}^2: GPU kernels {total / 1e3:.1f} ms, "
+            f"of which NCCL {nccl / 1e3:.1f} ms ({100 * nccl / max(total, 1):.0f}%)",
             flush=True,
         )
-    try:
-        for block in [m for m in pipe.transformer.modules() if type(m).__name__ in pipe.transformer._repeated_blocks]:
-            block.forward = torch.compile(block.forward, dynamic=True)
-        timed(1)
-        two_c, _ = timed()
-        if rank == 0:
-            print(f"parallel: {world} GPUs Ulysses + compile: {two_c:.3f} s", flush=True)
-    except Exception as err:  # report and go on: the eager figure above stands
-        if rank == 0:
-            print(f"parallel: compile with context parallel failed: {type(err).__name__}: {err}", flush=True)
+        top = sorted(events, key=lambda e: -own(e))[:8]
+        for e in top:
+            print(f"parallel:   {own(e) / 1e3:8.1f} ms  {e.count:5d}x  {e.key[:90]}", flush=True)
+    if args.parallel_compile:
+        try:
+            for block in [
+                m for m in pipe.transformer.modules() if type(m).__name__ in pipe.transformer._repeated_blocks
+            ]:
+                block.forward = torch.compile(block.forward, dynamic=True)
+            t0 = time.perf_counter()
+            timed(sizes[0], 1)
+            warm = time.perf_counter() - t0
+            two_c, _ = timed(sizes[0])
+            if rank == 0:
+                print(
+                    f"parallel: {sizes[0]}^2 {world} GPUs Ulysses + compile: {two_c:.3f} s = "
+                    f"{two_c / one[sizes[0]][0]:.2f}x one GPU eager (compile warm-up {warm:.0f} s)",
+                    flush=True,
+                )
+        except Exception as err:  # report and go on: the eager figures above stand
+            if rank == 0:
+                print(f"parallel: compile with context parallel failed: {type(err).__name__}: {err}", flush=True)
     dist.destroy_process_group()
 
 
@@ -345,6 +424,8 @@ def main() -> int:
     parser.add_argument("--concurrency-modes", nargs="*", default=["eager", "compile+fp8"])
     parser.add_argument("--one-model", action="store_true", help="build once; modes in order on the same weights")
     parser.add_argument("--parallel", type=int, default=0, help="GPUs for the sequence-parallel run (alone)")
+    parser.add_argument("--parallel-sizes", type=int, nargs="+", default=[1024], help="--parallel: image sides")
+    parser.add_argument("--parallel-compile", action="store_true", help="--parallel: also Ulysses + compile")
     args = parser.parse_args()
     args.size = args.size or (64 if args.tiny else 1024)
     if args.parallel:

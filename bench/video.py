@@ -2,6 +2,11 @@
 
     # CPU, the tiny Wan2.2 T2V model built locally (both experts, boundary_ratio):
     .venv/bin/python bench/video.py --frames 17 --size 64 --steps 4 --rounds 8
+    # One H200: Wan2.2-T2V-A14B-sized (both 14B experts, Wan2.1 VAE, random weights built on the GPU;
+    # the text encoder is a 1-layer UMT5 of width 4096, the tokenizer the tiny model's), 832x480, 33 frames:
+    python3 bench/video.py --a14b --frames 33 --width 832 --size 480 --steps 4 --rounds 4
+    # the same on a CPU with every model shrunk (checks the code path only):
+    .venv/bin/python bench/video.py --a14b --shrink --frames 5 --size 64 --steps 2 --rounds 1
 
 Both sides run in the same process on the same loaded pipeline, alternating in ABBA order so drift
 (thermal, other load) falls on both equally. Engine: `DiffusionEngine.generate` (request parsing, the
@@ -32,12 +37,80 @@ from omni_runtime.spec import StageOverride  # noqa: E402
 from omni_runtime.spec.resolved import resolve_pipeline  # noqa: E402
 from omni_runtime.tiny_models import ensure  # noqa: E402
 
+# Wan2.2-T2V-A14B's transformer (each expert; Wan-AI/Wan2.2-T2V-A14B-Diffusers transformer/config.json).
+A14B = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=40,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=13824,
+    num_layers=40,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
+)
+SHRUNK = dict(A14B, num_attention_heads=2, attention_head_dim=64, ffn_dim=256, num_layers=1)
+
+
+def build_a14b(tiny_folder: str, device: str, dtype: object, shrink: bool) -> object:
+    """WanPipeline with two A14B-sized experts, the Wan2.1 VAE (diffusers' defaults) and a 1-layer UMT5 of
+    width 4096 (the DiT's text_dim), random weights made on `device` in `dtype`; the tokenizer and the
+    scheduler come from the tiny Wan folder (nothing can be downloaded)."""
+    import torch
+    from diffusers import AutoencoderKLWan, DiffusionPipeline, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5EncoderModel
+
+    tiny = DiffusionPipeline.from_pretrained(tiny_folder, local_files_only=True)
+    text_cfg = tiny.text_encoder.config
+    text_cfg.d_model = A14B["text_dim"]
+    dit = SHRUNK if shrink else A14B
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # type: ignore[arg-type]  # no float32 copy of 2 x 14B parameters
+    try:
+        with torch.device(device):
+            experts = [WanTransformer3DModel(**dit).eval() for _ in range(2)]
+            vae = AutoencoderKLWan(base_dim=32 if shrink else 96).eval()
+            text_encoder = UMT5EncoderModel(text_cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    params = sum(p.numel() for e in experts for p in e.parameters())
+    print(f"wan-a14b-sized experts: {params / 1e9:.1f}B parameters ({dtype}) on {device}", flush=True)
+    pipe = WanPipeline(
+        tokenizer=tiny.tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=tiny.scheduler,
+        transformer=experts[0],
+        transformer_2=experts[1],
+        boundary_ratio=0.875,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+class A14BEngine(DiffusionEngine):
+    """The real DiffusionEngine whose `_load` builds the A14B-sized pipeline on the device."""
+
+    shrink = False
+
+    def _load(self, dtype: object) -> object:
+        return build_a14b(self.model_path, self.device, dtype, self.shrink)
+
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="a WanPipeline folder (default: tiny-wan2-2-t2v, built)")
     parser.add_argument("--frames", type=int, default=17)
-    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--size", type=int, default=64, help="height (and width unless --width)")
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--a14b", action="store_true", help="Wan2.2-A14B-sized random experts, built on the device")
+    parser.add_argument("--shrink", action="store_true", help="with --a14b: every model shrunk (CPU check)")
+    parser.add_argument("--device", default=None)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--fps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=8)
@@ -45,11 +118,21 @@ async def main() -> None:
     import torch
 
     model = args.model or str(ensure("tiny-wan2-2-t2v"))
-    call = {"num_inference_steps": args.steps, "height": args.size, "width": args.size, "num_frames": args.frames}
-    stage = StageOverride(name="dit", sampling_params=call)
+    width = args.width or args.size
+    call = {"num_inference_steps": args.steps, "height": args.size, "width": width, "num_frames": args.frames}
+    engine_args: dict[str, object] = {}  # the topology's defaults, as a user gets them
+    if args.a14b:  # bf16 on the GPU; eager, so both sides run the same uncompiled blocks
+        engine_args = {"torch_dtype": "bfloat16" if args.device != "cpu" else "float32", "enforce_eager": True}
+    if args.device:
+        engine_args["device"] = args.device
+    stage = StageOverride(name="dit", engine_args=engine_args, sampling_params=call)
     pipeline = resolve_pipeline(get_pipeline("wan2-2-t2v"), name="bench", model=model, stages=[stage])
-    engine = DiffusionEngine(pipeline, pipeline.topology.stage("dit"))
+    engine_class = A14BEngine if args.a14b else DiffusionEngine
+    A14BEngine.shrink = args.shrink
+    engine = engine_class(pipeline, pipeline.topology.stage("dit"))
+    started = time.perf_counter()
     await engine.start()
+    print(f"engine started in {time.perf_counter() - started:.1f}s on {engine.device}", flush=True)
     pipe = engine.pipe
     # the same call arguments the engine makes: the stage's defaults (topology + overrides, guidance included)
     call = dict(pipeline.topology.stage("dit").sampling_params)
@@ -85,7 +168,9 @@ async def main() -> None:
                 raw_times.append(await asyncio.to_thread(raw, r + 1))  # a thread, as the engine runs it
     await engine.stop()
     e, b = statistics.median(engine_times), statistics.median(raw_times)
-    print(f"video {args.size}x{args.size}, {args.frames} frames, {args.steps} steps, {args.rounds} rounds (ABBA)")
+    what = ("wan-a14b-sized" + (" (shrunk)" if args.shrink else "")) if args.a14b else f"model {model}"
+    print(f"video {width}x{args.size}, {args.frames} frames, {args.steps} steps, {args.rounds} rounds (ABBA), {what}")
+    print(f"  guidance_scale {call.get('guidance_scale')}, device {engine.device}, torch {torch.__version__}")
     print(f"  raw pipeline + encode_mp4: median {b:.3f}s per video")
     print(f"  DiffusionEngine.generate:  median {e:.3f}s per video")
     print(f"  ratio engine/raw: {e / b:.3f} (target <= 1.05)")
