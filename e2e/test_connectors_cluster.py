@@ -10,8 +10,9 @@ each pod's /etc/hosts (e2e/podrunner/README.md).
 
 One pipeline walks through the kinds (each change rolls both stages), so only one enhancer and one
 diffusion stage load at a time: first with its master scaled to zero (a stage whose connector cannot
-start never turns ready; the pipeline says Degraded/ConnectorUnavailable naming the address), then p2p,
-store and shm, each answering the same seeded request with the same image.
+start within `connectors.startTimeoutSeconds` never turns ready; the pipeline says
+Degraded/ConnectorUnavailable naming the address and that timeout), then p2p, store and shm, each
+answering the same seeded request with the same image.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ NAME = "edges"
 READY_TIMEOUT = 900
 AR_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 256 * 1024**2}
 SIZES = {"globalSegmentSize": "64Mi", "localBufferSize": "16Mi"}
+# A stage gives up on an unreachable master after this long (the default 120 s would only make step 1 wait).
+CONNECTOR_START_TIMEOUT = 20
 
 
 def on_runner() -> dict:
@@ -60,7 +63,7 @@ def manifest(connectors: dict, *, colocate: bool = False) -> dict:
                 "modelCache": {"hostPath": {"path": str(default_cache_dir())}, "mountPath": "/models", "readOnly": True}
             },
             "router": {**on_runner(), "limits": {"requestTimeoutSeconds": 120}},
-            "connectors": connectors,
+            "connectors": {**connectors, "startTimeoutSeconds": CONNECTOR_START_TIMEOUT},
             "stages": [
                 {
                     **on_runner(),
@@ -171,6 +174,7 @@ def test_every_edge_kind_moves_the_same_image_between_real_pods(env: Env) -> Non
 
     cond = wait_for(degraded, 400, "Degraded/ConnectorUnavailable", env.describe)
     assert f"{master}.{env.ns}.svc" in cond["message"], cond["message"]
+    assert f"did not start in {CONNECTOR_START_TIMEOUT}s" in cond["message"], cond["message"]  # the spec's timeout
     assert condition(env.pipeline(), "Ready").get("status") == "False"
 
     # 2. mooncake p2p, the master back: stages in separate pods, each advertising its own pod IP.

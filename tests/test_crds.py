@@ -374,6 +374,17 @@ def test_connectors_left_unset_keep_the_topology() -> None:
     merged = resolve_args(OmniPipeline.model_validate(raw).spec, base).connectors
     assert merged.default is ConnectorKind.MOONCAKE and merged.inline_max_bytes == 0
     assert merged.mooncake.protocol is MooncakeProtocol.RDMA and merged.mooncake.device_name == "mlx5_0"
+    assert merged.start_timeout_seconds == 120  # unset: the topology's
+
+
+def test_connectors_start_timeout_reaches_the_resolved_pipeline() -> None:
+    raw = _load("qwen3-omni.yaml")
+    raw["spec"]["connectors"] = {"startTimeoutSeconds": 15}
+    merged = resolve_args(OmniPipeline.model_validate(raw).spec, ConnectorsSpec(inline_max_bytes=0)).connectors
+    assert merged is not None and merged.start_timeout_seconds == 15 and merged.inline_max_bytes == 0
+    raw["spec"]["connectors"] = {"startTimeoutSeconds": 0}
+    with pytest.raises(ValidationError, match="start_timeout_seconds|startTimeoutSeconds"):
+        OmniPipeline.model_validate(raw)
 
 
 def test_resolve_reports_an_unknown_stage() -> None:

@@ -22,6 +22,7 @@ from omni_runtime.registry import get_pipeline
 from omni_runtime.spec import ConnectorsSpec, EdgeOverride, ResolvedPipeline, resolve_pipeline
 from omni_runtime.stage.auth import PipelineKey
 from omni_runtime.stage.connectors import ConnectorSettings
+from omni_runtime.stage.main import connector_settings
 from omni_runtime.stage.server import StageServer
 from omni_runtime.stage.settings import StageSettings
 from omni_runtime.stage.termination import ExitReason, Termination
@@ -124,6 +125,15 @@ def test_the_stage_process_exits_with_a_typed_termination_message(tmp_path: Path
     mc = resolved.topology.connectors.mooncake
     assert f"omnikube-no-such-master.invalid:{mc.master_port}" in told.message
     assert "enhancer->dit" in told.message
+
+
+def test_the_stage_takes_its_connector_timeout_from_the_pipeline_unless_its_flag_says() -> None:
+    resolved = mooncake_pipeline("p2p")
+    resolved.topology.connectors.start_timeout_seconds = 15  # the OmniPipeline's connectors.startTimeoutSeconds
+    settings = StageSettings(config="r.json", pipeline_key_file="k", stage="dit")
+    assert connector_settings(settings, resolved, "r0").start_timeout_s == 15
+    flagged = settings.model_copy(update={"connector_timeout": 2.5})
+    assert connector_settings(flagged, resolved, "r0").start_timeout_s == 2.5
 
 
 def test_without_a_termination_file_the_stage_writes_none(tmp_path: Path) -> None:

@@ -81,13 +81,20 @@ def connectors_spec(connectors: ConnectorsConfig, base: ConnectorsSpec | None = 
     """
     mooncake = connectors.mooncake
     mooncake_set = mooncake is not None and bool(mooncake.model_fields_set)
-    if connectors.default is None and connectors.inline_max_bytes is None and not mooncake_set:
+    if (
+        connectors.default is None
+        and connectors.inline_max_bytes is None
+        and connectors.start_timeout_seconds is None
+        and not mooncake_set
+    ):
         return None
     merged = (base or ConnectorsSpec()).model_dump()
     if connectors.default is not None:
         merged["default"] = connectors.default
     if connectors.inline_max_bytes is not None:
         merged["inline_max_bytes"] = quantity_bytes(connectors.inline_max_bytes)
+    if connectors.start_timeout_seconds is not None:
+        merged["start_timeout_seconds"] = connectors.start_timeout_seconds
     if mooncake is not None:
         given = {
             "mode": mooncake.mode,

@@ -368,6 +368,14 @@ class ConnectorsConfig(KubeModel):
     mooncake: MooncakeConfig | None = Field(
         None, description="Mooncake settings: mode (p2p or store), protocol, sizes."
     )
+    start_timeout_seconds: Int | None = Field(
+        None,
+        ge=1,
+        le=3600,
+        description="Seconds a stage keeps trying to start the connectors of its edges (e.g. while the Mooncake "
+        "master starts) before its container exits and the pipeline turns Degraded with reason "
+        "ConnectorUnavailable, naming the address; unset keeps the topology's (120).",
+    )
     edges: list[ConnectorEdge] = Field(
         default_factory=list,
         max_length=64,

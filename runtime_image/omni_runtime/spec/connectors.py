@@ -46,3 +46,10 @@ class ConnectorsSpec(BaseModel):
         description="Largest payload the inline connector accepts; larger ones need shm or mooncake.",
     )
     mooncake: MooncakeSpec = Field(default_factory=MooncakeSpec)
+    start_timeout_seconds: int = Field(
+        120,
+        ge=1,
+        le=3600,
+        description="Seconds a stage keeps trying to start the connectors of its edges (the Mooncake master may "
+        "still be starting) before it exits saying which connector and address failed.",
+    )

@@ -19,9 +19,21 @@ from omni_runtime.stage.server import StageServer
 from omni_runtime.stage.settings import StageSettings
 from omni_runtime.stage.termination import ExitReason, Termination
 
-__all__ = ["run", "serve"]
+__all__ = ["connector_settings", "run", "serve"]
 
 log = logging.getLogger(__name__)
+
+
+def connector_settings(settings: StageSettings, pipeline: ResolvedPipeline, replica: str) -> ConnectorSettings:
+    """The stage's connector settings: `--connector-timeout` when given, else the pipeline's
+    `connectors.start_timeout_seconds` (what the OmniPipeline's `connectors.startTimeoutSeconds` sets)."""
+    timeout = settings.connector_timeout
+    return ConnectorSettings(
+        owner=f"{settings.stage}-{replica}",
+        shm_pool_bytes=settings.shm_pool_bytes,
+        mooncake_host=settings.advertise_host,
+        start_timeout_s=float(pipeline.topology.connectors.start_timeout_seconds if timeout is None else timeout),
+    )
 
 
 async def serve(settings: StageSettings, *, key: PipelineKey) -> int:
@@ -30,12 +42,7 @@ async def serve(settings: StageSettings, *, key: PipelineKey) -> int:
     pipeline = ResolvedPipeline.model_validate_json(Path(settings.config).read_text(encoding="utf-8"))
     stage = settings.stage
     replica = settings.replica or socket.gethostname()
-    connectors = ConnectorSettings(
-        owner=f"{stage}-{replica}",
-        shm_pool_bytes=settings.shm_pool_bytes,
-        mooncake_host=settings.advertise_host,
-        start_timeout_s=settings.connector_timeout,
-    )
+    connectors = connector_settings(settings, pipeline, replica)
     server = StageServer(
         pipeline, stage, key=key, host=settings.host, port=settings.port, http_port=settings.http_port,
         replica=replica, connectors=connectors,

@@ -39,9 +39,11 @@ class StageSettings(ProcessSettings):
     """This process's address as other pods reach it (the Mooncake transfer engine registers it)."""
     shm_pool_bytes: int = Field(64 * 1024**2, ge=0)
     """Idle shm bytes kept for reuse (0: unlink each segment when released)."""
-    connector_timeout: float = Field(120.0, gt=0, le=3600)
+    connector_timeout: float | None = Field(None, gt=0, le=3600)
     """Seconds to keep trying to start the connectors this stage's edges need (the Mooncake master may
-    still be starting); the stage is not ready meanwhile, and exits with a termination message after."""
+    still be starting); the stage is not ready meanwhile, and exits with a termination message after.
+    Unset: the pipeline's `connectors.start_timeout_seconds` (the OmniPipeline's
+    `connectors.startTimeoutSeconds`)."""
     termination_log: str = "/dev/termination-log"
     """File this process writes why it exits into, when the file exists (the kubelet creates it at the
     container's terminationMessagePath; the operator reads it back as a Degraded reason)."""
