@@ -11,8 +11,10 @@ install:
 
 ## Lint and type checks first (a lint failure is cheap), then every test: unit, cluster (real control
 ## plane) and end to end.
-## The Prometheus of the e2e tier builds (cold: minutes; cached after) in the background meanwhile, so
-## the unit tests overlap it; the e2e test that needs it waits for it (build.sh holds a lock).
+## The Prometheus of the e2e tier and the control plane's binaries build (cold: minutes; cached after) in
+## the background meanwhile, so the unit tests overlap them; the e2e tier waits for them (each build.sh
+## holds a lock).
+test: export OMNIKUBE_CLUSTER_BUILD := background
 test: lint
 	@mkdir -p .omnikube && (bash e2e/cluster/addons/build.sh prometheus > .omnikube/prometheus-build.log 2>&1 &)
 	$(PY) -m pytest -q --durations=40
