@@ -120,6 +120,8 @@ def pipeline(cache: Path) -> dict:
                 **ON_RUNNER,
                 "apiKeySecret": {"name": "router-key", "key": "token"},
                 "limits": {"requestTimeoutSeconds": 120, "maxN": 2},
+                # A window of 9 s instead of the default 60 s: the test outlives it without waiting a minute.
+                "livenessProbe": {"periodSeconds": 3, "failureThreshold": 3},
             },
             "stages": [
                 {

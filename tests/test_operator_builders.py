@@ -683,6 +683,18 @@ def test_router_api_key_is_a_secret_file_the_router_command_reads_and_liveness_i
     assert build_parser().parse_args(plain["command"][1:]).api_key_file is None
 
 
+def test_router_liveness_probe_timing_comes_from_the_spec() -> None:
+    """`router.livenessProbe`: 10 s x 6 unless set; set, the router container's probe uses it."""
+    probe = containers(find(render(minimal("text-chat")), "Deployment", "p-router"))["router"]["livenessProbe"]
+    assert (probe["periodSeconds"], probe["failureThreshold"]) == (10, 6)
+    quick = render(minimal("text-chat", router={"livenessProbe": {"periodSeconds": 3, "failureThreshold": 2}}))
+    probe = containers(find(quick, "Deployment", "p-router"))["router"]["livenessProbe"]
+    assert (probe["periodSeconds"], probe["failureThreshold"]) == (3, 2)
+    assert probe["httpGet"]["path"] == "/livez"
+    with pytest.raises(RenderError, match="periodSeconds|period_seconds"):
+        render(minimal("text-chat", router={"livenessProbe": {"periodSeconds": 0}}))
+
+
 # --- router.unknownFields --------------------------------------------------------------------------
 
 

@@ -184,6 +184,21 @@ class VideoLimitsConfig(KubeModel):
     )
 
 
+class RouterLivenessProbe(KubeModel):
+    """The router container's liveness probe (GET /livez: the process serves, whatever its stages do)."""
+
+    period_seconds: Int = Field(
+        10, ge=1, le=300, description="Seconds between two checks that the router process still answers."
+    )
+    failure_threshold: Int = Field(
+        6,
+        ge=1,
+        le=100,
+        description="Checks in a row that must fail before the kubelet restarts the router container; "
+        "periodSeconds x failureThreshold is how long a hung router serves nothing before it is replaced.",
+    )
+
+
 class RouterVideos(KubeModel):
     """Where the router keeps finished videos, and for how long."""
 
@@ -272,6 +287,11 @@ class RouterSpec(KubeModel):
         "`reject` answers 400 naming it, so a misspelt or unsupported field never silently does nothing; "
         "`ignore` drops it, for clients that send extras this server has no use for. Fields the router "
         "knows and cannot honour (tools, beam search, ...) get a 400 either way.",
+    )
+    liveness_probe: RouterLivenessProbe = Field(
+        default_factory=RouterLivenessProbe,
+        description="How often the router process is checked, and after how many failed checks it is restarted "
+        "(raise them on nodes so busy that a live router can miss a check).",
     )
     node_selector: dict[str, str] = Field(
         default_factory=dict,

@@ -145,7 +145,11 @@ def build_router_objects(
         # Ready: every stage has a ready replica (the Service sends clients only then). Alive: the process
         # serves; never tied to the stages, or a router would restart-loop while a model loads.
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": "/livez", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
+        "livenessProbe": {
+            "httpGet": {"path": "/livez", "port": "http"},
+            "periodSeconds": router.liveness_probe.period_seconds,
+            "failureThreshold": router.liveness_probe.failure_threshold,
+        },
         "volumeMounts": mounts,
         "securityContext": container_security_context(),
     }
