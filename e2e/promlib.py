@@ -20,10 +20,12 @@ from clusterlib import REPO, stop_process_group, wait_for
 
 from localcluster import free_port
 
-__all__ = ["Prometheus", "metric_names", "pod_targets", "prometheus_binary"]
+__all__ = ["METRICS_PORT_NAMES", "Prometheus", "dashboard_panels", "metric_names", "pod_targets", "prometheus_binary"]
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 SCRAPE_INTERVAL = "1s"
+METRICS_PORT_NAMES = "http(-[0-9]+)?|metrics"
+"""The container ports serving /metrics, by name: the chart's PodMonitor keeps the same (a test checks)."""
 
 
 def prometheus_binary() -> Path:
@@ -37,6 +39,23 @@ def prometheus_binary() -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
+def dashboard_panels(**variables: str) -> dict[str, list[str]]:
+    """The PromQL of every panel of the chart's dashboards by title, Grafana's `$name` variables replaced by
+    `variables` (e.g. namespace="ns", stage=".*", __rate_interval="1m")."""
+    panels: dict[str, list[str]] = {}
+    for path in sorted((REPO / "charts" / "omnikube" / "files" / "dashboards").glob("*.json")):
+        for panel in json.loads(path.read_text())["panels"]:
+            exprs = []
+            for target in panel["targets"]:
+                expr = target["expr"]
+                # longest names first: $__rate_interval before a variable named like its prefix
+                for name in sorted(variables, key=len, reverse=True):
+                    expr = expr.replace(f"${name}", variables[name])
+                exprs.append(expr)
+            panels[panel["title"]] = exprs
+    return panels
+
+
 def pod_targets(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """file_sd target groups for every running pod's metrics ports (routers and stages serve /metrics on
     their ports named http, http-1...; Mooncake masters on metrics), as the chart's PodMonitor scrapes."""
@@ -47,7 +66,7 @@ def pod_targets(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         for container in pod["spec"]["containers"]:
             for port in container.get("ports", []):
-                if re.fullmatch(r"http(-[0-9]+)?|metrics", port.get("name", "")):
+                if re.fullmatch(METRICS_PORT_NAMES, port.get("name", "")):
                     groups.append(
                         {
                             "targets": [f"{ip}:{port['containerPort']}"],
@@ -58,27 +77,46 @@ def pod_targets(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class Prometheus:
-    """`prometheus` as a process on a free local port, with its TSDB in `workdir`."""
+    """`prometheus` as a process on a free local port, with its TSDB in `workdir`.
 
-    def __init__(self, binary: Path, workdir: Path) -> None:
-        self.binary, self.workdir = binary, workdir
+    Two jobs, as the chart's monitors make them: the pipelines' pods (PodMonitor) and the operator, whose
+    per-stage series keep their own `namespace` (its ServiceMonitor's honorLabels). `rule_groups` (a
+    PrometheusRule's spec.groups) are evaluated every scrape interval."""
+
+    def __init__(self, binary: Path, workdir: Path, rule_groups: list[dict[str, Any]] | None = None) -> None:
+        self.binary, self.workdir, self.rule_groups = binary, workdir, rule_groups
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.targets = workdir / "targets.json"
+        self.operator_targets = workdir / "operator-targets.json"
         self.log_path = workdir / "prometheus.log"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Prometheus:
         self.targets.write_text("[]")
-        config = {
-            "global": {"scrape_interval": SCRAPE_INTERVAL, "scrape_timeout": SCRAPE_INTERVAL},
+        self.operator_targets.write_text("[]")
+        config: dict[str, Any] = {
+            "global": {
+                "scrape_interval": SCRAPE_INTERVAL,
+                "scrape_timeout": SCRAPE_INTERVAL,
+                "evaluation_interval": SCRAPE_INTERVAL,
+            },
             "scrape_configs": [
                 {
                     "job_name": "omnikube-pods",
                     "file_sd_configs": [{"files": [str(self.targets)], "refresh_interval": "1s"}],
-                }
+                },
+                {
+                    "job_name": "omnikube-operator",
+                    "honor_labels": True,
+                    "file_sd_configs": [{"files": [str(self.operator_targets)], "refresh_interval": "1s"}],
+                },
             ],
         }
+        if self.rule_groups is not None:
+            rules = self.workdir / "rules.json"  # YAML's superset: Prometheus reads JSON rule files too
+            rules.write_text(json.dumps({"groups": self.rule_groups}))
+            config["rule_files"] = [str(rules)]
         (self.workdir / "prometheus.yml").write_text(json.dumps(config))
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -109,10 +147,12 @@ class Prometheus:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]
 
-    def set_targets(self, groups: list[dict[str, Any]]) -> None:
-        tmp = self.targets.with_suffix(".tmp")
+    def set_targets(self, groups: list[dict[str, Any]], *, operator: bool = False) -> None:
+        """The pods job's file_sd target groups (`operator`: the operator job's)."""
+        path = self.operator_targets if operator else self.targets
+        tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(groups))
-        tmp.replace(self.targets)  # atomic: Prometheus never reads half a file
+        tmp.replace(path)  # atomic: Prometheus never reads half a file
 
     def api(self, path: str, **params: str) -> Any:
         """GET /api/v1/<path>; the `data` of a success, else an AssertionError with Prometheus' error."""

@@ -32,6 +32,7 @@ from PIL import Image
 from podrunner.node import RUNNER_LABEL
 from promlib import Prometheus, metric_names, pod_targets, prometheus_binary
 
+from omni_operator.metrics import STAGE_REPLICAS_DESIRED
 from omni_operator.render import render_pipeline
 from omni_runtime.registry import default_registry
 from omni_runtime.tiny_models import default_cache_dir, ensure
@@ -230,7 +231,8 @@ def _dashboard_exprs() -> list[str]:
 
 def _rule_exprs(env: Env) -> list[str]:
     chart = str(REPO / "charts" / "omnikube")
-    out = helm(env.cluster, "template", "omk", chart, "--set", "monitoring.rules.enabled=true")
+    sets = ["--set", "monitoring.rules.enabled=true", "--set", "serviceMonitor.enabled=true"]
+    out = helm(env.cluster, "template", "omk", chart, *sets)
     rules = [d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "PrometheusRule"]
     return [r["expr"] for d in rules for g in d["spec"]["groups"] for r in g["rules"]]
 
@@ -262,7 +264,10 @@ def test_every_dashboard_alert_and_autoscaler_query_runs_on_prometheus_scraping_
         groups = pod_targets(kubectl_json(env.cluster, "get", "pods", "-n", env.ns)["items"])
         assert len(groups) >= 6, groups  # three routers and their stages
         prometheus.set_targets(groups)
-        prometheus.wait_scraped(len(groups))
+        # The operator, as the chart's ServiceMonitor scrapes it (its pod's namespace on the target).
+        address = f"127.0.0.1:{env.operator.metrics_port}"
+        prometheus.set_targets([{"targets": [address], "labels": {"namespace": env.release.namespace}}], operator=True)
+        prometheus.wait_scraped(len(groups) + 1)
         # The requests of the tests above are counted (a stage's outstanding gauge is set once it served).
         wait_for(
             lambda: (
@@ -291,6 +296,14 @@ def test_every_dashboard_alert_and_autoscaler_query_runs_on_prometheus_scraping_
         # The chat stage's queue query (what its ScaledObject would read) sees the stage.
         queue = next(e for e in exprs["autoscalers"] if 'pipeline="chat",stage=~"llm"' in e and "outstanding" in e)
         assert prometheus.query(queue), queue
+        # The operator says what each stage asks for, in the pipelines' namespace; every stage is up, so
+        # OmnikubeStageDown's expression finds none (it fires on recorded series in test_helm_chart.py).
+        desired = prometheus.query(f'{STAGE_REPLICAS_DESIRED}{{namespace="{env.ns}"}}')
+        asked = {(r["metric"]["pipeline"], r["metric"]["stage"]): r["value"][1] for r in desired}
+        assert asked == {("chat", "llm"): "1", ("t2i", "dit"): "1", ("enhanced", "enhancer"): "1",
+                         ("enhanced", "dit"): "1"}, asked  # fmt: skip
+        stage_down = next(e for e in exprs["alerts"] if STAGE_REPLICAS_DESIRED in e)
+        assert [r for r in prometheus.query(stage_down) if r["metric"]["namespace"] == env.ns] == []
     finally:
         prometheus.stop()
 

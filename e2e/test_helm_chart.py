@@ -13,7 +13,10 @@ the cluster fixture applied with kubectl, are adopted by the release for the mod
 
 from __future__ import annotations
 
+import http.server
 import json
+import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,6 +25,11 @@ import pytest
 import yaml
 from chartlib import Release, ServiceAccountOperator, helm
 from clusterlib import REPO, apply, condition, kubectl_json, wait_for
+from promlib import METRICS_PORT_NAMES, Prometheus, prometheus_binary
+
+from omni_operator.metrics import STAGE_REPLICAS_DESIRED
+from omni_operator.render import render_pipeline
+from omni_runtime.registry import default_registry
 
 pytestmark = pytest.mark.cluster
 
@@ -268,6 +276,7 @@ def test_template_monitoring_is_optional_and_follows_its_values(cluster):
         "monitoring.dashboards.annotations.grafana_folder=omnikube",
         "monitoring.dashboards.namespace=grafana",
         "monitoring.rules.enabled=true",
+        "serviceMonitor.enabled=true",
         "monitoring.rules.labels.release=prom",
         "monitoring.podMonitor.enabled=true",
     ]
@@ -303,16 +312,142 @@ def test_template_monitoring_is_optional_and_follows_its_values(cluster):
     [monitor] = find(objs, "PodMonitor", "omk-omnikube-pipelines")
     assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "omnikube"}
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
-    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["http", "metrics"]
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    assert "port" not in endpoint and endpoint["path"] == "/metrics"
+    [keep] = endpoint["relabelings"]
+    assert keep["sourceLabels"] == ["__meta_kubernetes_pod_container_port_name"] and keep["action"] == "keep"
+    assert keep["regex"] == METRICS_PORT_NAMES  # the e2e Prometheus scrapes what the PodMonitor keeps
+    # Every process of a pipeline's pods is kept: router, stages, each colocated stage (code2wav in the
+    # talker's pod, on http-1), the Mooncake master; its protocol ports are not scraped.
+    manifest = yaml.safe_load((REPO / "config" / "samples" / "qwen3-omni.yaml").read_text())
+    ports = {
+        (o["metadata"]["name"], c["name"], p["name"])
+        for o in render_pipeline(manifest, default_registry())
+        if o["kind"] == "Deployment"
+        for c in o["spec"]["template"]["spec"]["containers"]
+        for p in c.get("ports", [])
+    }
+    kept = {(deployment, container) for deployment, container, name in ports if re.fullmatch(keep["regex"], name)}
+    containers = {(deployment, container) for deployment, container, _ in ports}
+    assert kept == containers, containers - kept
+    assert any(name == "http-1" for _, container, name in ports if container == "code2wav"), ports
+    assert any(not re.fullmatch(keep["regex"], name) for _, _, name in ports)
     scoped = template(cluster, "monitoring.podMonitor.enabled=true", "watchNamespaces={team-a}", "replicas=1")
     [monitor] = find(scoped, "PodMonitor")
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]}
+
+
+class Exporter:
+    """Recorded series served in the Prometheus text format, one page per path, which a test changes."""
+
+    def __init__(self) -> None:
+        self.pages: dict[str, str] = {}
+        pages = self.pages
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                body = pages.get(self.path, "").encode()
+                self.send_response(200 if self.path in pages else 404)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def target(self, path: str, **labels: str) -> dict:
+        return {"targets": [self.address], "labels": {"__metrics_path__": path, **labels}}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _desired(replicas: dict[tuple[str, str, str], int]) -> str:
+    lines = [f"# TYPE {STAGE_REPLICAS_DESIRED} gauge"]
+    lines += [
+        f'{STAGE_REPLICAS_DESIRED}{{namespace="{ns}",pipeline="{p}",stage="{s}"}} {n}'
+        for (ns, p, s), n in replicas.items()
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _replica_up(up: dict[tuple[str, str, str], int]) -> str:
+    lines = ["# TYPE omnikube_stage_replica_up gauge"]
+    lines += [
+        f'omnikube_stage_replica_up{{pipeline="{p}",stage="{s}",replica="{r}"}} {n}' for (p, s, r), n in up.items()
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def test_stage_down_fires_for_a_stage_without_ready_replicas_not_for_one_scaled_to_zero(cluster, tmp_path):
+    """The chart's PrometheusRule evaluated by a real Prometheus (every second, `for` 1s) over recorded series
+    scraped as the chart's monitors scrape them: the operator's desired replicas per stage, the routers' view
+    of each replica. A stage whose replicas all went (no router series) or are down fires; a stage scaled
+    to zero on purpose does not, though its router still exports its last replica at 0; once its
+    autoscaler asks for a replica that does not come, it fires."""
+    objs = template(cluster, "monitoring.rules.enabled=true", "serviceMonitor.enabled=true", "monitoring.rules.for=1s")
+    [rule] = find(objs, "PrometheusRule")
+    desired = {
+        ("ai", "chat", "llm"): 1,  # its one replica is down
+        ("ai", "t2i", "dit"): 0,  # scaled to zero (autoscaling minReplicas 0, no demand)
+        ("ai", "omni", "thinker"): 2,  # no router has seen a replica of it
+        ("ai", "omni", "talker"): 1,
+        ("ai", "omni", "code2wav"): 1,  # colocated in the talker's pods
+        ("team-b", "chat", "llm"): 1,  # same names, another namespace, up
+    }
+    exporter = Exporter()
+    exporter.pages["/operator"] = _desired(desired)
+    exporter.pages["/router-ai"] = _replica_up(
+        {
+            ("chat", "llm", "10.0.0.1:5000"): 0,
+            ("t2i", "dit", "10.0.0.2:5000"): 0,
+            ("omni", "talker", "10.0.0.3:5000"): 1,
+            ("omni", "code2wav", "10.0.0.3:5001"): 1,
+        }
+    )
+    exporter.pages["/router-b"] = _replica_up({("chat", "llm", "10.0.1.1:5000"): 1})
+    prometheus = Prometheus(prometheus_binary(), tmp_path, rule_groups=rule["spec"]["groups"]).start()
+    try:
+        # The operator's namespace on the target, as a ServiceMonitor sets it; honorLabels keeps the series' own.
+        prometheus.set_targets([exporter.target("/operator", namespace="omk-system")], operator=True)
+        prometheus.set_targets(
+            [
+                exporter.target("/router-ai", namespace="ai", pod="chat-router"),
+                exporter.target("/router-b", namespace="team-b", pod="chat-router"),
+            ]
+        )
+        prometheus.wait_scraped(3)
+
+        def alerts(state: str = "") -> set[tuple[str, str, str]]:
+            selector = 'alertname="OmnikubeStageDown"' + (f',alertstate="{state}"' if state else "")
+            found = prometheus.query(f"ALERTS{{{selector}}}")
+            return {(a["metric"]["namespace"], a["metric"]["pipeline"], a["metric"]["stage"]) for a in found}
+
+        down = {("ai", "chat", "llm"), ("ai", "omni", "thinker")}
+        wait_for(lambda: alerts("firing") >= down, 30, "OmnikubeStageDown firing", lambda: str(alerts()))
+        assert alerts() == down  # none pending either: every series was scraped together
+        # The autoscaler asks for a replica of the stage at zero and none comes up: now it is down too.
+        exporter.pages["/operator"] = _desired(desired | {("ai", "t2i", "dit"): 1})
+        activated = down | {("ai", "t2i", "dit")}
+        wait_for(lambda: alerts("firing") == activated, 30, "the activated stage down", lambda: str(alerts()))
+    finally:
+        prometheus.stop()
+        exporter.close()
 
 
 def test_schema_refuses_monitoring_values_that_would_do_nothing(cluster):
     for bad in ("monitoring.rules.errorRatio=2", "monitoring.rules.for=soon", "monitoring.dashbords.enabled=true"):
         out = helm(cluster, "template", "omk", str(CHART), "--set", bad, check=False)
         assert out.returncode != 0, bad
+    # Without the operator's metrics OmnikubeStageDown could never fire: refused, saying what to set.
+    out = helm(cluster, "template", "omk", str(CHART), "--set", "monitoring.rules.enabled=true", check=False)
+    assert out.returncode != 0 and "set serviceMonitor.enabled=true" in out.stderr, out.stderr
 
 
 def test_template_passes_server_side_validation(cluster, release):

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from omni_operator.metrics import STAGE_REPLICAS_DESIRED, OperatorMetrics
 from omni_operator.status.conditions import Condition, get_condition, set_condition
 from omni_operator.status.pipeline_status import PipelineObservation, pipeline_conditions
 from omni_operator.status.stage_status import stage_conditions
@@ -569,3 +570,30 @@ def test_a_stage_not_created_yet_reports_zero_and_is_waited_for():
         {"name": "code2wav", "replicas": 0, "readyReplicas": 0},
     ]
     assert ready == "1/3" and by_type["Ready"].status == "False"
+
+
+def test_the_operator_exports_each_stages_desired_replicas_until_the_stage_goes() -> None:
+    """omnikube_operator_stage_replicas_desired, which OmnikubeStageDown compares with the replicas the
+    routers see: one series per pipeline stage (a colocated stage under its group's count), following
+    spec.replicas as an autoscaler changes it through /scale, removed when the OmniStage goes."""
+    metrics = OperatorMetrics()
+
+    def desired() -> dict[tuple[str, str, str], float]:
+        return {
+            (s.labels["namespace"], s.labels["pipeline"], s.labels["stage"]): s.value
+            for family in metrics.registry.collect()
+            for s in family.samples
+            if s.name == STAGE_REPLICAS_DESIRED
+        }
+
+    talker = {"spec": {"pipeline": "omni", "stage": "talker", "colocated": ["code2wav"], "replicas": 2}}
+    metrics.observe_stage("ai", "omni-talker", talker)
+    metrics.observe_stage("ai", "omni-thinker", {"spec": {"pipeline": "omni", "stage": "thinker"}})
+    assert desired() == {("ai", "omni", "talker"): 2, ("ai", "omni", "code2wav"): 2, ("ai", "omni", "thinker"): 1}
+    talker["spec"]["replicas"] = 0  # scaled to zero through /scale
+    metrics.observe_stage("ai", "omni-talker", talker)
+    assert desired()[("ai", "omni", "code2wav")] == 0
+    metrics.observe_stage("ai", "omni-talker", None)
+    assert desired() == {("ai", "omni", "thinker"): 1}
+    metrics.forget_stages()  # the Lease lost: the new leader exports them
+    assert desired() == {}

@@ -29,6 +29,7 @@ from omni_operator.builders.router import build_router_objects, router_endpoint
 from omni_operator.builders.stage_workload import build_stage_deployment, build_stage_service, stage_selector
 from omni_operator.builders.trust import KEY_BYTES, build_key_secret, build_network_policies, key_secret_name
 from omni_operator.kube import FIELD_MANAGER, KubeClient, KubeError
+from omni_operator.metrics import OperatorMetrics
 from omni_operator.resolve import resolve_cluster_pipeline
 from omni_operator.status.conditions import Condition, get_condition, now_rfc3339, set_condition
 from omni_operator.status.pipeline_status import PipelineObservation, pipeline_conditions, spec_problem
@@ -72,6 +73,8 @@ class Context:
     registry: PipelineRegistry
     model_root: Path | None = None
     writes: int = 0
+    metrics: OperatorMetrics | None = None
+    """Where per-stage gauges go (the operator's registry); None in tests that need none."""
 
 
 async def _ensure(
@@ -411,7 +414,11 @@ async def reconcile_stage(ctx: Context, namespace: str, name: str) -> float | No
     seconds after which to reconcile it again though nothing changed (KEDA missing), or None."""
     live = await ctx.kube.get(API_VERSION, "OmniStage", name, namespace)
     if live is None or live["metadata"].get("deletionTimestamp"):
+        if ctx.metrics is not None:
+            ctx.metrics.observe_stage(namespace, name, None)
         return None
+    if ctx.metrics is not None:
+        ctx.metrics.observe_stage(namespace, name, live)
     seen = (live.get("status") or {}).get("workloadGeneration")
     collision: Condition | None = None
     deployment = None

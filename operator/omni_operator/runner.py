@@ -62,9 +62,10 @@ async def run_operator(config: OperatorConfig) -> None:
         # kopf's own login reads $KUBECONFIG: point it at the same file our client uses.
         os.environ["KUBECONFIG"] = config.kubeconfig
     kube = await KubeClient.from_environment(config.kubeconfig)
-    ctx = Context(kube=kube, registry=load_registry(config.pipelines_dirs), model_root=config.model_root)
-
     metrics = OperatorMetrics()
+    ctx = Context(
+        kube=kube, registry=load_registry(config.pipelines_dirs), model_root=config.model_root, metrics=metrics
+    )
     if config.metrics_port:
         metrics.serve(config.metrics_port)
 
@@ -111,6 +112,7 @@ async def run_operator(config: OperatorConfig) -> None:
 
     async def stopped() -> None:
         metrics.leader.set(0)
+        metrics.forget_stages()
         for task in resync:
             task.cancel()
         resync.clear()
