@@ -203,8 +203,9 @@ def test_talker_waits_for_the_thinker_and_stops_on_abort(folder: Path, reference
 
 
 def test_code2wav_windows_join_without_a_gap_and_batch_alike(folder: Path) -> None:
-    """Random codes, the real edge (first window 4, then 25): windowed == one-shot within 0.01, same
-    length; two requests decoded at once equal each decoded alone (1e-5)."""
+    """Random codes, the real edge (first window 4 or 2, then 25): windowed == one-shot within 0.01, same
+    length; two requests decoded at once equal each decoded alone (1e-5); a first window waiting beside
+    a longer window is decoded in a call of its own, and both equal their decodes alone (1e-5)."""
     import numpy as np
     import torch
 
@@ -217,14 +218,29 @@ def test_code2wav_windows_join_without_a_gap_and_batch_alike(folder: Path) -> No
             short, _ = await _decode(engine, codes[:30], "short", 0, 0)
             windowed, count = await _decode(engine, codes, "windowed", 4, 25)
             both = await asyncio.gather(_decode(engine, codes[:30], "a", 0, 0), _decode(engine, codes, "b", 0, 0))
-            return whole, short, windowed, count, both
+            small_first = await _decode(engine, codes, "small-first", 2, 25)
+            # a first window waiting beside a later (longer) window: decoded in a call of its own, ahead
+            history = torch.tensor(codes).T
+            calls = engine.stats()["calls_total"]
+            together = await asyncio.gather(
+                engine.decode_window(history[:, :60], 25), engine.decode_window(history[:, :2], 2)
+            )
+            calls = engine.stats()["calls_total"] - calls
+            alone = [await engine.decode_window(history[:, :60], 25), await engine.decode_window(history[:, :2], 2)]
+            return whole, short, windowed, count, both, small_first, together, calls, alone
         finally:
             await engine.stop()
 
-    whole, short, windowed, count, both = asyncio.run(main())
+    whole, short, windowed, count, both, small_first, together, calls, alone = asyncio.run(main())
     assert whole.shape == (80 * 1920 - 555,) and count == 5  # 4 + 25 + 25 + 25 + 1
     assert windowed.shape == whole.shape
     np.testing.assert_allclose(windowed, whole, atol=0.01)
+    # a first window of 2 frames (the edge's first_window): the same length, the same audio within 0.01
+    assert small_first[0].shape == whole.shape and small_first[1] == 5  # 2 + 25 + 25 + 25 + 3
+    np.testing.assert_allclose(small_first[0], whole, atol=0.01)
+    assert calls == 2
+    for got, expected in zip(together, alone, strict=True):
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=1e-5)
     np.testing.assert_allclose(both[0][0], short, atol=1e-5)
     np.testing.assert_allclose(both[1][0], whole, atol=1e-5)
 

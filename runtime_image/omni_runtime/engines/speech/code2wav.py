@@ -14,6 +14,14 @@ c * 1920 - tail on, and the first window keeps everything: the concatenation has
 of a one-shot decode, aligned sample for sample. Sample values differ from the one-shot decode by
 the context the window did not see (the decoder's attention reaches 72 frames back).
 
+On a GPU the decodes run on a high-priority CUDA stream of their own (a window colocated with a
+talker is scheduled ahead of the talker's kernels), and shapes met often are CUDA graphs: batch
+buckets (1, 2, 4, 8, 16, 32) x frame buckets (4, 8, 16, 32, 64; the bench captures its exact
+window lengths), captured at start; a call takes the smallest graph that holds it (more rows and
+right padding change nothing: padded rows are dropped, the decoder is causal), else runs eagerly.
+A first window (no left context) never waits in a call with longer windows: first windows are
+decoded in a call of their own, ahead of the others waiting at that moment.
+
 Input chunks: `{"codes": (frames, 16)}` or `{"input": (16, frames)}` (int). Output per chunk:
 `{"audio": float32 (samples,), "sample_rate": 24000}`. Engine args: `device`, `torch_dtype`
 (float32 unless given), `left_context` (25), `max_frames_per_call` (300).
@@ -45,6 +53,8 @@ log = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000
 ENGINE_ARGS = {"runner", "device", "torch_dtype", "left_context", "max_frames_per_call"}
+GRAPH_BATCHES = (1, 2, 4, 8, 16, 32)
+GRAPH_FRAMES = (4, 8, 16, 32, 64)
 
 
 class Qwen3Code2Wav:
@@ -78,8 +88,53 @@ class Qwen3Code2Wav:
         self.groups = config.num_quantizers
         self.codebook = config.codebook_size
         self.samples_per_frame = int(self.module.total_upsample)
-        # on a GPU, decodes run on their own stream so a window never queues behind a talker step
-        self.stream = torch.cuda.Stream(device) if str(device).startswith("cuda") else None
+        # on a GPU, decodes run on their own stream so a window never queues behind a talker step, at
+        # the highest priority so that, colocated, its kernels go ahead of a talker pass's
+        cuda = str(device).startswith("cuda")
+        self.stream: Any = None
+        if cuda:
+            low, high = torch.cuda.Stream.priority_range()
+            self.stream = torch.cuda.Stream(device, priority=min(low, high))
+        self._graphs: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
+        self._pool: Any = None
+        self.use_graphs = True
+        """False: every call runs eagerly (the bench's comparison)."""
+
+    def capture(self, batches: list[int], lengths: list[int]) -> None:
+        """CUDA graphs of the decode for these (batch, frames) shapes (no-op off CUDA). A shape that fails
+        to capture is logged and left to the eager path, which always works."""
+        import torch
+
+        if self.stream is None:
+            return
+        for batch in sorted(set(batches)):
+            for length in sorted(set(lengths)):
+                if (batch, length) in self._graphs:
+                    continue
+                codes = torch.zeros(batch, self.groups, length, dtype=torch.long, device=self.device)
+                try:
+                    self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                    with torch.inference_mode(), torch.cuda.stream(self.stream):
+                        for _ in range(2):  # warm-up outside the graph (cuDNN / cuBLAS pick their kernels)
+                            self.module(codes)
+                    graph = torch.cuda.CUDAGraph()
+                    if self._pool is None:
+                        self._pool = torch.cuda.graph_pool_handle()
+                    with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=self.stream):
+                        out = self.module(codes)[:, 0].float()
+                except Exception as exc:  # the eager path still decodes this shape
+                    log.warning(
+                        "code2wav: no CUDA graph for %d x %d frames (%s); those calls run eagerly", batch, length, exc
+                    )
+                    continue
+                self._graphs[(batch, length)] = (graph, codes, out)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        log.info("code2wav: CUDA graphs for (batch, frames) %s", sorted(self._graphs))
+
+    def _graph_for(self, count: int, longest: int) -> tuple[Any, Any, Any] | None:
+        """The captured graph with the fewest batch rows, then frames, that holds `count` x `longest`."""
+        fits = [key for key in self._graphs if key[0] >= count and key[1] >= longest] if self.use_graphs else []
+        return self._graphs[min(fits, key=lambda key: (key[0] * key[1], key))] if fits else None
 
     def decode(self, jobs: list[tuple[Any, int]]) -> list[Any]:
         """For each (codes [16, context + new], context frames): the float32 samples of the new frames.
@@ -93,22 +148,30 @@ class Qwen3Code2Wav:
         import torch
 
         longest = max(codes.shape[1] for codes, _ in jobs)
-        padded = torch.zeros(len(jobs), self.groups, longest, dtype=torch.long)
+        graph = self._graph_for(len(jobs), longest)
+        rows, length = (graph[1].shape[0], graph[1].shape[2]) if graph is not None else (len(jobs), longest)
+        padded = torch.zeros(rows, self.groups, length, dtype=torch.long)
         for i, (codes, _) in enumerate(jobs):
             padded[i, :, : codes.shape[1]] = codes
         on_stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), on_stream:  # the copies back wait on this stream, not the default one
-            wav = self.module(padded.to(self.device))[:, 0].float()
+            if graph is not None:
+                runner, codes_in, wav = graph
+                codes_in.copy_(padded)
+                runner.replay()
+            else:
+                wav = self.module(padded.to(self.device))[:, 0].float()
             if self.stream is not None:  # wait without holding the GIL (a talker may share the process)
                 from omni_runtime.engines.speech.slab_talker import wait_quietly
 
                 wait_quietly(self.device, self.stream)
-            tail = longest * self.samples_per_frame - wav.shape[-1]  # 555 for Qwen3-Omni's decoder
+            tail = length * self.samples_per_frame - wav.shape[-1]  # 555 for Qwen3-Omni's decoder
+            ends = [codes.shape[1] * self.samples_per_frame - tail for codes, _ in jobs]
+            host = wav[: len(jobs), : max(ends)].cpu()  # one copy back (a graph's output is reused next call)
             out = []
-            for i, (codes, context) in enumerate(jobs):
-                end = codes.shape[1] * self.samples_per_frame - tail
+            for i, (_, context) in enumerate(jobs):
                 start = context * self.samples_per_frame - tail if context else 0
-                out.append(wav[i, start:end].cpu())
+                out.append(host[i, start : ends[i]].clone())
         return out
 
 
@@ -149,6 +212,8 @@ class Code2WavEngine(Engine):
             self.model = await asyncio.to_thread(Qwen3Code2Wav, self.model_path, self.device, self.dtype)
         except Exception as exc:
             raise EngineError(f"stage {self.stage.name!r}: cannot load code2wav of {self.model_path}: {exc}") from exc
+        if self.model.stream is not None:  # graphs of the common shapes (see the module docstring)
+            await asyncio.to_thread(self.model.capture, list(GRAPH_BATCHES), list(GRAPH_FRAMES))
         self._task = asyncio.create_task(self._batcher(), name=f"code2wav-{self.stage.name}")
 
     def _codes(self, chunk: dict[str, Any]) -> Any:
@@ -222,10 +287,17 @@ class Code2WavEngine(Engine):
             self._aborted.discard(rid)
 
     async def _batcher(self) -> None:
+        waiting: list[_Job] = []
         while True:
-            jobs = [await self._queue.get()]
+            if not waiting:
+                waiting.append(await self._queue.get())
             while not self._queue.empty():
-                jobs.append(self._queue.get_nowait())
+                waiting.append(self._queue.get_nowait())
+            # first windows (no left context: short, and a request's first audio waits on them) go in a
+            # call of their own, ahead of the longer windows waiting with them
+            first = [job for job in waiting if job.context == 0]
+            jobs = first or waiting
+            waiting = [job for job in waiting if job not in jobs] if first else []
             assert self.model is not None
             try:
                 outputs = await asyncio.to_thread(self.model.decode, [(j.codes, j.context) for j in jobs])
