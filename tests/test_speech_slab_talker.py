@@ -118,6 +118,39 @@ def test_slab_talker_frames_equal_the_eager_loop_as_requests_join_and_leave(fold
     assert slab.free == [0, 1, 2, 3] and not slab.slots  # every slot given back
 
 
+def test_a_seed_draws_the_same_frames_alone_or_beside_other_requests(folder: Path, base) -> None:
+    """Sampled (not greedy) frames of a seeded request: the slab path's draws hash (seed, position,
+    candidate), so the request alone and beside two others gives the same frames; another seed not."""
+    from transformers import AutoTokenizer
+
+    from omni_runtime.engines.speech.sampling import Sampling
+    from omni_runtime.engines.speech.slab_talker import SlabTalker
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me a story"}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    slab = SlabTalker(base, max_batch=4, max_length=128)
+
+    def run(seeds: list[int]) -> list[list[list[int]]]:
+        requests = [
+            slab.new_request(f"s{i}", ids, "ethan", Sampling(max_tokens=6, seed=s)) for i, s in enumerate(seeds)
+        ]
+        out: dict[str, list[list[int]]] = {r.id: [] for r in requests}
+        for r in requests:
+            r.text, r.text_done = [100 + j for j in range(8)], True
+        while any(r.finish_reason is None for r in requests):
+            frames, _ = slab.advance([r for r in requests if r.finish_reason is None])
+            for rid, new in frames.items():
+                out[rid] += new
+        return [out[r.id] for r in requests]
+
+    alone = run([7])[0]
+    crowd = run([3, 7, 8])
+    assert len(alone) == 6 and crowd[1] == alone
+    assert crowd[0] != alone and crowd[2] != alone
+
+
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_graphs_replay_the_eager_passes(folder: Path) -> None:  # pragma: no cover - GPU only
     import torch

@@ -21,20 +21,24 @@ a CUDA graph and replayed; elsewhere the same code runs eagerly, which is what t
 The MoE layers run `grouped_moe`: tokens sorted by expert, one `torch._grouped_mm` for gate/up and
 one for down over all 128 experts (fixed shapes, no host sync, so it sits inside the graph).
 
-Sampling differs from the eager path in one way: draws come from the device's generator (an
-exponential race over the filtered distribution), so a request's `seed` does not reproduce the
-eager path's samples; greedy requests are exact.
+Sampling differs from the eager path in one way: draws are an exponential race over the filtered
+distribution whose noise is a counter-based hash of (the request's seed, its position, the group,
+the candidate), computed on the device inside the graphs. So a request with a `seed` draws the same
+frames on every run, alone or in any batch (its logits are the same up to the kernels a batch bucket
+picks), but not the eager path's samples (that one draws from a torch.Generator); a request without
+one gets a random seed; greedy requests are exact.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from omni_runtime.engines.speech.qwen3_talker import CODE_PREDICTOR_TOP_K, CODE_PREDICTOR_TOP_P, Qwen3Talker
 
-__all__ = ["SlabTalker", "grouped_moe", "sample_rows", "wait_quietly"]
+__all__ = ["SlabTalker", "grouped_moe", "hashed_exponential", "sample_rows", "wait_quietly"]
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +84,40 @@ def rms(norm: Any, x: Any) -> Any:
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
 
 
-def sample_rows(logits: Any, temperature: Any, top_k: Any, top_p: Any, greedy: Any, fixed_k: int = 0) -> Any:
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: Any) -> Any:
+    """A 32-bit integer hash (xorshift-multiply rounds) of int64 tensor values in [0, 2^32); every
+    product stays under 2^63, so CPU and GPU give the same bits."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    return x ^ (x >> 16)
+
+
+def hashed_exponential(seeds: Any, counters: Any, width: int) -> Any:
+    """Exp(1) draws [B, width] that depend only on (seed [B], counter [B], column): the same on every
+    run, whatever the batch, with no generator state (so they can sit inside a CUDA graph)."""
+    import torch
+
+    key = _mix32((seeds ^ _mix32(counters & _M32)) & _M32)
+    columns = torch.arange(width, device=seeds.device, dtype=torch.long)
+    bits = _mix32((key[:, None] + columns[None] * 0x9E3779B9) & _M32)
+    uniform = (bits >> 8).float() * (1.0 / (1 << 24)) + 1.0 / (1 << 25)  # in (0, 1)
+    return -torch.log(uniform)
+
+
+def sample_rows(
+    logits: Any, temperature: Any, top_k: Any, top_p: Any, greedy: Any, fixed_k: int = 0, noise: Any = None
+) -> Any:
     """One token per row of `logits` [B, V] (float), all on the device: argmax where `greedy` [B], else
     temperature [B], top-k [B] (<= 0: off) and top-p [B] as transformers filters, then an exponential
     race (argmax of p / Exp(1) draws a token with probability p). `fixed_k`: every row's top-k is
-    this one number (the code predictor's 50), so a `topk` replaces the sort of the whole vocabulary."""
+    this one number (the code predictor's 50), so a `topk` replaces the sort of the whole vocabulary.
+    `noise`: the Exp(1) draws per ranked candidate [B, fixed_k or V] (`hashed_exponential`); default
+    fresh ones from the device's generator."""
     import torch
 
     vocab = logits.shape[-1]
@@ -101,7 +134,7 @@ def sample_rows(logits: Any, temperature: Any, top_k: Any, top_p: Any, greedy: A
     before = probs.cumsum(-1) - probs  # mass of the tokens ranked above: keep while < top_p (first always)
     ordered = ordered.masked_fill(before >= top_p[:, None], float("-inf"))
     probs = ordered.softmax(-1)
-    race = probs / torch.empty_like(probs).exponential_()
+    race = probs / (noise if noise is not None else torch.empty_like(probs).exponential_())
     drawn = order.gather(-1, race.argmax(-1, keepdim=True))[:, 0]
     return torch.where(greedy, best, drawn)
 
@@ -169,6 +202,7 @@ class SlabTalker:
         self.top_p = torch.ones(s, device=dev)
         self.penalty = torch.ones(s, device=dev)
         self.greedy = torch.ones(s, dtype=torch.bool, device=dev)
+        self.seeds = torch.zeros(s, dtype=torch.long, device=dev)
         self.positions = torch.arange(max_length, device=dev)
         self.slots: dict[int, _Slot] = {}
         self.free = list(range(max_batch))
@@ -247,7 +281,8 @@ class SlabTalker:
         logits = torch.where(
             self.history[:n], torch.where(logits < 0, logits * penalty, logits / penalty), logits
         ).masked_fill(self.base.suppress, float("-inf"))
-        code = sample_rows(logits, self.temperature[:n], self.top_k[:n], self.top_p[:n], self.greedy[:n])
+        noise = hashed_exponential(self.seeds[:n], self.lengths[:n] * self.groups, logits.shape[-1])
+        code = sample_rows(logits, self.temperature[:n], self.top_k[:n], self.top_p[:n], self.greedy[:n], noise=noise)
         on = self.active[:n]
         self.hidden[:n] = torch.where(on[:, None], hidden, self.hidden[:n])
         self.code0[:n] = torch.where(on, code, self.code0[:n])
@@ -267,11 +302,12 @@ class SlabTalker:
         ones = torch.ones(n, device=self.device)
         k50 = torch.full((n,), CODE_PREDICTOR_TOP_K, dtype=torch.long, device=self.device)
         p08 = torch.full((n,), CODE_PREDICTOR_TOP_P, device=self.device)
+        # rope of all the sub-steps' positions at once (the same values per position as one call each)
+        cos_all, sin_all = predictor.rotary_emb(x, torch.arange(self.groups, device=self.device)[None].expand(n, -1))
         start = 0
         for group in range(self.groups - 1):
             t = x.shape[1]
-            position_ids = (torch.arange(t, device=self.device) + start).view(1, t).expand(n, t)
-            cos, sin = predictor.rotary_emb(x, position_ids)
+            cos, sin = cos_all[:, start : start + t], sin_all[:, start : start + t]
             for index, layer in enumerate(predictor.layers):
 
                 def write(k: Any, v: Any, index: int = index, start: int = start, t: int = t) -> tuple[Any, Any]:
@@ -283,7 +319,9 @@ class SlabTalker:
                 x = x + self._attend(layer.self_attn, h, cos, sin, write, None)
                 x = x + self._mlp(layer.mlp, rms(layer.post_attention_layernorm, x))
             logits = heads[group](rms(predictor.norm, x[:, -1])).float()
-            code = sample_rows(logits, ones, k50, p08, self.greedy[:n], fixed_k=CODE_PREDICTOR_TOP_K)
+            counters = self.lengths[:n] * self.groups + group + 1  # the decode pass draws at lengths * groups
+            noise = hashed_exponential(self.seeds[:n], counters, min(CODE_PREDICTOR_TOP_K, logits.shape[-1]))
+            code = sample_rows(logits, ones, k50, p08, self.greedy[:n], fixed_k=CODE_PREDICTOR_TOP_K, noise=noise)
             codes.append(code)
             x = predictor.codec_embedding[group](code).unsqueeze(1)
             total = total + x[:, 0]
@@ -435,6 +473,8 @@ class SlabTalker:
             self.top_p[i] = sampling.top_p
             self.penalty[i] = sampling.repetition_penalty
             self.greedy[i] = sampling.greedy
+            seed = sampling.seed if sampling.seed is not None else secrets.randbits(32)
+            self.seeds[i] = (seed ^ (seed >> 32)) & _M32
 
     def _release(self, r: Any) -> None:
         slot = self.slots.pop(id(r), None)
