@@ -21,6 +21,17 @@ per request; all requests of a round arrive at once.
   audio-s/s = audio seconds of the round / the round's wall time.
   Colocated (both on GPU 0) and split (talker GPU 0, code2wav GPU 1; codes hop through host memory as
   they would through the shm edge).
+- variants of ours, all in the same run: `before` (first window 4, eager code2wav, windows decoded in
+  arrival order: the previous run's path), `ours-fw4` (code2wav CUDA graphs per (batch, frames) bucket,
+  first windows decoded in a call of their own ahead of longer ones, first window 4) and `ours`
+  (the same with `--first-window`, default 2). Each line also prints where the median TTFP goes
+  (frame 1, the first window's last frame and when its thinker token was due, window queued, decode
+  started, first packet) and the playback stall (playing each answer in real time from its first
+  packet: how long it waits for later packets in all; a smaller first window plays out sooner).
+- `--engine-check`: the stage engines themselves (`make_engine` on the registry's qwen3-omni topology)
+  on a tiny checkpoint written to a temp folder: on CUDA the talker engine runs the slab talker with its
+  graphs and code2wav captures its graphs at start; a seeded request alone, again, among three others,
+  and its frames through code2wav in windows against the one-shot length.
 """
 
 from __future__ import annotations
@@ -206,18 +217,35 @@ class _Stream:
     text: list[int]
     fed: int = 0
     codes: list[list[int]] = field(default_factory=list)
+    frame_times: list[float] = field(default_factory=list)
     sent: int = 0
+    first_queued: float | None = None
+    first_started: float | None = None
     first_packet: float | None = None
     last_packet: float = 0.0
     samples: int = 0
     windows: int = 0
+    packets: list[tuple[float, float]] = field(default_factory=list)
+    """(arrival time, audio seconds) of each packet."""
+
+
+@dataclass
+class Variant:
+    """One configuration of our path: first window size, code2wav CUDA graphs, first windows first."""
+
+    name: str
+    first_window: int
+    graphs: bool
+    first_priority: bool
 
 
 class Code2WavWorker:
-    """One thread: every window queued at the moment is decoded in one call (its own CUDA stream)."""
+    """One thread: every window queued at the moment is decoded in one call (its own CUDA stream); with
+    `first_priority`, first windows (no left context) go in a call of their own, ahead of the others."""
 
-    def __init__(self, coder: Qwen3Code2Wav) -> None:
+    def __init__(self, coder: Qwen3Code2Wav, first_priority: bool) -> None:
         self.coder = coder
+        self.first_priority = first_priority
         self.jobs: queue.Queue = queue.Queue()
         self.calls = 0
         self.windows = 0
@@ -226,18 +254,29 @@ class Code2WavWorker:
         self.thread.start()
 
     def _run(self) -> None:
+        waiting: list[Any] = []
+        stopping = False
         while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            batch = [job]
+            if not waiting:
+                if stopping:
+                    return
+                job = self.jobs.get()
+                if job is None:
+                    return
+                waiting.append(job)
             while not self.jobs.empty():
                 extra = self.jobs.get_nowait()
                 if extra is None:
-                    self.jobs.put(None)
+                    stopping = True
                     break
-                batch.append(extra)
+                waiting.append(extra)
+            first = [job for job in waiting if job[2] == 0] if self.first_priority else []
+            batch = first or waiting
+            waiting = [job for job in waiting if all(job is not b for b in batch)]
             started = time.perf_counter()
+            for stream, _, context in batch:
+                if context == 0 and stream.first_started is None:
+                    stream.first_started = started
             wavs = self.coder.decode([(codes, context) for _, codes, context in batch])
             now = time.perf_counter()
             self.busy += now - started
@@ -249,10 +288,25 @@ class Code2WavWorker:
                 stream.last_packet = now
                 stream.samples += wav.shape[0]
                 stream.windows += 1
+                stream.packets.append((now, wav.shape[0] / RATE))
 
     def stop(self) -> None:
         self.jobs.put(None)
         self.thread.join()
+
+
+def stall_ms(stream: _Stream) -> float:
+    """Playback from the first packet on, in real time: how long it waits for packets in all."""
+    if not stream.packets:
+        return 0.0
+    stalled = 0.0
+    playing_until = stream.packets[0][0]
+    for arrived, seconds in stream.packets:
+        if arrived > playing_until:
+            stalled += arrived - playing_until
+            playing_until = arrived
+        playing_until += seconds
+    return 1000 * stalled
 
 
 def _cut(stream: _Stream, worker: Code2WavWorker, args: argparse.Namespace, final: bool) -> None:
@@ -260,6 +314,8 @@ def _cut(stream: _Stream, worker: Code2WavWorker, args: argparse.Namespace, fina
     while True:
         pending = len(stream.codes) - stream.sent
         need = args.first_window if stream.sent == 0 else args.window
+        if stream.sent == 0 and (pending >= need or (final and pending > 0)):
+            stream.first_queued = time.perf_counter()
         if pending <= 0 or (pending < need and not final):
             return
         new = min(pending, need)
@@ -269,9 +325,13 @@ def _cut(stream: _Stream, worker: Code2WavWorker, args: argparse.Namespace, fina
         stream.sent += new
 
 
-def round_trip(talker: SlabTalker, coder: Qwen3Code2Wav, count: int, args: argparse.Namespace) -> dict[str, float]:
+def round_trip(
+    talker: SlabTalker, coder: Qwen3Code2Wav, count: int, args: argparse.Namespace, variant: Variant
+) -> dict[str, Any]:
     base = talker.base
-    worker = Code2WavWorker(coder)
+    coder.use_graphs = variant.graphs
+    args = argparse.Namespace(**{**vars(args), "first_window": variant.first_window})
+    worker = Code2WavWorker(coder, variant.first_priority)
     sampling = Sampling(temperature=0.9, top_k=50, max_tokens=args.frames)
     streams = []
     start = time.perf_counter()
@@ -296,6 +356,7 @@ def round_trip(talker: SlabTalker, coder: Qwen3Code2Wav, count: int, args: argpa
             new = frames.get(s.request.id)
             if new:
                 s.codes.extend(new)
+                s.frame_times.extend([time.perf_counter()] * len(new))
             _cut(s, worker, args, final=s.request.finish_reason is not None)
         if not moved:
             time.sleep(0.0005)
@@ -305,7 +366,23 @@ def round_trip(talker: SlabTalker, coder: Qwen3Code2Wav, count: int, args: argpa
     ttfp = [1000 * ((s.first_packet or end) - start) for s in streams]
     rtf = [(s.last_packet - start) / a for s, a in zip(streams, audio, strict=True) if a]
     reasons = {s.request.finish_reason for s in streams}
+    fw = args.first_window
+
+    def part(times: list[float | None]) -> float:
+        return statistics.median(1000 * ((t if t is not None else end) - start) for t in times)
+
+    stalls = [stall_ms(s) for s in streams]
     return {
+        "parts": (
+            f"frame 1 at {part([s.frame_times[0] if s.frame_times else None for s in streams]):.0f}, "
+            f"frame {fw} at {part([s.frame_times[fw - 1] if len(s.frame_times) >= fw else None for s in streams]):.0f}"
+            f" (its thinker token due at {1000 * fw / args.rate:.0f}), first window queued "
+            f"{part([s.first_queued for s in streams]):.0f}, "
+            f"decode started {part([s.first_started for s in streams]):.0f}"
+            f", first packet {part([s.first_packet for s in streams]):.0f}"
+        ),
+        "stall_ms": statistics.median(stalls),
+        "stall_max_ms": max(stalls),
         "ttfp_ms": statistics.median(ttfp),
         "ttfp_max_ms": max(ttfp),
         "rtf": statistics.median(rtf),
@@ -384,6 +461,100 @@ def bf16_error(config: Any, coder: Qwen3Code2Wav) -> None:
     del fp32
 
 
+ENGINE_PROMPT_TOKENS = 40
+
+
+def engine_check(args: argparse.Namespace) -> None:
+    """The stage engines themselves (`make_engine` on the registry's qwen3-omni topology, as a stage
+    pod runs them) on a checkpoint folder of the tiny config written here: on CUDA the talker engine
+    wraps the slab talker (CUDA graphs) and code2wav captures its graphs at start. One seeded request
+    alone, the same request among three others, and its frames through code2wav in windows."""
+    import asyncio
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from omni_runtime.engines.base import EngineInput
+    from omni_runtime.engines.factory import make_engine
+    from omni_runtime.registry import get_pipeline
+    from omni_runtime.spec import resolve_pipeline
+
+    config = build_config(tiny=True)
+    folder = Path(tempfile.mkdtemp(prefix="speech-engine-"))
+    base, coders = build(config, "cpu", torch.float32, ["cpu"])
+    config.save_pretrained(folder)
+    tensors = {f"talker.{k}": v for k, v in base.talker.state_dict().items()}
+    tensors.update({f"code2wav.{k}": v for k, v in next(iter(coders.values())).module.state_dict().items()})
+    tensors["thinker.model.embed_tokens.weight"] = base.thinker_embed
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    pipeline = resolve_pipeline(get_pipeline("qwen3-omni"), name="bench", model=str(folder))
+
+    async def talk(engine: Any, rid: str, seed: int, frames: int) -> tuple[list[list[int]], float]:
+        text = text_ids(ENGINE_PROMPT_TOKENS, seed)
+        params = {"temperature": 0.9, "top_k": 50, "max_tokens": frames, "seed": seed, "voice": "ethan"}
+
+        async def chunks():
+            for token in text[1:]:
+                await asyncio.sleep(1 / args.rate)
+                yield {"thinker_token_ids": [token]}
+
+        request = EngineInput(rid, {"thinker_prompt_ids": prompt_ids(config), "thinker_token_ids": text[:1]}, params)
+        request.chunks = chunks()
+        out: list[list[int]] = []
+        started, first = time.perf_counter(), None
+        async for output in engine.generate(request):
+            if "codes" in output.data:
+                first = first or time.perf_counter()
+                out.extend(output.data["codes"].tolist())
+        return out, 1000 * ((first or time.perf_counter()) - started)
+
+    async def speak(engine: Any, codes: list[list[int]], first_window: int) -> int:
+        import numpy as np
+
+        cuts = [0, first_window, *range(first_window + args.window, len(codes), args.window), len(codes)]
+        pieces = [np.asarray(codes[a:b], dtype=np.int64) for a, b in zip(cuts, cuts[1:], strict=False) if a < b]
+
+        async def chunks():
+            for piece in pieces[1:]:
+                yield {"codes": piece}
+
+        request = EngineInput("speak", {"codes": pieces[0]}, {})
+        request.chunks = chunks()
+        return sum([len(o.data["audio"]) async for o in engine.generate(request) if "audio" in o.data])
+
+    async def run() -> None:
+        talker = make_engine(pipeline, "talker")
+        code2wav = make_engine(pipeline, "code2wav")
+        await talker.start()
+        await code2wav.start()
+        try:
+            model = talker.model
+            alone, ttfp = await talk(talker, "alone", 7, 40)
+            again, _ = await talk(talker, "again", 7, 40)
+            crowd = await asyncio.gather(*(talk(talker, f"c{i}", 7 if i == 0 else 100 + i, 40) for i in range(4)))
+            other, _ = await talk(talker, "other", 8, 40)
+            samples = await speak(code2wav, alone, args.first_window)
+            coder = code2wav.model
+            whole = torch.tensor(alone, dtype=torch.long).T.contiguous()
+            one_shot = (await asyncio.to_thread(coder.decode, [(whole, 0)]))[0].shape[0]
+            graphs = len(getattr(model, "_graphs", {}))
+            print(
+                f"engine path: Qwen3TalkerEngine on {talker.device} ran {type(model).__name__} ({graphs} CUDA graphs), "
+                f"Code2WavEngine on {code2wav.device} ({len(coder._graphs)} CUDA graphs); seeded request: "
+                f"{len(alone)} frames, first frames after {ttfp:.0f} ms (tiny model); same seed again: "
+                f"{'equal' if again == alone else 'DIFFERENT'}; same seed among 3 others: "
+                f"{'equal' if crowd[0][0] == alone else 'DIFFERENT'}; another seed: "
+                f"{'different' if other != alone else 'EQUAL'}; code2wav windows ({args.first_window}, then "
+                f"{args.window}): {samples} samples, one-shot length {one_shot}: "
+                f"{'exact' if samples == one_shot else 'MISMATCH'}"
+            )
+        finally:
+            await talker.stop()
+            await code2wav.stop()
+
+    asyncio.run(run())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny test config (for debugging on a CPU)")
@@ -393,11 +564,18 @@ def main() -> None:
     parser.add_argument("--baseline-frames", type=int, default=188)
     parser.add_argument("--text-tokens", type=int, default=60)
     parser.add_argument("--rate", type=float, default=50.0, help="thinker tokens per second per request")
-    parser.add_argument("--first-window", type=int, default=4)
+    parser.add_argument("--first-window", type=int, default=2, help="our first window (frames)")
     parser.add_argument("--window", type=int, default=25)
     parser.add_argument("--left-context", type=int, default=25)
     parser.add_argument("--max-length", type=int, default=512, help="talker KV slab positions per slot")
     parser.add_argument("--layouts", default="colocated,split")
+    parser.add_argument(
+        "--variants",
+        default="before,ours-fw4,ours",
+        help="before: first window 4, eager code2wav, windows in arrival order (the previous run's path); "
+        "ours-fw4: code2wav CUDA graphs + first windows first, first window 4; ours: the same, --first-window",
+    )
+    parser.add_argument("--engine-check", action="store_true", help="also run the stage engines (tiny config)")
     args = parser.parse_args()
     sys.setswitchinterval(0.0005)  # two Python threads drive the GPU: hand the GIL over within 0.5 ms, not 5
     cuda = args.device.startswith("cuda")
@@ -409,8 +587,19 @@ def main() -> None:
         layouts["split"] = "cuda:1"
     layouts = {k: v for k, v in layouts.items() if k in args.layouts.split(",")}
     concurrency = [int(c) for c in args.concurrency.split(",")]
+    known = {
+        "before": Variant("before", 4, False, False),
+        "ours-fw4": Variant("ours-fw4", 4, True, True),
+        "ours": Variant(f"ours-fw{args.first_window}", args.first_window, True, True),
+    }
+    variants = [known[name] for name in args.variants.split(",")]
     print(f"command: {' '.join(sys.argv)}")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0) if cuda else 'cpu'} x {gpus}")
+    if args.engine_check:
+        try:
+            engine_check(args)
+        except Exception as exc:  # report and measure on
+            print(f"engine check failed: {type(exc).__name__}: {exc}")
     config = build_config(args.tiny)
     if not args.tiny:
         print(f"sizes not given by the transformers defaults (released Qwen3-Omni values): {FULL}")
@@ -435,41 +624,62 @@ def main() -> None:
     print(f"captured CUDA graphs for batch buckets {buckets} in {took:.1f} s" if talker.use_graphs else "eager passes")
     if talker.use_graphs:
         pass_times(talker, sorted(buckets))
-    for layout, c2w_device in layouts.items():
-        coder = coders[c2w_device]
-        round_trip(talker, coder, min(2, max(concurrency)), argparse.Namespace(**{**vars(args), "frames": 8}))
-        for c in concurrency:
-            try:
-                r = round_trip(talker, coder, c, args)
-            except Exception as exc:  # report and measure on
-                print(f"ours {layout} c={c} failed: {type(exc).__name__}: {exc}")
-                continue
-            results[f"{layout}-{c}"] = r
+    if cuda and any(v.graphs for v in variants):
+        lengths = {args.left_context + args.window}
+        for v in variants:
+            lengths |= {v.first_window, v.first_window + args.window}
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max(concurrency)] + [max(concurrency)]
+        for device, coder in coders.items():
+            started = time.perf_counter()
+            coder.capture(sizes, sorted(lengths))
             print(
-                f"ours {layout:9s} c={c:3d}: TTFP median {r['ttfp_ms']:.0f} ms (max {r['ttfp_max_ms']:.0f}), "
-                f"RTF median {r['rtf']:.3f} (max {r['rtf_max']:.3f}), {r['audio_s_per_s']:.1f} audio-s/s, "
-                f"{r['audio_s']:.2f} s audio each, {r['steps']} steps in {r['wall_s']:.2f} s, code2wav "
-                f"{r['c2w_calls']} calls x {r['c2w_windows_per_call']:.1f} windows ({r['c2w_busy_s']:.2f} s busy), "
-                f"finish {r['reasons']}"
+                f"code2wav on {device}: {len(coder._graphs)} CUDA graphs (batch {sizes} x frames {sorted(lengths)}) "
+                f"in {time.perf_counter() - started:.1f} s"
             )
+    for variant in variants:
+        for layout, c2w_device in layouts.items():
+            coder = coders[c2w_device]
+            warm = argparse.Namespace(**{**vars(args), "frames": 2 * args.window})
+            round_trip(talker, coder, min(2, max(concurrency)), warm, variant)
+            for c in concurrency:
+                try:
+                    r = round_trip(talker, coder, c, args, variant)
+                except Exception as exc:  # report and measure on
+                    print(f"{variant.name} {layout} c={c} failed: {type(exc).__name__}: {exc}")
+                    continue
+                results[f"{variant.name}-{layout}-{c}"] = r
+                print(
+                    f"{variant.name:8s} {layout:9s} c={c:3d}: TTFP median {r['ttfp_ms']:.0f} ms "
+                    f"(max {r['ttfp_max_ms']:.0f}), RTF median {r['rtf']:.3f} (max {r['rtf_max']:.3f}), "
+                    f"{r['audio_s_per_s']:.1f} audio-s/s, {r['audio_s']:.2f} s audio each, playback stall median "
+                    f"{r['stall_ms']:.0f} ms (max {r['stall_max_ms']:.0f}), {r['steps']} steps in {r['wall_s']:.2f} s"
+                    f", code2wav {r['c2w_calls']} calls x {r['c2w_windows_per_call']:.1f} windows "
+                    f"({r['c2w_busy_s']:.2f} s busy), finish {r['reasons']}\n    TTFP parts (median ms after "
+                    f"arrival): {r['parts']}"
+                )
     b = results.get("baseline")
-    for layout in layouts:
-        top = results.get(f"{layout}-{max(concurrency)}")
-        if b and top:
-            ratio = top["audio_s_per_s"] / b["audio_s_per_s"]
-            print(
-                f"{layout}: audio-s/s at c={max(concurrency)} / sequential baseline = "
-                f"{top['audio_s_per_s']:.1f} / {b['audio_s_per_s']:.2f} = {ratio:.1f}x"
-            )
-    one, top = results.get("colocated-1"), results.get(f"colocated-{max(concurrency)}")
-    if one and top and not args.tiny:
-        checks = [
-            ("TTFP <= 100 ms at c=1", one["ttfp_ms"] <= 100),
-            (f"TTFP <= 250 ms at c={max(concurrency)}", top["ttfp_ms"] <= 250),
-            (f"RTF <= 0.25 at c={max(concurrency)}", top["rtf"] <= 0.25),
-            (f">= 128 audio-s/s at c={max(concurrency)}", top["audio_s_per_s"] >= 128),
-        ]
-        print("targets (colocated, medians): " + "; ".join(f"{n}: {'met' if ok else 'NOT met'}" for n, ok in checks))
+    top_c = max(concurrency)
+    for variant in variants:
+        for layout in layouts:
+            top = results.get(f"{variant.name}-{layout}-{top_c}")
+            if b and top:
+                ratio = top["audio_s_per_s"] / b["audio_s_per_s"]
+                print(
+                    f"{variant.name} {layout}: audio-s/s at c={top_c} / sequential baseline = "
+                    f"{top['audio_s_per_s']:.1f} / {b['audio_s_per_s']:.2f} = {ratio:.1f}x"
+                )
+            one, top = results.get(f"{variant.name}-{layout}-1"), results.get(f"{variant.name}-{layout}-{top_c}")
+            if one and top and not args.tiny:
+                checks = [
+                    ("TTFP <= 100 ms at c=1", one["ttfp_ms"] <= 100),
+                    (f"TTFP <= 250 ms at c={top_c}", top["ttfp_ms"] <= 250),
+                    (f"RTF <= 0.25 at c={top_c}", top["rtf"] <= 0.25),
+                    (f">= 128 audio-s/s at c={top_c}", top["audio_s_per_s"] >= 128),
+                ]
+                print(
+                    f"targets ({variant.name}, {layout}, medians): "
+                    + "; ".join(f"{n}: {'met' if ok else 'NOT met'}" for n, ok in checks)
+                )
 
 
 if __name__ == "__main__":
