@@ -31,6 +31,7 @@ from chartlib import Release, ServiceAccountOperator, operator_release
 from clusterlib import apply, condition, kubectl_json, wait_for
 from podrunner.node import RUNNER_LABEL
 from prometheus_client.parser import text_string_to_metric_families
+from promlib import Prometheus, dashboard_panels, pod_targets, prometheus_binary
 
 from omni_operator.resolve import stage_ports
 from omni_runtime.tiny_models import default_cache_dir, ensure
@@ -329,6 +330,47 @@ def test_speech_route(env: Env) -> None:
         )  # fmt: skip
     assert wav_frames(wav.content) > 0
     assert_nothing_held(env)
+
+
+@only_qwen3
+def test_prometheus_sees_the_colocated_stage_on_its_own_port(env: Env, tmp_path) -> None:
+    """code2wav runs in the talker's pod as its own process, serving /metrics on the port named http-1: a real
+    Prometheus scraping the ports the chart's PodMonitor keeps has its series, and the dashboard's per-stage
+    panel shows it beside the thinker and the talker once a request ran."""
+    prometheus = Prometheus(prometheus_binary(), tmp_path).start()
+    try:
+        groups = pod_targets(env.pods())
+        prometheus.set_targets(groups)
+        prometheus.wait_scraped(len(groups))
+        own = f'namespace="{env.ns}",pipeline="{env.name}"'
+        ready = {r["metric"]["stage"] for r in prometheus.query(f"omnikube_stage_ready{{{own}}} == 1")}
+        assert ready == {"thinker", "talker", "code2wav"}, ready
+
+        def speak() -> None:
+            with env.client() as api:
+                wav = api.audio.speech.create(
+                    model=env.name, input="Hi.", voice=env.m.voice, response_format="wav",
+                    extra_body={"sampling_params_list": [{"max_tokens": 4}, {}]},
+                )  # fmt: skip
+            assert wav_frames(wav.content) > 0
+
+        # A histogram's series appears with its first observation, which a rate cannot count: one request
+        # makes every stage's series (when earlier cases have not), the next is what the panel shows.
+        speak()
+        count = f'omnikube_stage_latency_seconds_count{{{own},stage="code2wav"}}'
+        wait_for(lambda: prometheus.query(count), 30, "code2wav's latency series scraped", prometheus.log)
+        speak()
+        [latency] = dashboard_panels(namespace=env.ns, pipeline=env.name, stage=".*", __rate_interval="1m")[
+            "Stage latency p90"
+        ]
+
+        def stages() -> set[str] | None:
+            seen = {r["metric"]["stage"] for r in prometheus.query(latency) if r["value"][1] != "NaN"}
+            return seen if "code2wav" in seen else None
+
+        wait_for(stages, 60, "code2wav on the dashboard's stage latency panel", lambda: str(prometheus.query(latency)))
+    finally:
+        prometheus.stop()
 
 
 @only_qwen3
