@@ -144,7 +144,9 @@ def build_router_objects(
         "env": env,
         # Ready: every stage has a ready replica (the Service sends clients only then). Alive: the process
         # serves; never tied to the stages, or a router would restart-loop while a model loads.
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        # Checked every 2 s so the router is Ready (and a roll goes on) within 2 s of its last stage, not up
+        # to 5 s later; 7 failures in a row (14 s, as 3 x 5 s before) take it out of its Service.
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2, "failureThreshold": 7},
         "livenessProbe": {
             "httpGet": {"path": "/livez", "port": "http"},
             "periodSeconds": router.liveness_probe.period_seconds,
