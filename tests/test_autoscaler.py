@@ -218,6 +218,21 @@ def test_the_crd_names_the_defaults_and_metrics_the_builder_uses() -> None:
     for kind in StageKind:
         assert f"{default_metric(kind).value} for {kind.value} stages" in metric_words
     for metric, name in SIGNAL_METRICS.items():
-        if metric is not AutoscalingMetric.QUEUE:
-            assert f"{metric.value} (" in metric_words and name in metric_words
-            assert f"{metric.value} {DEFAULT_AUTOSCALING_TARGETS[metric]}" in target_words
+        if metric is AutoscalingMetric.QUEUE:
+            continue
+        assert f"{metric.value} {DEFAULT_AUTOSCALING_TARGETS[metric]}" in target_words
+        # The words say how the builder reads the signal: the pipeline's p90 over the window, or per replica.
+        query = autoscaler_queries_for(metric)
+        if "histogram_quantile(0.9," in query:
+            assert (
+                f"{metric.value} (p90 of {name})" in metric_words
+                and metric.value in fields["windowSeconds"]["description"]
+            )
+        else:
+            assert f"{metric.value} ({name} per replica)" in metric_words and query.startswith(f"sum({name}{{")
+
+
+def autoscaler_queries_for(metric: AutoscalingMetric) -> str:
+    """The query of the trigger that a talker autoscaled on `metric` gets."""
+    manifest = sample("qwen3-omni.yaml", "talker", {"maxReplicas": 2, "metric": metric.value})
+    return triggers(autoscalers(manifest)["qwen3-omni-talker"])[metric.value.lower()]["metadata"]["query"]

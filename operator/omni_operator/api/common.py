@@ -36,6 +36,7 @@ __all__ = [
     "Autoscaling",
     "AutoscalingEngine",
     "AutoscalingMetric",
+    "AUTOSCALING_P90_SIGNALS",
     "AUTOSCALING_SIGNAL_METRICS",
     "DEFAULT_AUTOSCALING_METRICS",
     "DEFAULT_AUTOSCALING_TARGETS",
@@ -304,18 +305,20 @@ DEFAULT_AUTOSCALING_TARGETS: dict[AutoscalingMetric, str] = {
 """`autoscaling.target` when unset, per metric (queue uses targetQueueDepth)."""
 
 _KIND_EXAMPLES = {StageKind.GENERATION: " (talker, code2wav)"}
-_SIGNAL_WORDS = {
-    AutoscalingMetric.TTFT: "p90 of {}",
-    AutoscalingMetric.TTFP: "p90 of {}",
-    AutoscalingMetric.RTF: "p90 of {}",
-    AutoscalingMetric.DENOISING_STEPS: "{} per replica",
-}
+AUTOSCALING_P90_SIGNALS = (AutoscalingMetric.TTFT, AutoscalingMetric.TTFP, AutoscalingMetric.RTF)
+"""Signals the autoscaler reads as the pipeline's p90 over `windowSeconds` (a histogram); the others are
+gauges summed over the stage's replicas and compared per replica."""
+
+
+def _signal_words(metric: AutoscalingMetric) -> str:
+    name = AUTOSCALING_SIGNAL_METRICS[metric]
+    return f"p90 of {name}" if metric in AUTOSCALING_P90_SIGNALS else f"{name} per replica"
 
 
 def _metric_description() -> str:
     """`autoscaling.metric`'s description, written from the tables above so the CRD cannot drift from them."""
     signals = ", ".join(
-        f"{m.value} ({words.format(AUTOSCALING_SIGNAL_METRICS[m])})" for m, words in _SIGNAL_WORDS.items()
+        f"{m.value} ({_signal_words(m)})" for m in AutoscalingMetric if m is not AutoscalingMetric.QUEUE
     )
     unset = ", ".join(
         f"{metric.value} for {kind.value} stages{_KIND_EXAMPLES.get(kind, '')}"
@@ -395,7 +398,11 @@ class Autoscaling(KubeModel):
     metric: AutoscalingMetric | None = Field(None, description=_metric_description())
     target: AutoscalingTarget | None = Field(None, description=_target_description())
     window_seconds: Int = Field(
-        60, ge=15, le=3600, description="Window of the p90 of ttft, ttfp and rtf (a PromQL rate range)."
+        60,
+        ge=15,
+        le=3600,
+        description=f"Window of the p90 of {', '.join(m.value for m in AUTOSCALING_P90_SIGNALS[:-1])} and "
+        f"{AUTOSCALING_P90_SIGNALS[-1].value} (a PromQL rate range).",
     )
     scale_down_stabilization_seconds: Int = Field(
         300,

@@ -13,6 +13,7 @@ from typing import Any
 
 from omni_operator.api import API_VERSION, AutoscalingEngine, AutoscalingMetric, OmniStage, parse_quantity
 from omni_operator.api.common import (
+    AUTOSCALING_P90_SIGNALS,
     AUTOSCALING_SIGNAL_METRICS,
     DEFAULT_AUTOSCALING_METRICS,
     DEFAULT_AUTOSCALING_TARGETS,
@@ -42,8 +43,6 @@ WAITING_METRIC = "omnikube_stage_requests_waiting_for_replica"
 SIGNAL_METRICS = AUTOSCALING_SIGNAL_METRICS
 """The runtime metric behind each signal (histograms by their base name): the CRD's table, so the
 queries and the field descriptions name the same metrics."""
-
-_PERCENTILES = (AutoscalingMetric.TTFT, AutoscalingMetric.TTFP, AutoscalingMetric.RTF)
 
 
 def default_metric(kind: StageKind) -> AutoscalingMetric:
@@ -75,7 +74,7 @@ def autoscaler_queries(stage: OmniStage, namespace: str) -> list[tuple[Autoscali
         return out
     target = _number(scaling.target if scaling.target is not None else DEFAULT_AUTOSCALING_TARGETS[metric])
     name = SIGNAL_METRICS[metric]
-    if metric in _PERCENTILES:
+    if metric in AUTOSCALING_P90_SIGNALS:
         window = f"{scaling.window_seconds}s"
         query = f"histogram_quantile(0.9, sum by (le) (rate({name}_bucket{{{router}}}[{window}])))"
         out.append((metric, query, target, "Value"))
