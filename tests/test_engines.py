@@ -465,6 +465,53 @@ async def test_ar_stop_leaves_no_process_behind(ar: AREngine, children_before_vl
     await ar.stop()  # idempotent
 
 
+@models
+def test_an_ar_stage_that_would_fail_every_request_never_becomes_ready(model_dir: Path, tmp_path: Path) -> None:
+    """`max_model_len: 1` is a real engine arg with which vLLM loads but no request can run (a prompt and
+    its first token need 2 positions): the stage's self-check (one greedy token before it reports ready)
+    fails, and the `omnikube stage` process exits with an EngineFailed termination message saying what to
+    change, which the operator reports as the pipeline's Degraded reason. vLLM's processes go with it (a
+    child left behind would hold the captured output open, and the run would time out)."""
+    import subprocess
+    import sys
+
+    from omni_operator.status.reasons import Reason
+    from omni_operator.status.stage_status import pod_problem
+    from omni_runtime.connectors.mooncake_master import free_port
+    from omni_runtime.stage.auth import PipelineKey
+    from omni_runtime.stage.settings import StageSettings
+    from omni_runtime.stage.termination import ExitReason, Termination
+
+    pipeline = _prompt_enhanced(str(model_dir), enhancer={"engine_args": {**AR_ARGS, "max_model_len": 1}})
+    config = tmp_path / "resolved.json"
+    config.write_text(pipeline.model_dump_json(by_alias=True))
+    termination = tmp_path / "termination-log"
+    termination.write_text("")  # the kubelet creates the file; the stage only writes into it
+    key = tmp_path / "pipeline-key"
+    PipelineKey.write_new(key)
+    settings = StageSettings(
+        config=str(config), pipeline_key_file=str(key), stage="enhancer", host="127.0.0.1", port=free_port(),
+        http_port=free_port(), termination_log=str(termination),
+    )  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "omni_runtime.cli", settings.command, *settings.to_argv()],
+        capture_output=True, text=True, timeout=540,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    told = Termination.parse(termination.read_text())
+    assert told is not None and told.reason is ExitReason.ENGINE_FAILED, termination.read_text()
+    assert "self-check" in told.message and "every request would fail" in told.message
+    assert "max_model_len 1" in told.message and "raise max_model_len" in told.message
+    status = {
+        "name": "enhancer", "ready": False, "restartCount": 1,
+        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": termination.read_text()}},
+    }  # fmt: skip
+    pod = {"metadata": {"name": "t-enhancer-0"}, "status": {"phase": "Running", "containerStatuses": [status]}}
+    cond = pod_problem([pod], "enhancer")
+    assert cond is not None and cond.reason is Reason.ENGINE_FAILED and "raise max_model_len" in cond.message
+
+
 # --- models: diffusion --------------------------------------------------------------------------
 
 

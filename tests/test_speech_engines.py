@@ -283,6 +283,44 @@ def test_speech_engines_refuse_what_they_cannot_run(folder: Path, reference) -> 
     asyncio.run(main())
 
 
+@pytest.mark.parametrize(
+    ("topology", "folder_name", "stage", "what"),
+    [
+        ("qwen3-omni", "tiny-qwen3-omni", "talker", "a greedy one-frame request"),
+        ("qwen3-omni", "tiny-qwen3-omni", "code2wav", "decoding 4 codec frames"),
+        ("qwen2-5-omni", "tiny-qwen2-5-omni", "talker", "a greedy one-frame request"),
+        ("qwen2-5-omni", "tiny-qwen2-5-omni", "code2wav", "decoding 4 codec frames"),
+    ],
+)
+def test_a_speech_stage_that_would_fail_every_request_never_becomes_ready(
+    topology: str, folder_name: str, stage: str, what: str
+) -> None:
+    """`device: meta` is a real engine arg (torch's meta device: the modules load as shapes and compute
+    nothing), with which each speech engine (Qwen3 talker and code2wav, Qwen2.5 talker and token2wav) loads
+    but no request can run. Its self-check (one tiny request before the stage reports ready) fails, and
+    `start()` raises saying what ran and what to change instead of the stage failing every request (the stage
+    process turns that into an EngineFailed termination message, tests/test_engines.py runs it for `ar`).
+    Every other test here starts these engines with the topology's defaults, so there the self-check passes."""
+    defaults = next(s for s in get_pipeline(topology).stages if s.name == stage).engine_args
+    pipeline = resolve_pipeline(
+        get_pipeline(topology), name="o", model=str(tiny_model(folder_name)),
+        stages=[StageOverride(name=stage, engine_args={**defaults, "device": "meta"})],
+    )  # fmt: skip
+    engine = make_engine(pipeline, stage)
+
+    async def main():
+        try:
+            with pytest.raises(EngineError) as err:
+                await engine.start()
+        finally:
+            await engine.stop()
+        return str(err.value)
+
+    message = asyncio.run(main())
+    assert f"stage {stage!r}: the self-check ({what}" in message and "on meta" in message
+    assert "every request would fail" in message and "check the stage's engine_args device" in message
+
+
 def test_qwen2_5_token2wav_whole_equals_transformers_and_windows_join() -> None:
     """Whole output (edge window 0): transformers' own token2wav waveform for the same speaker and noise
     seed (within 1e-5). Windowed (the registry's edge: 4 codes, then 25): each window gives exactly its

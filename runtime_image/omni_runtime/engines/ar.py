@@ -26,6 +26,12 @@ them). Text prompts carry neither and wait for no rows.
 
 On CPU, `cpu_defaults` fills in what a CPU deployment needs and vLLM's GPU-minded defaults get
 wrong, only where the user set nothing (see `CPU_ENGINE_DEFAULTS` and `cpu_defaults`).
+
+Before the stage reports ready it runs a self-check: one greedy request for one token, with the stage's
+sampling_params, through `generate` as every request (rendering, vLLM's scheduler and sampler, the
+hidden-state route when on). When it fails, `start()` stops vLLM and raises with what to change, so the
+stage never becomes ready instead of failing every request (e.g. a `max_model_len` that leaves no room
+for a prompt and its first token). It costs one prefill of a few tokens and one sampled token.
 """
 
 from __future__ import annotations
@@ -49,7 +55,15 @@ from omni_runtime.engines.ar_tools import (
     parser_class,
     template_tools,
 )
-from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.engines.base import (
+    SELF_CHECK_ID,
+    Engine,
+    EngineError,
+    EngineInput,
+    EngineOutput,
+    InvalidRequest,
+    self_check,
+)
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 
 __all__ = [
@@ -61,6 +75,7 @@ __all__ = [
     "HIDDEN_STATE_ARG",
     "MEDIA_HIDDEN_ARG",
     "REGISTRY_ONLY_ENGINE_ARGS",
+    "SELF_CHECK_PROMPT",
     "SHUTDOWN_TIMEOUT_S",
     "companion_id",
     "companion_requests",
@@ -127,6 +142,9 @@ CPU_ENV_DEFAULTS: dict[str, str] = {
 - `OMP_NUM_THREADS`: when unset, the cgroup CPU limit (rounded down, at least 1), so torch does not
   start one thread per host core inside a limited container (see `_cgroup_cpu_limit`).
 """
+
+SELF_CHECK_PROMPT = "Hello"
+"""The self-check's prompt: a short text every tokenizer reads as at least one token."""
 
 SHUTDOWN_TIMEOUT_S = 30.0
 """How long vLLM's engine core gets to exit on `stop()` before it is killed (vLLM's default, 5 s, is
@@ -462,8 +480,29 @@ class AREngine(Engine):
         self._sampling_fields = _sampling_fields()
         if self.tool_parser is not None:
             self._tool_parser_cls = parser_class(self.tool_parser, self.llm.model_config, renderer.tokenizer)
+        try:
+            await self._self_check()
+        except EngineError:
+            await self.stop()  # vLLM's processes go with the failed start: the caller has no engine to stop
+            raise
         self.load_seconds = time.monotonic() - started
-        log.info("stage %s: vLLM loaded %s in %.1fs", self.stage.name, self.model_path, self.load_seconds)
+        log.info(
+            "stage %s: vLLM loaded %s and passed its self-check in %.1fs",
+            self.stage.name, self.model_path, self.load_seconds,
+        )  # fmt: skip
+
+    async def _self_check(self) -> None:
+        """One greedy 1-token request through `generate` (the stage's sampling_params, prompt rendering,
+        vLLM's scheduler and sampler, the hidden-state route when on): see the module docstring."""
+        # min_tokens 0: a stage default above 1 would refuse max_tokens 1, which is this check's, not a client's
+        params = {"max_tokens": 1, "min_tokens": 0, "temperature": 0.0}
+        await self_check(
+            self,
+            EngineInput(SELF_CHECK_ID, {"prompt": SELF_CHECK_PROMPT}, params),
+            f"a greedy 1-token request for the prompt {SELF_CHECK_PROMPT!r} on vLLM",
+            "check the stage's engine_args (dtype, quantization, max_model_len...) and sampling_params, and that "
+            "the model folder holds a complete checkpoint vLLM runs on this device",
+        )
 
     def sampling_params(self, params: dict[str, Any]):
         """vLLM SamplingParams from the stage defaults overlaid with `params` (DELTA output).

@@ -7,6 +7,8 @@ every kind, and the router never knows which engine is behind a stage.
 
 from __future__ import annotations
 
+import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -14,7 +16,18 @@ from typing import Any
 
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 
-__all__ = ["Engine", "EngineError", "EngineInput", "EngineOutput", "InvalidRequest", "refuse_unknown_params"]
+__all__ = [
+    "SELF_CHECK_ID",
+    "Engine",
+    "EngineError",
+    "EngineInput",
+    "EngineOutput",
+    "InvalidRequest",
+    "refuse_unknown_params",
+    "self_check",
+]
+
+log = logging.getLogger(__name__)
 
 Payload = dict[str, Any]
 """Same value types as connectors' Payload: tensors, bytes, str, numbers, None, lists/dicts of those."""
@@ -117,3 +130,28 @@ class Engine(ABC):
     def voices(self) -> list[str]:
         """The speakers a request may name as `voice` (speech stages), once started; [] otherwise."""
         return []
+
+
+SELF_CHECK_ID = "omnikube-self-check"
+"""The request id of an engine's self-check (never one a router sends: its ids are random hex)."""
+
+
+async def self_check(engine: Engine, request: EngineInput, what: str, hint: str) -> None:
+    """Run `request` (one tiny request) through `engine.generate`, as every request runs, to its finished
+    output, before the stage reports ready: a stage whose every request would fail never becomes ready.
+
+    Raises EngineError saying what ran (`what`), what failed, and what to change (`hint`; for an
+    InvalidRequest, that the stage's own args refuse it)."""
+    started = time.monotonic()
+    try:
+        outs = [out async for out in engine.generate(request)]
+        if not outs or not outs[-1].finished:
+            raise EngineError(f"the engine ended the request after {len(outs)} outputs without a finished one")
+    except Exception as exc:
+        if isinstance(exc, InvalidRequest):
+            hint = "the stage's engine_args or sampling_params refuse even this request; change them"
+        raise EngineError(
+            f"stage {engine.stage.name!r}: the self-check ({what}) failed, so every request would fail: "
+            f"{type(exc).__name__}: {exc}; {hint}"
+        ) from exc
+    log.info("stage %s: self-check passed (%s in %.2fs)", engine.stage.name, what, time.monotonic() - started)

@@ -37,12 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from omni_runtime.engines.base import (
+    SELF_CHECK_ID,
     Engine,
     EngineError,
     EngineInput,
     EngineOutput,
     InvalidRequest,
     refuse_unknown_params,
+    self_check,
 )
 from omni_runtime.engines.speech.stage_args import checked_engine_args, stage_device, stage_dtype, stage_model_path
 from omni_runtime.spec import ResolvedPipeline, StageSpec
@@ -52,6 +54,8 @@ __all__ = ["Code2WavEngine", "Qwen3Code2Wav"]
 log = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000
+SELF_CHECK_FRAMES = 4
+"""Codec frames (all code 0) the self-check decodes before the stage reports ready: one short window."""
 ENGINE_ARGS = {"runner", "device", "torch_dtype", "left_context", "max_frames_per_call"}
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32)
 GRAPH_FRAMES = (4, 8, 16, 32, 64)
@@ -215,6 +219,23 @@ class Code2WavEngine(Engine):
         if self.model.stream is not None:  # graphs of the common shapes (see the module docstring)
             await asyncio.to_thread(self.model.capture, list(GRAPH_BATCHES), list(GRAPH_FRAMES))
         self._task = asyncio.create_task(self._batcher(), name=f"code2wav-{self.stage.name}")
+        import torch
+
+        try:
+            await self_check(
+                self,
+                EngineInput(
+                    SELF_CHECK_ID, {"codes": torch.zeros(SELF_CHECK_FRAMES, self.model.groups, dtype=torch.long)}
+                ),
+                f"decoding {SELF_CHECK_FRAMES} codec frames on {self.device} in {self.dtype}",
+                "check the stage's engine_args device and torch_dtype (float32 runs everywhere), and that "
+                "the model folder holds the code2wav of a complete checkpoint",
+            )
+        except EngineError:
+            await self.stop()
+            raise
+        # the counters count served work from zero (the check is no client's)
+        self._stats = dict.fromkeys(self._stats, 0.0)
 
     def _codes(self, chunk: dict[str, Any]) -> Any:
         """The chunk's frames as a LongTensor [16, frames] (InvalidRequest when malformed)."""

@@ -34,12 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_runtime.engines.base import (
+    SELF_CHECK_ID,
     Engine,
     EngineError,
     EngineInput,
     EngineOutput,
     InvalidRequest,
     refuse_unknown_params,
+    self_check,
 )
 from omni_runtime.engines.speech.sampling import Sampling
 from omni_runtime.engines.speech.stage_args import checked_engine_args, stage_device, stage_dtype, stage_model_path
@@ -158,6 +160,25 @@ class TalkerEngine(Engine):
         except Exception as exc:
             raise EngineError(f"stage {self.stage.name!r}: cannot load the talker of {self.model_path}: {exc}") from exc
         self._task = asyncio.create_task(self._loop(), name=f"talker-{self.stage.name}")
+        try:
+            await self_check(
+                self,
+                EngineInput(SELF_CHECK_ID, self.self_check_payload(), {"max_tokens": 1, "temperature": 0.0}),
+                f"a greedy one-frame request for the default speaker {self.default_speaker!r} on {self.device} in "
+                f"{self.dtype}",
+                "check the stage's engine_args device and torch_dtype (float32 runs everywhere), and that the model "
+                "folder holds the talker of a complete checkpoint",
+            )
+        except EngineError:
+            await self.stop()
+            raise
+        # the counters count served work from zero (the check is no client's)
+        self._stats = dict.fromkeys(self._stats, 0.0)
+
+    def self_check_payload(self) -> dict[str, Any]:
+        """The first (and only) payload of the self-check: a short user turn and the assistant's turn with
+        two thinker tokens, the thinker done (the model's own ids, so the check fits any checkpoint)."""
+        raise NotImplementedError
 
     def voices(self) -> list[str]:
         return sorted(self.model.speakers) if self.model is not None else []
@@ -335,6 +356,14 @@ class Qwen3TalkerEngine(TalkerEngine):
 
         return SlabTalker(talker, max_batch=self.max_requests)
 
+    def self_check_payload(self) -> dict[str, Any]:
+        c = self.model.config
+        user = [c.im_start_token_id, c.user_token_id, c.im_end_token_id]
+        return {
+            "thinker_prompt_ids": [*user, c.im_start_token_id, c.assistant_token_id, c.im_end_token_id],
+            "thinker_token_ids": [c.im_end_token_id, c.im_end_token_id],
+        }
+
     def new_request(
         self, request_id: str, first: dict[str, Any], speaker: str, sampling: Sampling, extra: Any = None
     ) -> Any:
@@ -380,6 +409,18 @@ class Qwen25TalkerEngine(TalkerEngine):
         from omni_runtime.engines.speech.qwen25_talker import Qwen25Talker
 
         return Qwen25Talker(self.model_path, self.device, self.dtype)
+
+    def self_check_payload(self) -> dict[str, Any]:
+        import torch
+
+        rows = torch.zeros(3, self.model.hidden_size)  # two prompt positions and the first thinker token
+        return {
+            "thinker_prompt_ids": [0, 1],
+            "thinker_token_ids": [2],
+            "thinker_embeds": rows,
+            "thinker_hidden": rows,
+            "thinker_hidden_layer": self.model.thinker_layers,
+        }
 
     def new_request(
         self, request_id: str, first: dict[str, Any], speaker: str, sampling: Sampling, extra: Any = None

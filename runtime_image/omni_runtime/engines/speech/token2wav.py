@@ -41,12 +41,14 @@ from pathlib import Path
 from typing import Any
 
 from omni_runtime.engines.base import (
+    SELF_CHECK_ID,
     Engine,
     EngineError,
     EngineInput,
     EngineOutput,
     InvalidRequest,
     refuse_unknown_params,
+    self_check,
 )
 from omni_runtime.engines.speech.stage_args import checked_engine_args, stage_device, stage_model_path
 from omni_runtime.spec import ResolvedPipeline, StageSpec
@@ -56,6 +58,8 @@ __all__ = ["Qwen25Token2Wav", "Token2WavEngine", "WindowJob"]
 log = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000
+SELF_CHECK_FRAMES = 4
+"""Codec frames (all code 0) the self-check decodes before the stage reports ready: one short window."""
 DEFAULT_VOICE = "Chelsie"
 ENGINE_ARGS = {"runner", "device", "num_steps", "left_context"}
 GUIDANCE_SCALE = 0.5
@@ -235,6 +239,22 @@ class Token2WavEngine(Engine):
         except Exception as exc:
             raise EngineError(f"stage {self.stage.name!r}: cannot load token2wav of {self.model_path}: {exc}") from exc
         self._task = asyncio.create_task(self._batcher(), name=f"token2wav-{self.stage.name}")
+        import torch
+
+        try:
+            await self_check(
+                self,
+                EngineInput(SELF_CHECK_ID, {"codes": torch.zeros(SELF_CHECK_FRAMES, dtype=torch.long)}),
+                f"decoding {SELF_CHECK_FRAMES} codec frames on {self.device}",
+                "check the stage's engine_args device and num_steps, and that the model folder holds the "
+                "token2wav of a complete checkpoint",
+            )
+        except EngineError:
+            await self.stop()
+            raise
+        # the counters count served work from zero (the check is no client's)
+        self._stats = dict.fromkeys(self._stats, 0.0)
+        self.model.calls = 0
 
     async def _batcher(self) -> None:
         """Decode the windows waiting at the same moment (of concurrent requests) together."""
