@@ -25,6 +25,9 @@ decoded in a call of their own, ahead of the others waiting at that moment.
 Input chunks: `{"codes": (frames, 16)}` or `{"input": (16, frames)}` (int). Output per chunk:
 `{"audio": float32 (samples,), "sample_rate": 24000}`. Engine args: `device`, `torch_dtype`
 (float32 unless given), `left_context` (25), `max_frames_per_call` (300).
+
+Before the stage reports ready, `start()` decodes `SELF_CHECK_FRAMES` frames through `generate` (a
+self-check); when that fails it stops and raises with what to change, instead of failing every request.
 """
 
 from __future__ import annotations

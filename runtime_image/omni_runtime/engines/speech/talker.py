@@ -21,6 +21,10 @@ One background task runs the decode loop (the model's `advance`) in a worker thr
 at a time, over every live request. When no request can move (all wait for the thinker) the loop
 sleeps until a payload, a request or an abort arrives. Engine args: `device` (cuda when available),
 `torch_dtype` (bfloat16 on cuda, float32 on cpu), `max_requests` (64: more running at once are refused).
+
+Before the stage reports ready, `start()` runs a self-check through `generate`: one greedy one-frame
+request for the default speaker (a prefill and one code-predictor pass); when it fails the engine stops
+and `start()` raises with what to change, instead of the stage failing every request.
 """
 
 from __future__ import annotations

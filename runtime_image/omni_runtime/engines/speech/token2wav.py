@@ -28,6 +28,9 @@ Input chunks: `{"codes": (frames,) or (frames, 1)}` or `{"input": (1, frames)}` 
 codec ids, end token excluded). Output: `{"audio": float32 (samples,), "sample_rate": 24000}` per
 window (one for a whole output). Engine args: `device`, `num_steps` (10, the ODE steps of the DiT),
 `left_context` (25 codes).
+
+Before the stage reports ready, `start()` decodes `SELF_CHECK_FRAMES` codes through `generate` (a
+self-check, whole or windowed as the edge says); when that fails it stops and raises with what to change.
 """
 
 from __future__ import annotations
