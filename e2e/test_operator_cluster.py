@@ -16,9 +16,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from clusterlib import REPO, apply, condition, keda_crd, kubectl_json, stop_process_group, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+from localcluster import free_port
+from omni_operator.metrics import STAGE_REPLICAS_DESIRED
 
 pytestmark = pytest.mark.cluster
 
@@ -31,6 +36,7 @@ class OperatorProcess:
 
     def __init__(self, cluster, log_path: Path, identity: str) -> None:
         self.cluster, self.log_path, self.identity = cluster, log_path, identity
+        self.metrics_port = free_port()
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> OperatorProcess:
@@ -48,6 +54,8 @@ class OperatorProcess:
                     "default",
                     "--resync-seconds",
                     "600",
+                    "--metrics-port",
+                    str(self.metrics_port),
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -61,6 +69,16 @@ class OperatorProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
+
+    def desired_replicas(self, namespace: str, pipeline: str, stage: str) -> float | None:
+        """The operator's omnikube_operator_stage_replicas_desired for one stage, from its /metrics."""
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5, trust_env=False).text
+        want = {"namespace": namespace, "pipeline": pipeline, "stage": stage}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == STAGE_REPLICAS_DESIRED and sample.labels == want:
+                    return sample.value
+        return None
 
 
 @pytest.fixture(scope="module")
@@ -542,6 +560,13 @@ def test_kubectl_scale_and_the_operators_hpa_drive_an_autoscaled_stage(cluster, 
     )
     ready = wait_ready(cluster, operator, namespace, "auto")
     assert ready["status"]["stages"][0]["replicas"] == 4
+    # What the HPA asked for through /scale is what the operator exports for OmnikubeStageDown.
+    wait_for(
+        lambda: operator.desired_replicas(namespace, "auto", "llm") == 4,
+        30,
+        "the operator's desired replicas follow /scale",
+        lambda: str(operator.desired_replicas(namespace, "auto", "llm")),
+    )
 
     # Dropping autoscaling removes the HPA; the pipeline's replicas own the stage again.
     apply(cluster, namespace, pipeline("auto", "text-chat", [{"name": "llm", "replicas": 2}]))
@@ -607,6 +632,7 @@ def test_keda_missing_then_installed(cluster, operator, namespace) -> None:
         assert get(cluster, namespace, "scaledobject", "zero-llm")["spec"]["minReplicaCount"] == 0
         config = json.loads(get(cluster, namespace, "configmap", "zero-config")["data"]["resolved.json"])
         assert config["scale_from_zero"] == ["llm"]
+        assert operator.desired_replicas(namespace, "zero", "llm") == 0  # scaled to zero: not "down"
 
         # Switching engine replaces the ScaledObject by an HPA.
         scaling["engine"] = "hpa"
