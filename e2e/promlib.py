@@ -20,7 +20,15 @@ from clusterlib import REPO, stop_process_group, wait_for
 
 from localcluster import free_port
 
-__all__ = ["METRICS_PORT_NAMES", "Prometheus", "dashboard_panels", "metric_names", "pod_targets", "prometheus_binary"]
+__all__ = [
+    "METRICS_PORT_NAMES",
+    "Prometheus",
+    "dashboard_panels",
+    "dashboard_variables",
+    "metric_names",
+    "pod_targets",
+    "prometheus_binary",
+]
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 SCRAPE_INTERVAL = "1s"
@@ -54,6 +62,23 @@ def dashboard_panels(**variables: str) -> dict[str, list[str]]:
                 exprs.append(expr)
             panels[panel["title"]] = exprs
     return panels
+
+
+def dashboard_variables(**variables: str) -> dict[str, tuple[str, str]]:
+    """Each query variable of the chart's dashboards as (PromQL selector, label): Grafana offers the values
+    of `label` among the series `selector` matches (`label_values(selector, label)`)."""
+    out: dict[str, tuple[str, str]] = {}
+    for path in sorted((REPO / "charts" / "omnikube" / "files" / "dashboards").glob("*.json")):
+        for var in json.loads(path.read_text())["templating"]["list"]:
+            if var["type"] != "query":
+                continue
+            found = re.fullmatch(r"label_values\((.*), *(\w+)\)", var["query"]["query"])
+            assert found, var["query"]
+            selector = found.group(1)
+            for name in sorted(variables, key=len, reverse=True):
+                selector = selector.replace(f"${name}", variables[name])
+            out[var["name"]] = (selector, found.group(2))
+    return out
 
 
 def pod_targets(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -31,7 +31,7 @@ from chartlib import Release, ServiceAccountOperator, operator_release
 from clusterlib import apply, condition, kubectl_json, wait_for
 from podrunner.node import RUNNER_LABEL
 from prometheus_client.parser import text_string_to_metric_families
-from promlib import Prometheus, dashboard_panels, pod_targets, prometheus_binary
+from promlib import Prometheus, dashboard_panels, dashboard_variables, pod_targets, prometheus_binary
 
 from omni_operator.resolve import stage_ports
 from omni_runtime.tiny_models import default_cache_dir, ensure
@@ -335,8 +335,9 @@ def test_speech_route(env: Env) -> None:
 @only_qwen3
 def test_prometheus_sees_the_colocated_stage_on_its_own_port(env: Env, tmp_path) -> None:
     """code2wav runs in the talker's pod as its own process, serving /metrics on the port named http-1: a real
-    Prometheus scraping the ports the chart's PodMonitor keeps has its series, and the dashboard's per-stage
-    panel shows it beside the thinker and the talker once a request ran."""
+    Prometheus scraping the ports the chart's PodMonitor keeps has its series, the dashboard's stage picker
+    offers it, and the dashboard's per-stage panel shows it beside the thinker and the talker once a request
+    ran."""
     prometheus = Prometheus(prometheus_binary(), tmp_path).start()
     try:
         groups = pod_targets(env.pods())
@@ -345,6 +346,10 @@ def test_prometheus_sees_the_colocated_stage_on_its_own_port(env: Env, tmp_path)
         own = f'namespace="{env.ns}",pipeline="{env.name}"'
         ready = {r["metric"]["stage"] for r in prometheus.query(f"omnikube_stage_ready{{{own}}} == 1")}
         assert ready == {"thinker", "talker", "code2wav"}, ready
+        # The dashboard's stage picker offers it too.
+        selector, label = dashboard_variables(namespace=env.ns, pipeline=env.name)["stage"]
+        offered = {r["metric"].get(label) for r in prometheus.query(selector)}
+        assert {"thinker", "talker", "code2wav"} <= offered, offered
 
         def speak() -> None:
             with env.client() as api:
