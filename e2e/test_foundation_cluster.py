@@ -173,9 +173,6 @@ INVALID_AUTOSCALING = [
         "spec.stages[0].autoscaling.scaleDownStabilizationSeconds",
         "greater than or equal to 0",
     ),
-    ("window-short", {"maxReplicas": 2, "windowSeconds": 5}, "spec.stages[0].autoscaling.windowSeconds", "15"),
-    ("max-zero", {"maxReplicas": 0}, "spec.stages[0].autoscaling.maxReplicas", "greater than or equal to 1"),
-    ("queue-depth-zero", {"maxReplicas": 2, "targetQueueDepth": 0}, "spec.stages[0].autoscaling.targetQueueDepth", "1"),
 ]
 
 
@@ -193,11 +190,11 @@ def test_autoscaling_that_would_misbehave_is_refused_saying_what_to_set(
     assert field in out.stderr and words in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("target", [2, "500m", "1.5", "1e-1"])
-def test_autoscaling_targets_above_zero_are_accepted(cluster, namespace: str, target) -> None:
-    obj = _mutate("spec.stages.0.autoscaling", AUTOSCALING_LLM | {"target": target})(_valid_pipeline("target-ok"))
-    out = _apply(cluster, namespace, obj)
-    assert out.returncode == 0, out.stderr
+def test_autoscaling_targets_above_zero_are_accepted(cluster, namespace: str) -> None:
+    for target in (2, "500m", "1.5", "1e-1"):  # both forms of an int-or-string pass the CEL rule
+        obj = _mutate("spec.stages.0.autoscaling", AUTOSCALING_LLM | {"target": target})(_valid_pipeline("target-ok"))
+        out = _apply(cluster, namespace, obj)
+        assert out.returncode == 0, (target, out.stderr)
 
 
 def _omnistage(name: str) -> dict:
