@@ -143,6 +143,11 @@ def test_thinker_to_talker_hands_over_the_thinkers_rows_and_tokens() -> None:
     assert out["thinker_embeds"].dtype == torch.float32 and tuple(out["thinker_hidden"].shape) == (4, 8)
     assert torch.allclose(out["thinker_hidden"], torch.from_numpy(last).float())
     assert torch.allclose(out["thinker_embeds"], torch.from_numpy(embeds).float())
+    assert "thinker_media_grids" not in out  # a text prompt has none; a media prompt's go with the rows
+    grids = {"image_grid_thw": [[1, 4, 4]], "audio_feature_lengths": [50]}
+    media = apply_processor("thinker_to_talker", thinker, {"primary": {**payload, "media_grids": grids}},
+                            ProcessorContext("r"))  # fmt: skip
+    assert media["thinker_media_grids"] == grids and media["thinker_hidden_layer"] == 2
     with pytest.raises(ProcessorError, match="hidden_state_layers to \\[0, -1\\]"):
         only = {**payload, "hidden_states": {"2": last}}
         apply_processor("thinker_to_talker", thinker, {"primary": only}, ProcessorContext("r"))

@@ -162,6 +162,10 @@ def test_hidden_state_layers_never_reach_vllm_and_refuse_what_they_replace() -> 
         _thinker("/models/none", hidden_state_layers=[0], speculative_config={"method": "ngram"}).engine_args()
     with pytest.raises(EngineError, match="enable_prefix_caching"):
         _thinker("/models/none", hidden_state_layers=[0], enable_prefix_caching=True).engine_args()
+    # a prompt's media grids go to the talker with the rows (Qwen2.5-Omni); a cached media item has none
+    assert engine.engine_args()["mm_processor_cache_gb"] == 0
+    with pytest.raises(EngineError, match="mm_processor_cache_gb cannot be combined with hidden_state_layers"):
+        _thinker("/models/none", hidden_state_layers=[0], mm_processor_cache_gb=4).engine_args()
 
 
 def test_media_hidden_layer_never_reaches_vllm_and_refuses_what_it_cannot_run_with() -> None:

@@ -454,15 +454,20 @@ def q25_reference() -> list[dict]:
 
 async def _talk25(engine, ref: dict, rid: str, streamed: bool) -> list[int]:
     """Feed the thinker's rows as the ar engine sends them: streamed, one token per chunk, the row of
-    token j-1 with token j (the prompt's rows with the first); or whole, in one input."""
+    token j-1 with token j (the prompt's rows with the first, through the edge's real processor, with
+    the media grids of a media prompt); or whole, in one input."""
+    from omni_runtime.processors import ProcessorContext, apply_processor
+
     prompt, tokens, n = ref["prompt"], ref["tokens"], len(ref["prompt"])
     params = {"temperature": 0.0, "max_tokens": ref["frames"], "voice": "Ethan"}
+    grids = {"thinker_media_grids": ref["grids"]} if "grids" in ref else {}
 
     def rows(a: int, b: int) -> dict:
         return {"thinker_embeds": ref["embeds"][a:b], "thinker_hidden": ref["hidden"][a:b], "thinker_hidden_layer": 2}
 
     if not streamed:
-        request = EngineInput(rid, {"thinker_prompt_ids": prompt, "thinker_token_ids": tokens, **rows(0, None)}, params)
+        whole = {"thinker_prompt_ids": prompt, "thinker_token_ids": tokens, **rows(0, None), **grids}
+        request = EngineInput(rid, whole, params)
     else:
 
         async def chunks():
@@ -470,7 +475,12 @@ async def _talk25(engine, ref: dict, rid: str, streamed: bool) -> list[int]:
                 await asyncio.sleep(0)
                 yield {"thinker_token_ids": tokens[j : j + 1], **rows(n + j - 1, n + j)}
 
-        first = {"thinker_prompt_ids": prompt, "thinker_token_ids": tokens[:1], **rows(0, n)}
+        thinker = get_pipeline("qwen2-5-omni").stage("thinker")
+        output = {"prompt_token_ids": prompt, "token_ids": tokens[:1], "text": "",
+                  "hidden_states": {"0": ref["embeds"][:n], "2": ref["hidden"][:n]}}  # fmt: skip
+        if "grids" in ref:
+            output["media_grids"] = ref["grids"]
+        first = apply_processor("thinker_to_talker", thinker, {"primary": output}, ProcessorContext(rid))
         request = EngineInput(rid, first, params, chunks=chunks())
     codes: list[int] = []
     async for output in engine.generate(request):
@@ -483,7 +493,7 @@ async def _talk25(engine, ref: dict, rid: str, streamed: bool) -> list[int]:
 def test_qwen2_5_talker_and_token2wav_equal_transformers(q25_reference) -> None:
     """Greedy codes equal transformers' exactly: alone and with two other requests of other lengths,
     streamed per thinker step and whole; token2wav of those codes (whole) equals transformers' waveform
-    within 1e-4. A thinker sending the wrong layer, no rows or a media prompt is a 400 naming the fix."""
+    within 1e-4. A thinker sending the wrong layer or no rows is a 400 naming the fix."""
     import numpy as np
 
     pipeline = resolve_pipeline(
@@ -518,9 +528,6 @@ def test_qwen2_5_talker_and_token2wav_equal_transformers(q25_reference) -> None:
                 await anext(talker.generate(EngineInput("x", wrong, {})))
             with pytest.raises(InvalidRequest, match="needs thinker_prompt_ids and the thinker's rows"):
                 await anext(talker.generate(EngineInput("y", {"thinker_prompt_ids": ref["prompt"]}, {})))
-            media = {**wrong, "thinker_prompt_ids": [*ref["prompt"][:3], 151646, *ref["prompt"][3:]]}
-            with pytest.raises(InvalidRequest, match="media token ids \\[151646\\]"):
-                await anext(talker.generate(EngineInput("z", media, {})))
             return alone, together, wavs
         finally:
             await talker.stop()
@@ -671,3 +678,85 @@ def test_talker_speaks_prompts_with_media_as_transformers_does(folder: Path, ref
             hf = ref["wav"].numpy()
             assert wav.shape == hf.shape
             np.testing.assert_allclose(wav, hf, atol=1e-4)
+
+
+Q25_MEDIA = [("image",), ("audio",), ("image", "audio")]
+
+
+@pytest.fixture(scope="module")
+def q25_media_reference() -> list[dict]:
+    from qwen25_reference import generate_media_reference
+
+    # only the image request's waveform is compared: token2wav is the slow part of transformers' generate()
+    return [
+        generate_media_reference(kinds, "what is this?", 6, 12, waveform=i == 0) for i, kinds in enumerate(Q25_MEDIA)
+    ]
+
+
+def test_qwen2_5_talker_speaks_media_prompts_as_transformers_does(q25_reference, q25_media_reference) -> None:
+    """Prompts with an image (3-D rope positions from its grid, decode steps at cache length + rope
+    delta), audio, and both, beside a text-only request, streamed and whole: greedy codes equal
+    transformers' generate() of the whole model exactly (its rows at the media positions keep only the
+    last layer, as there); the image request alone has transformers' codec logits at every step within
+    1e-5 (measured 2e-7; plain positions instead of the rope index give 1e-3 with the same codes, so
+    codes alone would not notice); token2wav of its codes equals its waveform within 1e-4. The rows are
+    transformers' own (the served test has vLLM's). Grids missing or not fitting are a 400."""
+    import numpy as np
+
+    pipeline = resolve_pipeline(
+        get_pipeline("qwen2-5-omni"), name="q", model=str(tiny_model("tiny-qwen2-5-omni")),
+        edges=[EdgeOverride(source="talker", target="code2wav", window=0)],
+    )  # fmt: skip
+    refs = [*q25_media_reference, q25_reference[2]]
+
+    async def main():
+        talker = make_engine(pipeline, "talker")
+        token2wav = make_engine(pipeline, "code2wav")
+        await talker.start()
+        await token2wav.start()
+        try:
+            logits: list = []
+            head = talker.model.talker.codec_head
+            hook = head.register_forward_hook(lambda m, i, o: logits.append(o.reshape(-1, o.shape[-1])[-1].clone()))
+            alone = await _talk25(talker, refs[0], "alone", streamed=True)
+            hook.remove()
+            together = {
+                streamed: await asyncio.gather(
+                    *(_talk25(talker, r, f"m{streamed}{i}", streamed) for i, r in enumerate(refs))
+                )
+                for streamed in (True, False)
+            }
+            codes = np.asarray(refs[0]["codes"], dtype=np.int64)
+            request = EngineInput("w", {"codes": codes}, {"voice": "ethan"})
+            wav = [o.data["audio"] async for o in token2wav.generate(request) if "audio" in o.data][0]
+            image, both = q25_media_reference[0], q25_media_reference[2]
+            rows = {"thinker_embeds": image["embeds"], "thinker_hidden": image["hidden"], "thinker_hidden_layer": 2}
+            base = {"thinker_prompt_ids": image["prompt"], "thinker_token_ids": image["tokens"][:1], **rows}
+            with pytest.raises(
+                InvalidRequest, match="image / video token ids \\[151655\\] but the thinker sent no media"
+            ):
+                await anext(talker.generate(EngineInput("x", base, {})))
+            wrong = {**base, "thinker_media_grids": {"image_grid_thw": [[1, 2, 2]]}}
+            with pytest.raises(InvalidRequest, match="image grids \\[\\[1, 2, 2\\]\\] for a prompt with 4 image"):
+                await anext(talker.generate(EngineInput("y", wrong, {})))
+            no_audio = {
+                **base,
+                "thinker_prompt_ids": both["prompt"],
+                "thinker_media_grids": {"image_grid_thw": [[1, 4, 4]]},
+            }
+            with pytest.raises(InvalidRequest, match="0 audio_feature_lengths for a prompt with 1 audios"):
+                await anext(talker.generate(EngineInput("z", no_audio, {})))
+            assert talker.stats()["running_requests"] == 0
+            return alone, logits, together, wav
+        finally:
+            await talker.stop()
+            await token2wav.stop()
+
+    alone, logits, together, wav = asyncio.run(main())
+    assert alone == refs[0]["codes"] and len(logits) == len(refs[0]["logits"]) == 12
+    for got, want in zip(logits, refs[0]["logits"], strict=True):
+        assert (got - want).abs().max().item() <= 1e-5
+    for streamed in (True, False):
+        for ref, codes in zip(refs, together[streamed], strict=True):
+            assert codes == ref["codes"], (ref.get("kinds"), streamed)
+    np.testing.assert_allclose(wav, refs[0]["wav"].numpy(), atol=1e-4)

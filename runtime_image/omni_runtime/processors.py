@@ -123,7 +123,8 @@ def thinker_to_talker(upstream: StageSpec, outputs: dict[str, Payload], context:
     `hidden_state_layers`, a dict {layer: (rows, H)}, rows contiguous over prompt + generated tokens)
     it also gives `thinker_embeds` (layer 0, the embeddings), `thinker_hidden` (the deepest layer
     sent, before the thinker's final norm: the talker applies it, since it holds the checkpoint) and
-    `thinker_hidden_layer` (that layer's index), float32.
+    `thinker_hidden_layer` (that layer's index), float32; a prompt with media has its first chunk's
+    `media_grids` passed on as `thinker_media_grids` (the talker's rope index reads them).
     """
     import torch
 
@@ -142,6 +143,8 @@ def thinker_to_talker(upstream: StageSpec, outputs: dict[str, Payload], context:
             )
         out["thinker_media_rows"] = media.to(torch.float32)
         out["thinker_media_grids"] = dict(payload.get("media_grids") or {})
+    elif payload.get("media_grids") is not None:  # the row route: the rows come below, the grids here
+        out["thinker_media_grids"] = dict(payload["media_grids"])
     hidden = payload.get("hidden_states")
     if hidden is None:
         return out

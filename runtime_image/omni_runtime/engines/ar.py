@@ -22,7 +22,9 @@ audio, video) gets, in its first piece, that layer's rows at those positions onl
 `data["media_hidden_states"]` (float32 (media positions, hidden), prompt order), and the media
 shapes its talker's rope index reads, `data["media_grids"]` (`image_grid_thw`, `video_grid_thw`,
 `video_second_per_grid`, `audio_feature_lengths`, `use_audio_in_video`, as vLLM's processor made
-them). Text prompts carry neither and wait for no rows.
+them). Text prompts carry neither and wait for no rows. With `hidden_state_layers` (Qwen2.5-Omni's
+thinker, whose talker reads every row) the first piece of a prompt with media also carries
+`data["media_grids"]`: that talker's rope index needs them too.
 
 On CPU, `cpu_defaults` fills in what a CPU deployment needs and vLLM's GPU-minded defaults get
 wrong, only where the user set nothing (see `CPU_ENGINE_DEFAULTS` and `cpu_defaults`).
@@ -335,12 +337,23 @@ class AREngine(Engine):
             )
         return value
 
+    def _media_token_ids(self) -> frozenset[int]:
+        """The media placeholder token ids (audio, image, video) of config.json; empty for a text model."""
+        from transformers import AutoConfig
+
+        full = AutoConfig.from_pretrained(self.model_path)
+        thinker = getattr(full, "thinker_config", None) or full
+        return frozenset(
+            int(i)
+            for i in (getattr(thinker, f"{k}_token_id", None) for k in ("audio", "image", "video"))
+            if i is not None
+        )
+
     def _resolve_media_layer(self, value: int | str) -> tuple[int, int, frozenset[int]]:
         """(layer as 0..N, hidden size, the media placeholder token ids) from config.json."""
         from transformers import AutoConfig
 
         full = AutoConfig.from_pretrained(self.model_path)
-        thinker = getattr(full, "thinker_config", None) or full
         if value == "talker":
             talker = getattr(full, "talker_config", None)
             if talker is None or getattr(talker, "accept_hidden_layer", None) is None:
@@ -349,11 +362,7 @@ class AREngine(Engine):
                     f"{self.model_path} has no talker_config.accept_hidden_layer; give a layer index"
                 )
             value = int(talker.accept_hidden_layer)
-        ids = frozenset(
-            int(i)
-            for i in (getattr(thinker, f"{k}_token_id", None) for k in ("audio", "image", "video"))
-            if i is not None
-        )
+        ids = self._media_token_ids()
         if not ids:
             raise EngineError(
                 f"stage {self.stage.name!r}: engine_args.{MEDIA_HIDDEN_ARG} needs a model with media "
@@ -409,13 +418,18 @@ class AREngine(Engine):
                     "transfer configs and is not verified with prefix caching or async scheduling); remove them or "
                     "the layers"
                 )
-        if self.requested_media_layer() is not None:
-            # A cached media item comes back from vLLM's renderer without its fields, and the talker needs
-            # every item's grid (image_grid_thw...), so the media processor cache is off with this arg.
+        route = next(
+            (arg for arg, on in ((MEDIA_HIDDEN_ARG, self.requested_media_layer() is not None),
+                                 (HIDDEN_STATE_ARG, self.requested_hidden_layers() is not None)) if on),
+            None,
+        )  # fmt: skip
+        if route is not None:
+            # A cached media item comes back from vLLM's renderer without its fields, and a talker needs
+            # every item's grid (image_grid_thw...), so the media processor cache is off with either arg.
             if args.get("mm_processor_cache_gb"):
                 raise EngineError(
                     f"stage {self.stage.name!r}: engine_args mm_processor_cache_gb cannot be combined with "
-                    f"{MEDIA_HIDDEN_ARG} (a cached media item carries no grid for the talker); remove it"
+                    f"{route} (a cached media item carries no grid for the talker); remove it"
                 )
             args["mm_processor_cache_gb"] = 0
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
@@ -446,6 +460,7 @@ class AREngine(Engine):
             from omni_runtime.engines.hidden_states import RowReceiver, vllm_engine_args
 
             self.hidden_layers, hidden_size = await asyncio.to_thread(self._resolve_hidden_layers, requested)
+            self._media_ids = await asyncio.to_thread(self._media_token_ids)
             self._rows = RowReceiver(self.hidden_layers, hidden_size)
             await self._rows.start()
             kwargs.update(vllm_engine_args(self.hidden_layers, self._rows.address))
@@ -665,7 +680,8 @@ class AREngine(Engine):
         prompt_tokens = len(prompt["prompt_token_ids"])
         finish_reason: str | None = None
         sent_prompt = False
-        media_rows = self.media_layer is not None and bool(self._media_ids & set(prompt["prompt_token_ids"]))
+        has_media = bool(self._media_ids & set(prompt["prompt_token_ids"]))
+        media_rows = self.media_layer is not None and has_media
         rows = self._rows.open(rid) if self.hidden_layers or media_rows else None
         tokenizer = self.llm.renderer.tokenizer if sampling.logprobs is not None else None
         try:
@@ -698,6 +714,8 @@ class AREngine(Engine):
                 if not sent_prompt:  # what a downstream stage streamed per step needs first (a talker)
                     sent_prompt = True
                     pieces[0]["prompt_token_ids"] = list(prompt["prompt_token_ids"])
+                    if self.hidden_layers and has_media:  # a row-reading talker's rope index needs the grids
+                        pieces[0]["media_grids"] = media_grids(prompt)
                 if rows is not None and media_rows:
                     await self._attach_media_rows(rows, pieces[0], prompt, out)
                     self._rows.close(rid)  # the later rows are not needed: dropped as they come

@@ -14,8 +14,14 @@ builds exactly what transformers 5.19 builds:
   codec bos and ids past token2wav's codebook (other than the stops) are never drawn; the repetition
   penalty also counts the prompt's mask, pad and bos ids.
 
-A step whose text row has not arrived WAITS (feeding pads would change the speech). Prompts with
-audio / image / video positions are refused: their rope positions need the media grids.
+A step whose text row has not arrived WAITS (feeding pads would change the speech).
+
+Prompts with audio / image / video: transformers zeroes the embedding part of the prompt's rows at
+the media placeholder positions (the last-layer part stays), and the talker's positions are its own
+3-D rope index (`get_rope_index` of the talker module) over the thinker's prompt ids + the speaker's
+text-bos + generated token 0, from the media grids the thinker stage sends with its first chunk
+(`MediaInputs` without rows); each decode step then runs at `cache length + rope delta`. Text and
+audio-only prompts get plain positions (delta 0), as there.
 Batching and KV caches per request: `kv_batch`. Sizes and dtypes follow the loaded modules.
 """
 
@@ -26,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_runtime.engines.speech import kv_batch
+from omni_runtime.engines.speech.qwen3_talker import MediaInputs, MediaPromptError, check_grids, rope_index
 from omni_runtime.engines.speech.sampling import Sampling, sample
 from omni_runtime.engines.speech.weights import load_part, read_tensors
 
@@ -37,11 +44,20 @@ class Qwen25Request:
     """One request's state in the decode loop (touched only by the loop's thread)."""
 
     id: str
-    prompt_len: int
+    prompt_ids: list[int]
+    speaker: int
+    """The speaker's text-bos token id (its embedding: `speaker_bos`)."""
     speaker_bos: Any
     sampling: Sampling
     history: list[int]
     generator: Any = None
+    media: MediaInputs | None = None
+    media_positions: set[int] = field(default_factory=set)
+    """Prompt positions of media placeholders: their rows get no embedding part."""
+    tokens: list[int] = field(default_factory=list)
+    """The thinker's generated token ids as they came (the first one enters the rope index)."""
+    rope_delta: int = 0
+    """Decode step positions are `length + rope_delta` (nonzero only with image / video grids)."""
     rows: list[Any] = field(default_factory=list)
     """One input row per thinker token (prompt, then generated): normed last layer + embedding."""
     text_done: bool = False
@@ -53,6 +69,10 @@ class Qwen25Request:
     step: int = 0
     frames: int = 0
     finish_reason: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
 
 
 class Qwen25Talker:
@@ -99,28 +119,43 @@ class Qwen25Talker:
             self.suppress[stop] = False
         thinker = self.config.thinker_config
         self.media_ids = {thinker.audio_token_index, thinker.image_token_index, thinker.video_token_index}
+        self.image_id, self.video_id = thinker.image_token_index, thinker.video_token_index
 
     # -- building inputs ---------------------------------------------------------------------------
 
-    def new_request(self, request_id: str, prompt_ids: list[int], speaker: str, sampling: Sampling) -> Qwen25Request:
-        """Check the prompt and speaker (ValueError / KeyError say what is wrong)."""
+    def new_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        speaker: str,
+        sampling: Sampling,
+        media: MediaInputs | None = None,
+    ) -> Qwen25Request:
+        """Check the prompt, speaker and media grids (KeyError / MediaPromptError say what is wrong)."""
         import torch
 
         bos = self.speakers.get(speaker.lower())
         if bos is None:
             raise KeyError(f"speaker {speaker!r} is not one of this talker's: {sorted(self.speakers)}")
-        media = sorted(self.media_ids & set(prompt_ids))
-        if media:
-            raise ValueError(
-                f"the thinker prompt holds media token ids {media}; this talker takes text prompts only "
-                "(the rope positions of media need their grids, not yet wired)"
+        vision = sorted({self.image_id, self.video_id} & set(prompt_ids))
+        if vision and media is None:
+            raise MediaPromptError(
+                f"the thinker prompt holds image / video token ids {vision} but the thinker sent no media grids "
+                "(thinker_media_grids) for them; the talker's rope positions need them. The ar engine sends them "
+                "with hidden_state_layers: run the thinker stage on this omnikube version"
             )
+        if media is not None:
+            merge, audio = self.talker.config.spatial_merge_size, self.config.thinker_config.audio_token_index
+            check_grids(prompt_ids, media, self.image_id, self.video_id, merge, audio)
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        return Qwen25Request(
-            request_id, len(prompt_ids), self.embeds[bos], sampling, list(self.prompt_history), generator
+        request = Qwen25Request(
+            request_id, list(prompt_ids), bos, self.embeds[bos], sampling, list(self.prompt_history), generator
         )
+        request.media = media
+        request.media_positions = {i for i, t in enumerate(prompt_ids) if t in self.media_ids}
+        return request
 
     def check_rows(self, embeds: Any, hidden: Any, layer: int) -> None:
         """ValueError unless (layer 0 rows, layer `layer` rows) are this thinker's last-layer rows."""
@@ -144,6 +179,11 @@ class Qwen25Talker:
         with torch.inference_mode():
             e = torch.as_tensor(embeds).to(device=self.device, dtype=self.dtype)
             h = torch.as_tensor(hidden).to(device=self.device, dtype=self.dtype)
+            start = len(r.rows)
+            media = [i - start for i in r.media_positions if start <= i < start + len(e)]
+            if media:  # transformers zeroes the embeddings at media positions (the thinker's are the media's)
+                e = e.clone()
+                e[torch.tensor(media, device=self.device)] = 0
             r.rows.extend(self.norm(h) + e)
 
     def _reply(self, r: Qwen25Request) -> Any | None:
@@ -171,7 +211,11 @@ class Qwen25Talker:
             )
             rows[-2:] += codec
             embeds = self.talker.thinker_to_talker_proj(rows).unsqueeze(0)
-            r.kv, r.length, hidden = kv_batch.prefill(self.talker.model, embeds)
+            # the talker's text ids (transformers' `input_text_ids`): prompt, speaker text-bos, token 0
+            first = r.tokens[0] if r.tokens else self.config.talker_config.tts_text_pad_token_id
+            ids = [*r.prompt_ids, r.speaker, first]
+            positions, r.rope_delta = rope_index(self.talker, ids, r.media, self.device)
+            r.kv, r.length, hidden = kv_batch.prefill(self.talker.model, embeds, positions)
             self._sample(r, self.talker.codec_head(hidden))
 
     def _sample(self, r: Qwen25Request, logits: Any) -> None:
@@ -188,7 +232,7 @@ class Qwen25Talker:
             codes = torch.tensor([r.code for r in requests], device=self.device)
             rows = self.talker.get_input_embeddings()(codes) + torch.stack([text for _, text in batch])
             embeds = self.talker.thinker_to_talker_proj(rows).unsqueeze(1)
-            hidden = kv_batch.step(self.talker.model, requests, embeds)
+            hidden = kv_batch.step(self.talker.model, requests, embeds, [r.length + r.rope_delta for r in requests])
             logits = self.talker.codec_head(hidden)
             for i, r in enumerate(requests):
                 r.step += 1

@@ -41,7 +41,7 @@ from omni_runtime.engines.speech import kv_batch
 from omni_runtime.engines.speech.sampling import Sampling, sample
 from omni_runtime.engines.speech.weights import load_part, read_tensors
 
-__all__ = ["MediaInputs", "MediaPromptError", "Qwen3Talker", "TalkerRequest"]
+__all__ = ["MediaInputs", "MediaPromptError", "Qwen3Talker", "TalkerRequest", "check_grids", "rope_index"]
 
 CODE_PREDICTOR_TOP_K = 50
 CODE_PREDICTOR_TOP_P = 0.8
@@ -59,13 +59,72 @@ class MediaInputs:
     the prompt's media placeholder positions, in prompt order, and the media shapes the talker's
     rope index reads (transformers passes the same to `talker.generate`)."""
 
-    rows: Any
-    """float tensor (media positions, thinker hidden size)."""
+    rows: Any = None
+    """float tensor (media positions, thinker hidden size); None for Qwen2.5-Omni, whose talker gets
+    every row of the prompt apart (only the grids come here)."""
     image_grid_thw: list[list[int]] = field(default_factory=list)
     video_grid_thw: list[list[int]] = field(default_factory=list)
     video_second_per_grid: list[float] = field(default_factory=list)
     audio_feature_lengths: list[int] = field(default_factory=list)
     use_audio_in_video: bool = False
+
+
+def check_grids(
+    prompt_ids: list[int], media: MediaInputs, image_token: int, video_token: int, merge: int, audio_token: int
+) -> None:
+    """The image / video grids must give the prompt's image / video positions, and beside them (the rope
+    index then reads them) one audio length per audio (MediaPromptError says how not)."""
+    if (media.image_grid_thw or media.video_grid_thw) and not media.use_audio_in_video:
+        audios = sum(1 for i, t in enumerate(prompt_ids) if t == audio_token and (i == 0 or prompt_ids[i - 1] != t))
+        if audios != len(media.audio_feature_lengths):
+            raise MediaPromptError(
+                f"the thinker sent {len(media.audio_feature_lengths)} audio_feature_lengths for a prompt with "
+                f"{audios} audios beside its images / videos; one per audio is needed"
+            )
+    for kind, token, grids in (
+        ("image", image_token, media.image_grid_thw),
+        ("video", video_token, media.video_grid_thw),
+    ):
+        count = sum(1 for t in prompt_ids if t == token)
+        if any(len(g) != 3 for g in grids) or sum(int(t * h * w) // merge**2 for t, h, w in grids) != count:
+            raise MediaPromptError(
+                f"the thinker sent {kind} grids {grids} for a prompt with {count} {kind} positions; each "
+                f"grid is [t, h, w] and together they give t*h*w/{merge**2} positions"
+            )
+    if media.video_grid_thw and len(media.video_second_per_grid) != len(media.video_grid_thw):
+        raise MediaPromptError(
+            f"the thinker sent {len(media.video_grid_thw)} video grids but {len(media.video_second_per_grid)} "
+            "video_second_per_grid values; one per video is needed"
+        )
+
+
+def rope_index(talker: Any, ids: list[int], media: MediaInputs | None, device: Any) -> tuple[Any, int]:
+    """Prefill positions (3, 1, len(ids)) and the rope delta of the talker's input ids `ids`, by the
+    talker's own transformers `get_rope_index` (Qwen3-Omni's and Qwen2.5-Omni's take the same
+    arguments); plain positions and delta 0 without image / video grids (text and audio-only prompts)."""
+    import torch
+
+    length = len(ids)
+    if media is None or not (media.image_grid_thw or media.video_grid_thw):
+        return torch.arange(length, device=device).view(1, 1, -1).expand(3, 1, -1), 0
+
+    def grid(values: list[list[int]]) -> Any:
+        return torch.tensor(values, dtype=torch.long) if values else None
+
+    positions, deltas = talker.get_rope_index(
+        torch.tensor([ids], dtype=torch.long),
+        image_grid_thw=grid(media.image_grid_thw),
+        video_grid_thw=grid(media.video_grid_thw),
+        attention_mask=torch.ones(1, length, dtype=torch.long),
+        use_audio_in_video=media.use_audio_in_video,
+        audio_seqlens=torch.tensor(media.audio_feature_lengths, dtype=torch.long)
+        if media.audio_feature_lengths
+        else None,
+        second_per_grids=torch.tensor(media.video_second_per_grid, dtype=torch.float)
+        if media.video_second_per_grid
+        else None,
+    )
+    return positions.to(device), int(deltas.reshape(-1)[0].item())
 
 
 @dataclass(eq=False)
@@ -183,7 +242,7 @@ class Qwen3Talker:
     def _check_media(self, prompt_ids: list[int], media: MediaInputs | None) -> None:
         """The media rows and grids must fit the prompt's placeholders (MediaPromptError says how not)."""
         positions = sum(1 for t in prompt_ids if t in self.media_ids)
-        if media is None:
+        if media is None or media.rows is None:
             if positions:
                 found = sorted(self.media_ids & set(prompt_ids))
                 raise MediaPromptError(
@@ -199,22 +258,8 @@ class Qwen3Talker:
                 f"media positions; expected ({positions}, {hidden})"
             )
         c = self.config.thinker_config
-        merge = self.talker.config.spatial_merge_size**2
-        for kind, token, grids in (
-            ("image", c.image_token_id, media.image_grid_thw),
-            ("video", c.video_token_id, media.video_grid_thw),
-        ):
-            count = sum(1 for t in prompt_ids if t == token)
-            if any(len(g) != 3 for g in grids) or sum(int(t * h * w) // merge for t, h, w in grids) != count:
-                raise MediaPromptError(
-                    f"the thinker sent {kind} grids {grids} for a prompt with {count} {kind} positions; each "
-                    f"grid is [t, h, w] and together they give t*h*w/{merge} positions"
-                )
-        if media.video_grid_thw and len(media.video_second_per_grid) != len(media.video_grid_thw):
-            raise MediaPromptError(
-                f"the thinker sent {len(media.video_grid_thw)} video grids but {len(media.video_second_per_grid)} "
-                "video_second_per_grid values; one per video is needed"
-            )
+        merge = self.talker.config.spatial_merge_size
+        check_grids(prompt_ids, media, c.image_token_id, c.video_token_id, merge, c.audio_token_id)
 
     def _spoken(self, r: TalkerRequest) -> list[int]:
         """The assistant prefix and the tokens known to be spoken (the newest pushed one held back)."""
@@ -268,32 +313,8 @@ class Qwen3Talker:
 
     def _positions(self, r: TalkerRequest, ids: list[int]) -> Any:
         """Prefill positions (3, 1, len(ids)) and `r.rope_delta`, as transformers computes them."""
-        import torch
-
-        length = len(ids)
-        media = r.media
-        if media is None or not (media.image_grid_thw or media.video_grid_thw):
-            r.rope_delta = 0  # text and audio-only prompts: plain positions on all three axes
-            return torch.arange(length, device=self.device).view(1, 1, -1).expand(3, 1, -1)
-
-        def grid(values: list[list[int]]) -> Any:
-            return torch.tensor(values, dtype=torch.long) if values else None
-
-        positions, deltas = self.talker.get_rope_index(
-            torch.tensor([ids], dtype=torch.long),
-            image_grid_thw=grid(media.image_grid_thw),
-            video_grid_thw=grid(media.video_grid_thw),
-            attention_mask=torch.ones(1, length, dtype=torch.long),
-            use_audio_in_video=media.use_audio_in_video,
-            audio_seqlens=torch.tensor(media.audio_feature_lengths, dtype=torch.long)
-            if media.audio_feature_lengths
-            else None,
-            second_per_grids=torch.tensor(media.video_second_per_grid, dtype=torch.float)
-            if media.video_second_per_grid
-            else None,
-        )
-        r.rope_delta = int(deltas.reshape(-1)[0].item())
-        return positions.to(self.device)
+        positions, r.rope_delta = rope_index(self.talker, ids, r.media, self.device)
+        return positions
 
     # -- the loop ---------------------------------------------------------------------------------
 

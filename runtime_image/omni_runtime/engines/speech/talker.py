@@ -15,7 +15,8 @@ the speaker is param `voice`; it yields `{"codes": int64 array (frames, codes pe
   codes per frame.
 - `Qwen25TalkerEngine` (`runner: qwen2_5_omni_talker`, model `qwen25_talker.Qwen25Talker`): payloads
   also carry the thinker's rows (`thinker_embeds`, `thinker_hidden`, `thinker_hidden_layer`, as
-  `processors.thinker_to_talker` gives them); 1 code per frame.
+  `processors.thinker_to_talker` gives them; for a prompt with media the first also has
+  `thinker_media_grids`); 1 code per frame.
 
 One background task runs the decode loop (the model's `advance`) in a worker thread, one iteration
 at a time, over every live request. When no request can move (all wait for the thinker) the loop
@@ -74,17 +75,18 @@ MEDIA_GRID_KEYS = {
 }
 
 
-def media_inputs(data: dict[str, Any], stage: str) -> Any:
+def media_inputs(data: dict[str, Any], stage: str, rows_needed: bool = True) -> Any:
     """`MediaInputs` from a first chunk's `thinker_media_rows` (media positions, hidden) and
     `thinker_media_grids` ({image_grid_thw, video_grid_thw, video_second_per_grid,
-    audio_feature_lengths, use_audio_in_video}); None without rows. Raises InvalidRequest on a
-    malformed one (the shapes against the prompt are checked by `Qwen3Talker.new_request`)."""
+    audio_feature_lengths, use_audio_in_video}); None without rows (`rows_needed`, Qwen3-Omni) or
+    without grids (otherwise: Qwen2.5-Omni, whose rows come apart). Raises InvalidRequest on a
+    malformed one (the shapes against the prompt are checked by the model's `new_request`)."""
     import torch
 
     from omni_runtime.engines.speech.qwen3_talker import MediaInputs
 
     rows = data.get("thinker_media_rows")
-    if rows is None:
+    if rows is None and (rows_needed or data.get("thinker_media_grids") is None):
         return None
     grids = data.get("thinker_media_grids") or {}
     unknown = sorted(set(grids) - MEDIA_GRID_KEYS) if isinstance(grids, dict) else None
@@ -95,7 +97,7 @@ def media_inputs(data: dict[str, Any], stage: str) -> Any:
         )
     try:
         return MediaInputs(
-            rows=rows if isinstance(rows, torch.Tensor) else torch.as_tensor(rows),
+            rows=rows if rows is None or isinstance(rows, torch.Tensor) else torch.as_tensor(rows),
             image_grid_thw=[[int(v) for v in g] for g in grids.get("image_grid_thw") or []],
             video_grid_thw=[[int(v) for v in g] for g in grids.get("video_grid_thw") or []],
             video_second_per_grid=[float(v) for v in grids.get("video_second_per_grid") or []],
@@ -436,7 +438,8 @@ class Qwen25TalkerEngine(TalkerEngine):
                 f"thinker_hidden: set the thinker's hidden_state_layers to [0, -1]) in its first input; "
                 f"got {sorted(first)}"
             )
-        return self.model.new_request(request_id, [int(t) for t in prompt], speaker, sampling)
+        media = media_inputs(first, self.stage.name, rows_needed=False)
+        return self.model.new_request(request_id, [int(t) for t in prompt], speaker, sampling, media)
 
     def check(self, payload: dict[str, Any]) -> None:
         import torch
@@ -454,6 +457,8 @@ class Qwen25TalkerEngine(TalkerEngine):
 
     def absorb(self, request: Any, payloads: list[dict[str, Any]], done: bool) -> None:
         for payload in payloads:
+            if not request.tokens:  # only the first is read (the talker's rope index)
+                request.tokens.extend(int(t) for t in payload.get("thinker_token_ids") or [])
             if payload.get("thinker_embeds") is not None:
                 self.model.add_rows(request, payload["thinker_embeds"], payload["thinker_hidden"])
         request.text_done = done
