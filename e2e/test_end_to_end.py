@@ -106,7 +106,7 @@ class Env:
                 and status.get("observedGeneration") == obj["metadata"]["generation"]
             ):
                 return obj
-            time.sleep(2)
+            time.sleep(0.5)
         pods = kubectl_json(self.cluster, "get", "pods", "-n", self.ns)["items"]
         states = [
             (
@@ -331,7 +331,7 @@ def test_killed_stage_process_is_restarted_and_serves_again(env) -> None:
         for p in kubectl_json(env.cluster, "get", "pods", "-n", env.ns, "-l", "omnikube.io/stage=llm")["items"]
         for c in p["status"].get("containerStatuses", [])
     ):
-        time.sleep(1)
+        time.sleep(0.5)
     env.wait_ready("chat")
     reply = env.client("chat").chat.completions.create(
         model="chat", messages=[{"role": "user", "content": "again"}], max_tokens=4
@@ -506,7 +506,7 @@ def test_deleting_a_pipeline_leaves_no_process_or_segment(env) -> None:
         left = kubectl_json(env.cluster, "get", "pods", "-n", env.ns, "-l", "omnikube.io/pipeline=t2i")["items"]
         if not left and not _stage_processes(env, "t2i", "dit"):
             break
-        time.sleep(1)
+        time.sleep(0.5)
     assert not left and not _stage_processes(env, "t2i", "dit")
     assert not [p for p in Path("/dev/shm").glob("omnikube-t2i*")]
     assert os.path.exists("/dev/shm")
@@ -580,7 +580,7 @@ def test_a_pod_outside_the_pipeline_gets_nothing_from_a_stage(env) -> None:
         phase = (env.get("pod", "intruder") or {}).get("status", {}).get("phase")
         if phase in ("Succeeded", "Failed"):
             break
-        time.sleep(1)
+        time.sleep(0.5)
     log = env.runner_logs("intruder", "intruder")
     assert phase == "Succeeded" and "answers: 0" in log, (phase, log)
     assert rejected() >= before + 4  # three unauthenticated messages and a Hello under another key
