@@ -17,6 +17,7 @@ Engine args (the rest go to `DiffusionPipeline.from_pretrained`):
 | `max_batch_size` | 8 | most images (requests x `n`) in one pipeline call |
 | `max_pixels` | 4194304 (2048 x 2048) | largest height x width accepted |
 | `max_inference_steps` | 200 | most denoising steps (`num_inference_steps`, or entries of `sigmas`/`timesteps`) |
+| `sequence_parallel` | `auto` | ranks (one per GPU) the denoiser's sequence is split over (`diffusion_parallel`) |
 
 Input (`EngineInput.data`): `{"prompt": str, "negative_prompt": str | None}`, or embeddings named as
 the pipeline's `__call__` names them (`prompt_embeds`, `pooled_prompt_embeds`, `negative_*`...), each
@@ -60,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omni_runtime.engines import diffusion_parallel as P
 from omni_runtime.engines import video as V
 from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
 from omni_runtime.engines.diffusion_accel import ACCEL_ENGINE_ARGS, Accel
@@ -77,6 +79,7 @@ DIFFUSION_ENGINE_ARGS: dict[str, Any] = {
     "max_batch_size": 8,
     "max_pixels": 2048 * 2048,
     "max_inference_steps": 200,
+    P.ARG: "auto",
 }
 """Engine args this engine reads itself (None: chosen by device); see the module docstring."""
 
@@ -148,6 +151,10 @@ class DiffusionEngine(Engine):
     the request ids of the last 100 pipeline calls.
     """
 
+    worker_state: tuple[str, ...] = ()
+    """Instance attributes a subclass sets after construction that its sequence-parallel worker ranks need too
+    (they build their own engine from the class, the pipeline and the stage)."""
+
     def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
         super().__init__(pipeline, stage)
         path = Path(pipeline.model)
@@ -171,6 +178,10 @@ class DiffusionEngine(Engine):
             and k not in ACCEL_ENGINE_ARGS
         }
         self.accel = Accel(stage.name, stage.engine_args)
+        self._sp_arg = args[P.ARG]
+        self.sequence_parallel = 1
+        """Ranks the denoiser runs on (1: this process alone)."""
+        self._group: P.ParallelGroup | None = None
         self.video = False
         """A video pipeline (set once loaded): MP4 outputs, `fps`, progress."""
         self._temporal = 1
@@ -220,12 +231,29 @@ class DiffusionEngine(Engine):
         fitting, why = device_dtype(self.device, dtype)
         if fitting != dtype:
             log.warning("stage %s: torch_dtype %s -> %s: %s", self.stage.name, dtype_name, fitting, why)
+        self.sequence_parallel = P.resolve_degree(self.stage.name, self._sp_arg, self.device, self.model_path)
+        if self.sequence_parallel > 1 and self.accel.step_cache:
+            raise EngineError(
+                f"stage {self.stage.name!r}: step_cache_threshold and {P.ARG}={self.sequence_parallel} cannot "
+                f"run together (each rank would decide from its own part of the sequence whether to skip "
+                f"blocks, and the ranks would fall out of step); remove one of them from engineArgs"
+            )
         started = time.monotonic()
-        await self._load_pipeline(fitting)
+        if self.sequence_parallel > 1:
+            group = P.ParallelGroup(self.stage.name, self.sequence_parallel, self.device)
+            self._group = group
+            try:
+                await asyncio.to_thread(group.start, self, str(fitting).removeprefix("torch."))
+                await self._load_pipeline(fitting)
+            except BaseException:
+                await self.stop()  # the worker ranks go with the failed start
+                raise
+        else:
+            await self._load_pipeline(fitting)
         try:
             await self._self_check()
         except Exception as exc:
-            if isinstance(exc, InvalidRequest) or self.device != "cpu" or fitting == torch.float32:
+            if isinstance(exc, InvalidRequest) or self.device != "cpu" or fitting == torch.float32 or self._group:
                 raise EngineError(self._self_check_failed(exc, fitting)) from exc
             # A half-precision kernel this CPU lacks shows only when it runs: float32 always runs on a CPU.
             log.warning(
@@ -243,7 +271,7 @@ class DiffusionEngine(Engine):
             "stage %s: diffusers loaded %s (%s, %s, %s) and passed its self-check in %.1fs",
             self.stage.name,
             self.model_path,
-            type(self.pipe).__name__,
+            self._pipe_name(),
             self.device,
             self.pipe.dtype,
             self.load_seconds,
@@ -255,7 +283,15 @@ class DiffusionEngine(Engine):
             self.pipe = await asyncio.to_thread(self._load, dtype)
         except Exception as exc:  # diffusers raises many types while loading; the message matters
             raise EngineError(f"stage {self.stage.name!r}: diffusers failed to load {self.model_path}: {exc}") from exc
-        await asyncio.to_thread(self.accel.apply, self.pipe, self.device)
+        group = self._group
+        parallel = None
+        if group is not None:
+            world, device = group.world, self.device
+
+            def parallel(pipe: Any) -> None:
+                P.enable_context_parallel(self.stage.name, pipe, world, device)
+
+        await asyncio.to_thread(self.accel.apply, self.pipe, self.device, parallel)
         # PNG encoding (zlib) releases the GIL: a batch's images encode in parallel, one per core.
         workers = max(1, min(self.max_batch_size, os.cpu_count() or 1, 16))
         self._encoder = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="omnikube-png")
@@ -282,6 +318,10 @@ class DiffusionEngine(Engine):
         self._takes_size = "height" in params and "width" in params
         self.size_multiple = _size_multiple(self.pipe)
         self.default_size = _default_size(self.pipe)
+        if group is not None:  # from here on every call runs on every rank
+            await asyncio.to_thread(group.wait_ready)
+            self.pipe = P.ParallelPipe(self.pipe, group)
+            log.info("stage %s: denoiser split over %d ranks (Ulysses)", self.stage.name, group.world)
         try:
             await asyncio.to_thread(self.accel.warmup, self._warmup_call)
         except Exception as exc:  # a compiler error: say which switch avoids it
@@ -319,6 +359,10 @@ class DiffusionEngine(Engine):
             "stage %s: self-check passed (one step at %dx%d in %.2fs)", name, edge, edge, time.monotonic() - started
         )
 
+    def _pipe_name(self) -> str:
+        """The pipeline's class name (the wrapped one's on a sequence-parallel stage)."""
+        return type(getattr(self.pipe, "_pipe", self.pipe)).__name__
+
     def _self_check_failed(self, exc: BaseException, dtype: Any) -> str:
         """What the stage says when its self-check fails: what ran, what failed, what to change."""
         hint = (
@@ -330,7 +374,7 @@ class DiffusionEngine(Engine):
         elif str(dtype) != "torch.float32":
             hint = f"set the stage's engine_args torch_dtype: float32 (it ran in {dtype}), or {hint}"
         return (
-            f"stage {self.stage.name!r}: the self-check (one denoising step of {type(self.pipe).__name__} on "
+            f"stage {self.stage.name!r}: the self-check (one denoising step of {self._pipe_name()} on "
             f"{self.device} in {dtype}) failed, so every request would fail: {type(exc).__name__}: {exc}; {hint}"
         )
 
@@ -381,6 +425,9 @@ class DiffusionEngine(Engine):
         encoder, self._encoder = self._encoder, None
         if encoder is not None:
             encoder.shutdown(wait=True)
+        group, self._group = self._group, None
+        if group is not None:
+            await asyncio.to_thread(group.close)
         pipe, self.pipe = self.pipe, None
         if pipe is not None:
             del pipe

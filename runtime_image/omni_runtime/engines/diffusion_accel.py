@@ -180,8 +180,10 @@ class Accel:
         if self.step_cache and self.settings.step_cache_threshold >= 1.0:
             raise EngineError(f"stage {self.stage!r}: step_cache_threshold must be below 1")
 
-    def apply(self, pipe: Any, device: str) -> None:
-        """Attention backend, FP8, step cache and compilation, in that order (in the loading thread).
+    def apply(self, pipe: Any, device: str, parallel: Callable[[Any], None] | None = None) -> None:
+        """Attention backend, FP8, `parallel(pipe)` (context parallelism, see diffusion_parallel), compilation
+        and the step cache, in that order (in the loading thread). FP8 comes first so that no parallel hook sits
+        on a replaced layer; compilation after, so the compiled blocks include the parallel all-to-alls.
 
         Compilation wraps each block's own `forward` before the step cache's hooks wrap it, so the
         cache's per-step decision stays in Python and the compiled blocks never see it.
@@ -193,6 +195,8 @@ class Accel:
                     f"stage {self.stage!r}: {type(pipe).__name__} has no transformer or unet, so quantization "
                     "and step_cache_threshold cannot apply; remove them from engineArgs"
                 )
+            if parallel is not None:
+                parallel(pipe)  # refuses: nothing to split
             return
         self._attention(model, device)
         blocks = _repeated_blocks(model)
@@ -201,6 +205,8 @@ class Accel:
             log.info(
                 "stage %s: fp8 matmuls (torch._scaled_mm, per-row scales) in %d layers", self.stage, self.fp8_layers
             )
+        if parallel is not None:
+            parallel(pipe)
         if device.startswith("cuda") and not self.settings.enforce_eager and blocks:
             import torch
 

@@ -1,0 +1,413 @@
+"""Sequence parallelism of one diffusion stage over the GPUs its pod sees (engine arg `sequence_parallel`).
+
+Rank 0 is the engine's own process; ranks 1..N-1 are processes started here (spawn), one per GPU, each loading
+the same pipeline with the same speed options. Every pipeline call rank 0 makes (compile warm-up, self-check,
+requests) is first sent to the workers, and all ranks run it together through diffusers' context parallelism
+(Ulysses: each rank holds 1/N of the denoiser's sequence, and attention exchanges heads by all-to-all). Only
+rank 0 decodes and returns; the workers stop at the latents.
+
+Why one process per GPU: NCCL and diffusers' context parallelism are built around one rank per process, and
+the workers' Python then never competes with the engine's event loop for the GIL. Why Ulysses: on two H200s
+(NVLink) diffusers' Ulysses took 0.66x of one GPU's time at 1024x1024 eager and 0.49x with compile, NCCL being
+9% of the GPU time (bench/results-h200-diffusion-speed.txt).
+
+Engine arg `sequence_parallel`: `auto` (default) uses every GPU the process sees when there are several and
+the model folder's denoiser has a diffusers context-parallel plan (Flux, Qwen-Image, Wan...), else 1; an integer
+asks for exactly that many ranks (1: off). On a CPU an integer > 1 runs the ranks as CPU processes over gloo
+(development and tests). Refused: the step cache with more than one rank (each rank would decide from its own
+shard, and the ranks would fall out of step), a denoiser without a context-parallel plan (SD3), more ranks than
+visible GPUs, and a device that names one GPU (`cuda:1`).
+
+A call's stop decision (every request of it aborted) is agreed by all ranks after each denoising step (one
+all-reduce of one number), so all ranks stop at the same step. A worker that dies fails the next call with an
+error naming it; one that dies inside a call leaves rank 0 in a collective until NCCL's watchdog ends the
+process (the pod restarts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import multiprocessing
+import multiprocessing.connection
+import socket
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from omni_runtime.engines.base import EngineError
+
+__all__ = ["ARG", "ParallelGroup", "ParallelPipe", "enable_context_parallel", "resolve_degree"]
+
+log = logging.getLogger(__name__)
+
+ARG = "sequence_parallel"
+"""Engine arg: `auto` or the number of ranks."""
+
+START_TIMEOUT = datetime.timedelta(minutes=15)
+"""How long the ranks wait for each other while starting (loading a large model on every GPU takes minutes)."""
+
+
+class _Stopped(Exception):
+    """Raised on every rank between two denoising steps once rank 0 stops the call."""
+
+
+def resolve_degree(stage: str, value: Any, device: str, model_path: str) -> int:
+    """The number of ranks for `value` (`auto` or an integer) on `device`; raises EngineError when refused."""
+    import torch
+
+    if value in (None, "auto"):
+        if device != "cuda" or torch.cuda.device_count() < 2:
+            return 1
+        if not _cp_supported(model_path):
+            log.info(
+                "stage %s: %d GPUs visible but the denoiser has no context-parallel plan: one GPU",
+                stage,
+                torch.cuda.device_count(),
+            )
+            return 1
+        return torch.cuda.device_count()
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EngineError(
+            f"stage {stage!r}: engine arg {ARG}={value!r} is not allowed; use auto or a number of ranks (1 or more)"
+        )
+    if value == 1:
+        return 1
+    if device not in ("cuda", "cpu"):
+        raise EngineError(
+            f"stage {stage!r}: {ARG}={value} runs one rank per GPU from cuda:0, and the stage's device is "
+            f"{device!r}; set device to cuda (or leave it unset), or {ARG}: 1"
+        )
+    if device == "cuda" and value > torch.cuda.device_count():
+        raise EngineError(
+            f"stage {stage!r}: {ARG}={value} needs {value} GPUs and this pod sees {torch.cuda.device_count()}; "
+            f"lower {ARG} or raise the stage's accelerator.count"
+        )
+    return value
+
+
+def _cp_supported(model_path: str) -> bool:
+    """Whether the folder's denoiser class has a diffusers context-parallel plan (read from its model_index)."""
+    import json
+
+    import diffusers
+
+    try:
+        index = json.loads((Path(model_path) / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return False
+    entry = index.get("transformer") or index.get("unet")
+    cls = getattr(diffusers, entry[1], None) if isinstance(entry, list) and len(entry) == 2 else None
+    return getattr(cls, "_cp_plan", None) is not None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _init(rank: int, world: int, port: int, device: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(rank)
+        dist.init_process_group(
+            "nccl",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=START_TIMEOUT,
+            device_id=torch.device("cuda", rank),
+        )
+    else:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=START_TIMEOUT
+        )
+
+
+def _denoisers(pipe: Any) -> list[Any]:
+    """Every denoiser of the pipeline (Wan2.2 has two experts)."""
+    found = [getattr(pipe, name, None) for name in ("transformer", "transformer_2", "unet")]
+    return [m for m in found if m is not None]
+
+
+def enable_context_parallel(stage: str, pipe: Any, world: int, device: str) -> None:
+    """Ulysses context parallelism over `world` ranks on each denoiser of `pipe` (every rank calls this)."""
+    from diffusers import ContextParallelConfig
+
+    if not _denoisers(pipe):
+        raise EngineError(
+            f"stage {stage!r}: {type(pipe).__name__} has no transformer or unet to split over {world} ranks; "
+            f"set engine arg {ARG}: 1"
+        )
+    for model in _denoisers(pipe):
+        if getattr(model, "_cp_plan", None) is None:
+            raise EngineError(
+                f"stage {stage!r}: {type(model).__name__} has no diffusers context-parallel plan, so it cannot "
+                f"be split over {world} ranks; set engine arg {ARG}: 1"
+            )
+        if device == "cpu":
+            model._resolve_parallel_config = types.MethodType(_resolve_on_cpu, model)
+        try:
+            model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+        except (ValueError, RuntimeError) as err:
+            raise EngineError(
+                f"stage {stage!r}: context parallelism over {world} ranks failed on {type(model).__name__} "
+                f"({err}); set engine arg {ARG}: 1 or a degree that divides its attention heads"
+            ) from err
+
+
+def _resolve_on_cpu(self: Any, config: Any) -> Any:
+    """diffusers' `_resolve_parallel_config` for CPU ranks: it takes the device from the accelerator count,
+    which is 0 on a CPU; here the device is the CPU and the mesh is gloo's."""
+    import torch
+    import torch.distributed as dist
+    from diffusers import ContextParallelConfig
+    from diffusers.models._modeling_parallel import ParallelConfig
+
+    if isinstance(config, ContextParallelConfig):
+        config = ParallelConfig(context_parallel_config=config)
+    cp = config.context_parallel_config
+    mesh = dist.device_mesh.init_device_mesh("cpu", mesh_shape=cp.mesh_shape, mesh_dim_names=cp.mesh_dim_names)
+    config.setup(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), mesh=mesh)
+    self._parallel_config = config
+    return config
+
+
+def _agree(stop: bool, device: str) -> bool:
+    """All ranks: whether any rank (in practice rank 0) stops the call after this step."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if stop else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _pack(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's arguments for the workers: tensors on the CPU, CPU generators as their states (the same
+    generator object given twice stays one generator), no callback (the workers use their own)."""
+    import torch
+
+    packed: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key == "callback_on_step_end":
+            packed[key] = value is not None
+        elif key == "generator" and value is not None:
+            gens = value if isinstance(value, list) else [value]
+            ids: dict[int, int] = {}
+            states = []
+            for g in gens:
+                if id(g) not in ids:
+                    ids[id(g)] = len(states)
+                    states.append(g.get_state())
+            packed[key] = ("generators", states, [ids[id(g)] for g in gens], isinstance(value, list))
+        elif isinstance(value, torch.Tensor):
+            packed[key] = value.detach().to("cpu")
+        else:
+            packed[key] = value
+    return packed
+
+
+def _unpack(packed: dict[str, Any], device: str, on_step: Callable[..., Any]) -> dict[str, Any]:
+    import torch
+
+    kwargs: dict[str, Any] = {}
+    for key, value in packed.items():
+        if key == "callback_on_step_end":
+            if value:
+                kwargs[key] = on_step
+        elif key == "generator" and isinstance(value, tuple) and value[0] == "generators":
+            _, states, index, as_list = value
+            gens = []
+            for state in states:
+                g = torch.Generator("cpu")
+                g.set_state(state)
+                gens.append(g)
+            chosen = [gens[i] for i in index]
+            kwargs[key] = chosen if as_list else chosen[0]
+        elif isinstance(value, torch.Tensor):
+            kwargs[key] = value.to(device)
+        else:
+            kwargs[key] = value
+    kwargs["output_type"] = "latent"  # only rank 0 decodes
+    return kwargs
+
+
+class ParallelGroup:
+    """Rank 0's side: starts the workers, mirrors every pipeline call to them, and stops them."""
+
+    def __init__(self, stage: str, world: int, device: str) -> None:
+        self.stage = stage
+        self.world = world
+        self.device = "cuda:0" if device == "cuda" else device
+        self._procs: list[Any] = []
+        self._conns: list[multiprocessing.connection.Connection] = []
+
+    def start(self, engine: Any, dtype_name: str) -> None:
+        """Start ranks 1..N-1 (each loads the pipeline) and join the process group (blocking: call in a thread)."""
+        port = _free_port()
+        gpu = self.device.startswith("cuda")
+        ctx = multiprocessing.get_context("spawn")
+        state = {k: getattr(engine, k) for k in getattr(engine, "worker_state", ())}
+        for rank in range(1, self.world):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(
+                    rank,
+                    self.world,
+                    port,
+                    type(engine),
+                    engine.pipeline,
+                    engine.stage,
+                    state,
+                    dtype_name,
+                    gpu,
+                    theirs,
+                ),
+                name=f"omnikube-{self.stage}-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            theirs.close()
+            self._procs.append(proc)
+            self._conns.append(mine)
+        log.info("stage %s: started %d sequence-parallel worker ranks", self.stage, self.world - 1)
+        _init(0, self.world, port, self.device)
+
+    def wait_ready(self) -> None:
+        """Block until every worker has loaded its pipeline; raises EngineError with a worker's failure."""
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                kind, detail = conn.recv()
+            except EOFError:
+                kind, detail = "error", f"the process exited (code {self._procs[rank - 1].exitcode})"
+            if kind != "ready":
+                raise EngineError(
+                    f"stage {self.stage!r}: sequence-parallel rank {rank} failed to start: {detail}; "
+                    f"check the GPU it runs on, or set engine arg {ARG}: 1"
+                )
+
+    def call(self, pipe: Any, kwargs: dict[str, Any]) -> Any:
+        """One pipeline call on every rank; rank 0's result."""
+        for rank, proc in enumerate(self._procs, start=1):
+            if not proc.is_alive():
+                raise EngineError(
+                    f"stage {self.stage!r}: sequence-parallel rank {rank} has exited (code {proc.exitcode}); "
+                    "the stage must restart"
+                )
+        packed = _pack(kwargs)
+        for conn in self._conns:
+            conn.send(packed)
+        given = kwargs.get("callback_on_step_end")
+        if given is not None:
+            kwargs = {**kwargs, "callback_on_step_end": self._agreeing(given)}
+        return pipe(**kwargs)
+
+    def _agreeing(self, given: Callable[..., Any]) -> Callable[..., Any]:
+        def on_step(p: Any, index: int, timestep: Any, tensors: dict[str, Any]) -> Any:
+            error: BaseException | None = None
+            out: Any = {}
+            try:
+                out = given(p, index, timestep, tensors)
+            except Exception as exc:  # the engine's stop (or a callback failure): every rank stops here
+                error = exc
+            if _agree(error is not None, self.device):
+                raise error or _Stopped()
+            return out
+
+        return on_step
+
+    def close(self) -> None:
+        """Stop the workers (they finish nothing: rank 0 is not calling) and leave the process group."""
+        import torch.distributed as dist
+
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        deadline = time.monotonic() + 30
+        for proc in self._procs:
+            proc.join(max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+class ParallelPipe:
+    """Rank 0's pipeline: attributes are the pipeline's, a call runs on every rank."""
+
+    def __init__(self, pipe: Any, group: ParallelGroup) -> None:
+        object.__setattr__(self, "_pipe", pipe)
+        object.__setattr__(self, "_group", group)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return self._group.call(self._pipe, kwargs)
+
+
+def _worker_main(
+    rank: int,
+    world: int,
+    port: int,
+    engine_class: Any,
+    pipeline: Any,
+    stage: Any,
+    state: dict[str, Any],
+    dtype_name: str,
+    gpu: bool,
+    conn: multiprocessing.connection.Connection,
+) -> None:
+    """A worker rank: load the same pipeline, then run every call rank 0 sends until it sends None."""
+    import torch
+    import torch.distributed as dist
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
+    device = f"cuda:{rank}" if gpu else "cpu"
+    try:
+        engine = engine_class(pipeline, stage)
+        for key, value in state.items():
+            setattr(engine, key, value)
+        engine.device = device
+        _init(rank, world, port, device)
+        pipe = engine._load(getattr(torch, dtype_name))
+        engine.accel.apply(pipe, device, lambda p: enable_context_parallel(stage.name, p, world, device))
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+
+    def on_step(_p: Any, _i: int, _t: Any, _tensors: dict[str, Any]) -> dict[str, Any]:
+        if _agree(False, device):
+            raise _Stopped
+        return {}
+
+    while True:
+        try:
+            packed = conn.recv()
+        except EOFError:
+            break
+        if packed is None:
+            break
+        try:
+            with torch.inference_mode():
+                pipe(**_unpack(packed, device, on_step))
+        except _Stopped:
+            pass
+        except Exception:  # rank 0 ran the same call with the same inputs and reports its own failure
+            log.exception("rank %d: pipeline call failed", rank)
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
