@@ -201,7 +201,7 @@ def _pack(kwargs: dict[str, Any]) -> dict[str, Any]:
         elif key == "generator" and value is not None:
             gens = value if isinstance(value, list) else [value]
             ids: dict[int, int] = {}
-            states = []
+            states: list[Any] = []
             for g in gens:
                 if id(g) not in ids:
                     ids[id(g)] = len(states)
