@@ -1,7 +1,7 @@
 """Sequence parallelism of a diffusion stage (engine arg `sequence_parallel`), on the CPU: two ranks (the engine's
 process and one worker process, gloo) give the image one process gives, on the real tiny Flux folder through
 the real engine (self-check, text prompts, PNG); settings that cannot run are refused before anything loads,
-and a denoiser diffusers cannot split fails the start and takes its worker rank with it. The GPU figures
+and a denoiser diffusers cannot split is refused from its folder before any worker starts. The GPU figures
 (NCCL, two H200s) are in bench/results-h200-diffusion-speed.txt."""
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ async def test_settings_that_cannot_run_are_refused_before_loading(args: dict, m
 @pytest.mark.models
 @pytest.mark.timeout(600)
 @pytest.mark.asyncio
-async def test_a_denoiser_without_a_parallel_plan_fails_the_start_and_its_worker_stops(tiny_sd3_model: Path) -> None:
+async def test_a_denoiser_without_a_parallel_plan_is_refused_before_any_rank_starts(tiny_sd3_model: Path) -> None:
     engine = _engine("stable-diffusion-3", tiny_sd3_model, sequence_parallel=2)
     with pytest.raises(EngineError, match="SD3Transformer2DModel has no diffusers context-parallel plan.*: 1"):
         await engine.start()

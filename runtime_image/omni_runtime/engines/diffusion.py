@@ -232,6 +232,9 @@ class DiffusionEngine(Engine):
         if fitting != dtype:
             log.warning("stage %s: torch_dtype %s -> %s: %s", self.stage.name, dtype_name, fitting, why)
         self.sequence_parallel = P.resolve_degree(self.stage.name, self._sp_arg, self.device, self.model_path)
+        if self.sequence_parallel > 1 and self.accel.step_cache and self._sp_arg in (None, "auto"):
+            log.info("stage %s: one GPU: the step cache is on, and it cannot run split", self.stage.name)
+            self.sequence_parallel = 1
         if self.sequence_parallel > 1 and self.accel.step_cache:
             raise EngineError(
                 f"stage {self.stage.name!r}: step_cache_threshold and {P.ARG}={self.sequence_parallel} cannot "

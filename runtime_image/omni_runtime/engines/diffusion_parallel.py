@@ -15,8 +15,11 @@ Engine arg `sequence_parallel`: `auto` (default) uses every GPU the process sees
 the model folder's denoiser has a diffusers context-parallel plan (Flux, Qwen-Image, Wan...), else 1; an integer
 asks for exactly that many ranks (1: off). On a CPU an integer > 1 runs the ranks as CPU processes over gloo
 (development and tests). Refused: the step cache with more than one rank (each rank would decide from its own
-shard, and the ranks would fall out of step), a denoiser without a context-parallel plan (SD3), more ranks than
-visible GPUs, and a device that names one GPU (`cuda:1`).
+shard, and the ranks would fall out of step; `auto` then runs on one GPU), a denoiser without a context-parallel
+plan (SD3), more ranks than visible GPUs, and a device that names one GPU (`cuda:1`).
+
+Measured on two H200s through this engine (run 5 of that file): Flux-sized, 1024x1024, 28 steps, compile + FP8:
+2.41 s per image vs 3.30 s on one GPU (0.73x).
 
 A call's stop decision (every request of it aborted) is agreed by all ranks after each denoising step (one
 all-reduce of one number), so all ranks stop at the same step. A worker that dies fails the next call with an
@@ -62,7 +65,8 @@ def resolve_degree(stage: str, value: Any, device: str, model_path: str) -> int:
     if value in (None, "auto"):
         if device != "cuda" or torch.cuda.device_count() < 2:
             return 1
-        if not _cp_supported(model_path):
+        known = _cp_denoiser(model_path)
+        if known is None or not known[1]:
             log.info(
                 "stage %s: %d GPUs visible but the denoiser has no context-parallel plan: one GPU",
                 stage,
@@ -81,6 +85,9 @@ def resolve_degree(stage: str, value: Any, device: str, model_path: str) -> int:
             f"stage {stage!r}: {ARG}={value} runs one rank per GPU from cuda:0, and the stage's device is "
             f"{device!r}; set device to cuda (or leave it unset), or {ARG}: 1"
         )
+    known = _cp_denoiser(model_path)
+    if known is not None and not known[1]:  # before any process starts or anything loads
+        raise EngineError(_no_plan(stage, known[0], value))
     if device == "cuda" and value > torch.cuda.device_count():
         raise EngineError(
             f"stage {stage!r}: {ARG}={value} needs {value} GPUs and this pod sees {torch.cuda.device_count()}; "
@@ -89,8 +96,9 @@ def resolve_degree(stage: str, value: Any, device: str, model_path: str) -> int:
     return value
 
 
-def _cp_supported(model_path: str) -> bool:
-    """Whether the folder's denoiser class has a diffusers context-parallel plan (read from its model_index)."""
+def _cp_denoiser(model_path: str) -> tuple[str, bool] | None:
+    """The folder's denoiser class name and whether it has a diffusers context-parallel plan (from its
+    model_index.json); None when the folder does not say (a pipeline built in code)."""
     import json
 
     import diffusers
@@ -98,10 +106,19 @@ def _cp_supported(model_path: str) -> bool:
     try:
         index = json.loads((Path(model_path) / "model_index.json").read_text())
     except (OSError, ValueError):
-        return False
+        return None
     entry = index.get("transformer") or index.get("unet")
-    cls = getattr(diffusers, entry[1], None) if isinstance(entry, list) and len(entry) == 2 else None
-    return getattr(cls, "_cp_plan", None) is not None
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str)):
+        return None
+    cls = getattr(diffusers, entry[1], None)
+    return entry[1], getattr(cls, "_cp_plan", None) is not None
+
+
+def _no_plan(stage: str, denoiser: str, world: int) -> str:
+    return (
+        f"stage {stage!r}: {denoiser} has no diffusers context-parallel plan, so it cannot be split over {world} "
+        f"ranks; set engine arg {ARG}: 1 (Flux, Qwen-Image and Wan denoisers can be split)"
+    )
 
 
 def _free_port() -> int:
@@ -147,10 +164,7 @@ def enable_context_parallel(stage: str, pipe: Any, world: int, device: str) -> N
         )
     for model in _denoisers(pipe):
         if getattr(model, "_cp_plan", None) is None:
-            raise EngineError(
-                f"stage {stage!r}: {type(model).__name__} has no diffusers context-parallel plan, so it cannot "
-                f"be split over {world} ranks; set engine arg {ARG}: 1"
-            )
+            raise EngineError(_no_plan(stage, type(model).__name__, world))
         if device == "cpu":
             model._resolve_parallel_config = types.MethodType(_resolve_on_cpu, model)
         try:
