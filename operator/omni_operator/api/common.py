@@ -206,7 +206,8 @@ class Accelerator(KubeModel):
         ge=0,
         le=64,
         description="Devices per replica; must be 1 or more unless type is none. Tensor-parallel "
-        "engine args should match it.",
+        "engine args should match it; a diffusion stage splits its denoiser over all of them (engine arg "
+        "sequence_parallel, auto by default).",
     )
 
     validation_rules: ClassVar[tuple[Rule, ...]] = (
