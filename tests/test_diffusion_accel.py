@@ -83,6 +83,25 @@ def test_fp8_linear_stays_close_to_the_float_layer() -> None:
     assert type(Fp8Linear.build(torch.nn.Linear(32, 16))) is type(fp8)
 
 
+@pytest.mark.models
+def test_both_wan_experts_get_the_attention_backend_and_fp8(tiny_wan_t2v_model: Path) -> None:
+    """Wan2.2 has two denoisers (`transformer`, `transformer_2`): the speed options apply to both, not only the
+    first (before, the low-noise expert, half of every video's steps, ran uncompiled and in bf16). Compilation
+    runs only on a GPU; it wraps the same block list."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(tiny_wan_t2v_model, local_files_only=True)
+    accel = Accel("dit", {"quantization": "fp8", "attention_backend": "native"})
+    accel.apply(pipe, "cpu")
+    fp8_class = type(Fp8Linear.build(torch.nn.Linear(32, 16)))
+    per_expert = [sum(isinstance(m, fp8_class) for m in t.modules()) for t in (pipe.transformer, pipe.transformer_2)]
+    assert per_expert[0] > 0 and per_expert == [per_expert[0]] * 2
+    assert accel.fp8_layers == sum(per_expert)
+    for expert in (pipe.transformer, pipe.transformer_2):
+        backends = {m.processor._attention_backend for m in expert.modules() if hasattr(m, "processor")}
+        assert backends == {"native"}
+
+
 class _TinyFluxEngine(DiffusionEngine):
     """The real engine on a tiny random-weight FluxPipeline built in memory (no text encoders: requests carry
     embeddings). Flux, since diffusers' first block cache does not wrap SD3's blocks (refused, tested below)."""

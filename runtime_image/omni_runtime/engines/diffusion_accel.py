@@ -186,7 +186,9 @@ class Accel:
         on a replaced layer; compilation after, so the compiled blocks include the parallel all-to-alls.
 
         Compilation wraps each block's own `forward` before the step cache's hooks wrap it, so the
-        cache's per-step decision stays in Python and the compiled blocks never see it.
+        cache's per-step decision stays in Python and the compiled blocks never see it. A second denoiser
+        (`transformer_2`, Wan2.2's low-noise expert) gets the same attention backend, FP8 and compilation;
+        the step cache stays on the first.
         """
         model = _denoiser(pipe)
         if model is None:
@@ -200,6 +202,10 @@ class Accel:
             return
         self._attention(model, device)
         blocks = _repeated_blocks(model)
+        second = getattr(pipe, "transformer_2", None)  # Wan2.2's low-noise expert: the same options as the first
+        if second is not None and second is not model:
+            self._attention(second, device)
+            blocks += _repeated_blocks(second)
         if self.settings.quantization == "fp8":
             self.fp8_layers = self._fp8(blocks)
             log.info(
