@@ -245,6 +245,43 @@ def test_code2wav_windows_join_without_a_gap_and_batch_alike(folder: Path) -> No
     np.testing.assert_allclose(both[1][0], whole, atol=1e-5)
 
 
+def test_code2wav_graph_buckets_follow_the_edge_and_mixed_precision_keeps_30_db(folder: Path) -> None:
+    """The code2wav graphs' frame buckets come from the talker -> code2wav edge (first window 4, window 25,
+    25 frames of context: a 50-frame window is not padded to 64); `torch_dtype: mixed` (bfloat16 decoder,
+    float32 pre-transformer) decodes within 30 dB SNR of float32; a dtype it cannot run is refused."""
+    import torch
+
+    from omni_runtime.engines.speech.code2wav import GRAPH_FRAMES, MIXED, Qwen3Code2Wav, graph_frames
+
+    assert graph_frames(4, 25, 25) == [4, 8, 16, 29, 32, 50]
+    assert graph_frames(2, 25, 25) == [2, 4, 8, 16, 27, 32, 50]
+    assert graph_frames(0, 25, 0) == [4, 8, 16, 25]
+    assert graph_frames(0, 0, 25) == list(GRAPH_FRAMES)  # whole outputs
+    assert make_engine(_pipeline(folder), "code2wav").graph_frames == [4, 8, 16, 29, 32, 50]
+    streamed = resolve_pipeline(
+        get_pipeline("qwen3-omni"),
+        name="o",
+        model=str(folder),
+        edges=[EdgeOverride(source="talker", target="code2wav", window=10)],  # first window 4 (registry)
+        stages=[StageOverride(name="code2wav", engine_args={"torch_dtype": MIXED, "left_context": 5})],
+    )
+    engine = make_engine(streamed, "code2wav")
+    assert engine.graph_frames == [4, 8, 14, 15] and engine.dtype == MIXED
+    wrong = resolve_pipeline(
+        get_pipeline("qwen3-omni"),
+        name="o",
+        model=str(folder),
+        stages=[StageOverride(name="code2wav", engine_args={"torch_dtype": "float9"})],
+    )
+    with pytest.raises(EngineError, match="torch_dtype 'float9' is not a torch dtype.*or mixed"):
+        make_engine(wrong, "code2wav")
+    codes = torch.randint(0, 2048, (2, 16, 40), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        exact = Qwen3Code2Wav(folder, "cpu", torch.float32).module(codes).float()
+        mixed = Qwen3Code2Wav(folder, "cpu", MIXED).module(codes).float()
+    assert 20 * torch.log10(exact.norm() / (mixed - exact).norm()) >= 30
+
+
 def test_speech_engines_refuse_what_they_cannot_run(folder: Path, reference) -> None:
     import numpy as np
 

@@ -16,15 +16,28 @@ the context the window did not see (the decoder's attention reaches 72 frames ba
 
 On a GPU the decodes run on a high-priority CUDA stream of their own (a window colocated with a
 talker is scheduled ahead of the talker's kernels), and shapes met often are CUDA graphs: batch
-buckets (1, 2, 4, 8, 16, 32) x frame buckets (4, 8, 16, 32, 64; the bench captures its exact
-window lengths), captured at start; a call takes the smallest graph that holds it (more rows and
-right padding change nothing: padded rows are dropped, the decoder is causal), else runs eagerly.
+buckets (1, 2, 4, 8, 16, 32) x frame buckets: the exact window lengths of the talker -> code2wav
+edge (first window; window plus the context it can have: a 25-frame window after 25 frames of
+context is 50 frames, not padded to 64), and 4, 8, 16, 32, 64 below the longest for shorter tails
+(all five for an edge of whole outputs); captured at start. A call takes the smallest graph that
+holds it (more rows and right padding change nothing: padded rows are dropped, the decoder is
+causal), else runs eagerly.
+
+Precision (`torch_dtype`): float32 (the default), bfloat16, or `mixed`: the decoder in bfloat16 and
+the code embedding and pre-transformer in float32. On random Qwen3-Omni-sized weights pure bfloat16
+puts the audio 28.4 dB from float32 (SNR, H200), most of that error from the pre-transformer (measured
+layer by layer); with it in float32 the SNR is 32.7 dB (33.4 with the fused SnakeBeta; the bar: 30)
+at nearly bfloat16 cost (it is a small part of the work). On a
+GPU the SnakeBeta activations (most of the memory traffic at 24 kHz) run as one fused kernel
+(torch.compile; float32 inside, one rounding) instead of six elementwise passes; the eager formula is
+the fallback when compiling fails.
+
 A first window (no left context) never waits in a call with longer windows: first windows are
 decoded in a call of their own, ahead of the others waiting at that moment.
 
 Input chunks: `{"codes": (frames, 16)}` or `{"input": (16, frames)}` (int). Output per chunk:
 `{"audio": float32 (samples,), "sample_rate": 24000}`. Engine args: `device`, `torch_dtype`
-(float32 unless given), `left_context` (25), `max_frames_per_call` (300).
+(float32 unless given; bfloat16; mixed), `left_context` (25), `max_frames_per_call` (300).
 
 Before the stage reports ready, `start()` decodes `SELF_CHECK_FRAMES` frames through `generate` (a
 self-check); when that fails it stops and raises with what to change, instead of failing every request.
@@ -52,7 +65,7 @@ from omni_runtime.engines.base import (
 from omni_runtime.engines.speech.stage_args import checked_engine_args, stage_device, stage_dtype, stage_model_path
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 
-__all__ = ["Code2WavEngine", "Qwen3Code2Wav"]
+__all__ = ["Code2WavEngine", "Qwen3Code2Wav", "graph_frames"]
 
 log = logging.getLogger(__name__)
 
@@ -62,46 +75,125 @@ SELF_CHECK_FRAMES = 4
 ENGINE_ARGS = {"runner", "device", "torch_dtype", "left_context", "max_frames_per_call"}
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32)
 GRAPH_FRAMES = (4, 8, 16, 32, 64)
+MIXED = "mixed"
+"""`torch_dtype` value: bfloat16 decoder, float32 code embedding and pre-transformer."""
+
+
+def graph_frames(first_window: int, window: int, left_context: int) -> list[int]:
+    """Frame buckets for the code2wav graphs of a talker -> code2wav edge cut in `first_window`, then
+    `window` frames: every window length it sends (a window plus the context it can have), so none is
+    padded beyond its own size, and the power-of-two buckets below the longest for shorter tails.
+    An edge of whole outputs (`window` 0) gets GRAPH_FRAMES."""
+    if window <= 0:
+        return list(GRAPH_FRAMES)
+    first = first_window or window
+    exact = {first}
+    sent = first
+    while True:  # the second window sees `first` frames of context, later ones up to left_context
+        context = min(left_context, sent)
+        exact.add(window + context)
+        if context == left_context:
+            break
+        sent += window
+    longest = max(exact)
+    return sorted(exact | {f for f in GRAPH_FRAMES if f < longest})
+
+
+def _snake(x: Any, alpha: Any, inv_beta: Any) -> Any:
+    """SnakeBeta, x + sin(x * alpha)^2 / beta, computed in float32 and rounded once to x's dtype."""
+    import torch
+
+    high = x.float()
+    return torch.addcmul(high, inv_beta, torch.sin(high * alpha).square()).to(x.dtype)
+
+
+def _fuse_snakes(module: Any, device: str) -> bool:
+    """Swap every SnakeBeta's forward for one compiled kernel (per-channel exp(alpha) and
+    1 / (exp(beta) + eps) folded once). False, and nothing swapped, when compiling fails here."""
+    import torch
+
+    snakes = [m for m in module.modules() if type(m).__name__.endswith("SnakeBeta")]
+    try:
+        fused = torch.compile(_snake, dynamic=True, fullgraph=True)
+        probe = torch.randn(2, 3, 5, device=device, dtype=next(module.parameters()).dtype)
+        ones = torch.ones(1, 3, 1, device=device)
+        torch.testing.assert_close(fused(probe, ones, ones), _snake(probe, ones, ones))
+    except Exception as exc:  # the transformers forward still works, only slower
+        log.warning("code2wav: cannot compile the fused SnakeBeta (%s); it runs eagerly", exc)
+        return False
+    for snake in snakes:
+        with torch.no_grad():
+            alpha = torch.exp(snake.alpha.float())[None, :, None]
+            inv_beta = (1.0 / (torch.exp(snake.beta.float()) + snake.no_div_by_zero))[None, :, None]
+
+        def forward(x: Any, alpha: Any = alpha, inv_beta: Any = inv_beta) -> Any:
+            return fused(x, alpha, inv_beta)
+
+        snake.forward = forward
+    return True
+
+
+def _to_mixed(module: Any) -> None:
+    """bfloat16 everywhere but the code embedding and pre-transformer (float32); the pre-transformer's
+    output is cast to bfloat16 where the upsampler takes it."""
+    import torch
+
+    module.to(torch.bfloat16)
+    module.code_embedding.float()
+    module.pre_transformer.float()
+
+    def to_bf16(_mod: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (args[0].to(torch.bfloat16), *args[1:])
+
+    module.upsample[0][0].register_forward_pre_hook(to_bf16)
 
 
 class Qwen3Code2Wav:
     """The code2wav module of a Qwen3-Omni checkpoint and a batched, causal, context-trimmed decode."""
 
-    def __init__(self, folder: Path, device: str, dtype: Any) -> None:
+    def __init__(self, folder: Path, device: str, dtype: Any, fuse: bool = True) -> None:
+        """`dtype`: a torch dtype or "mixed" (see the module docstring); `fuse`: the compiled SnakeBeta
+        on a GPU (never on the CPU, whose path stays transformers' own)."""
+        import torch
         from transformers import Qwen3OmniMoeConfig
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
         from omni_runtime.engines.speech.weights import load_part
 
         config = Qwen3OmniMoeConfig.from_pretrained(folder).code2wav_config
-        module = Qwen3OmniMoeCode2Wav._from_config(config, dtype=dtype)
+        module = Qwen3OmniMoeCode2Wav._from_config(config, dtype=torch.float32 if dtype == MIXED else dtype)
         load_part(module, folder, "code2wav.")
-        self._setup(module, device, dtype)
+        self._setup(module, device, dtype, fuse)
 
     @classmethod
-    def from_module(cls, module: Any, device: str, dtype: Any) -> Qwen3Code2Wav:
+    def from_module(cls, module: Any, device: str, dtype: Any, fuse: bool = True) -> Qwen3Code2Wav:
         """Around a `Qwen3OmniMoeCode2Wav` already built (the GPU bench's random-weight one)."""
         self = cls.__new__(cls)
-        self._setup(module, device, dtype)
+        self._setup(module, device, dtype, fuse)
         return self
 
-    def _setup(self, module: Any, device: str, dtype: Any) -> None:
+    def _setup(self, module: Any, device: str, dtype: Any, fuse: bool) -> None:
         import torch
 
         config = module.config
         self.module = module
         self.module.to(device).eval()
+        if dtype == MIXED:
+            _to_mixed(self.module)
         self.device, self.dtype = device, dtype
+        cuda = str(device).startswith("cuda")
+        self.fused = bool(fuse and cuda and _fuse_snakes(self.module, device))
+        """True: the SnakeBeta activations run as one compiled kernel each (GPU only)."""
         self.groups = config.num_quantizers
         self.codebook = config.codebook_size
         self.samples_per_frame = int(self.module.total_upsample)
         # on a GPU, decodes run on their own stream so a window never queues behind a talker step, at
         # the highest priority so that, colocated, its kernels go ahead of a talker pass's
-        cuda = str(device).startswith("cuda")
         self.stream: Any = None
         if cuda:
             low, high = torch.cuda.Stream.priority_range()
             self.stream = torch.cuda.Stream(device, priority=min(low, high))
+            self.normal_stream = torch.cuda.Stream(device, priority=max(low, high))
         self._graphs: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
         self._pool: Any = None
         self.use_graphs = True
@@ -114,6 +206,19 @@ class Qwen3Code2Wav:
 
         if self.stream is None:
             return
+        # cuDNN times its convolution algorithms for each shape in the warm-up and the graph keeps the
+        # fastest (without benchmark mode it picks by heuristics); scoped to code2wav's capture. Costs
+        # ~50 s once for the full-size model's 30 shapes (bench run 3), shared by later captures
+        benchmark = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = True
+        try:
+            self._capture(batches, lengths)
+        finally:
+            torch.backends.cudnn.benchmark = benchmark
+
+    def _capture(self, batches: list[int], lengths: list[int]) -> None:
+        import torch
+
         for batch in sorted(set(batches)):
             for length in sorted(set(lengths)):
                 if (batch, length) in self._graphs:
@@ -143,8 +248,11 @@ class Qwen3Code2Wav:
         fits = [key for key in self._graphs if key[0] >= count and key[1] >= longest] if self.use_graphs else []
         return self._graphs[min(fits, key=lambda key: (key[0] * key[1], key))] if fits else None
 
-    def decode(self, jobs: list[tuple[Any, int]]) -> list[Any]:
+    def decode(self, jobs: list[tuple[Any, int]], urgent: bool = True) -> list[Any]:
         """For each (codes [16, context + new], context frames): the float32 samples of the new frames.
+        `urgent` False: on a GPU the call runs at the default stream priority (a colocated talker's
+        kernels are not held back for it), else at the highest. Calls never overlap (one caller
+        thread), so the graphs' shared memory pool is safe on either stream.
 
         One call for all jobs (right-padded with code 0). The first window of a request (context 0)
         keeps the whole causal output, n * spf - tail samples; later ones drop the context's
@@ -160,7 +268,8 @@ class Qwen3Code2Wav:
         padded = torch.zeros(rows, self.groups, length, dtype=torch.long)
         for i, (codes, _) in enumerate(jobs):
             padded[i, :, : codes.shape[1]] = codes
-        on_stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        stream = self.stream if urgent or self.stream is None else self.normal_stream
+        on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), on_stream:  # the copies back wait on this stream, not the default one
             if graph is not None:
                 runner, codes_in, wav = graph
@@ -168,10 +277,10 @@ class Qwen3Code2Wav:
                 runner.replay()
             else:
                 wav = self.module(padded.to(self.device))[:, 0].float()
-            if self.stream is not None:  # wait without holding the GIL (a talker may share the process)
+            if stream is not None:  # wait without holding the GIL (a talker may share the process)
                 from omni_runtime.engines.speech.slab_talker import wait_quietly
 
-                wait_quietly(self.device, self.stream)
+                wait_quietly(self.device, stream)
             tail = length * self.samples_per_frame - wav.shape[-1]  # 555 for Qwen3-Omni's decoder
             ends = [codes.shape[1] * self.samples_per_frame - tail for codes, _ in jobs]
             host = wav[: len(jobs), : max(ends)].cpu()  # one copy back (a graph's output is reused next call)
@@ -199,7 +308,13 @@ class Code2WavEngine(Engine):
         self.model_path = stage_model_path(pipeline, stage)
         args = checked_engine_args(stage, ENGINE_ARGS)
         self.device = stage_device(args)
-        self.dtype = stage_dtype(stage, args, "float32")
+        if str(args.get("torch_dtype")) == MIXED:
+            self.dtype: Any = MIXED
+        else:
+            try:
+                self.dtype = stage_dtype(stage, args, "float32")
+            except EngineError as exc:
+                raise EngineError(f"{exc}, or {MIXED} (bfloat16 decoder, float32 pre-transformer)") from None
         self.left_context = int(args.get("left_context", 25))
         self.max_frames = int(args.get("max_frames_per_call", 300))
         if self.left_context < 0 or self.max_frames < 1:
@@ -207,6 +322,10 @@ class Code2WavEngine(Engine):
                 f"stage {stage.name!r}: left_context {self.left_context} (>= 0) and max_frames_per_call "
                 f"{self.max_frames} (>= 1) are out of range"
             )
+        ups = pipeline.topology.upstream(stage.name)
+        window = ups[0].window if len(ups) == 1 else 0
+        self.graph_frames = graph_frames(min(ups[0].first_window, window) if window else 0, window, self.left_context)
+        """Frame buckets of the CUDA graphs captured at start (from the edge's window sizes)."""
         self.model: Qwen3Code2Wav | None = None
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         self._task: asyncio.Task | None = None
@@ -220,7 +339,7 @@ class Code2WavEngine(Engine):
         except Exception as exc:
             raise EngineError(f"stage {self.stage.name!r}: cannot load code2wav of {self.model_path}: {exc}") from exc
         if self.model.stream is not None:  # graphs of the common shapes (see the module docstring)
-            await asyncio.to_thread(self.model.capture, list(GRAPH_BATCHES), list(GRAPH_FRAMES))
+            await asyncio.to_thread(self.model.capture, list(GRAPH_BATCHES), self.graph_frames)
         self._task = asyncio.create_task(self._batcher(), name=f"code2wav-{self.stage.name}")
         import torch
 
