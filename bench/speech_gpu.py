@@ -2,6 +2,8 @@
 
     python bench/speech_gpu.py                       # on a GPU (two GPUs: also the split layout)
     python bench/speech_gpu.py --tiny --device cpu   # the same code on the tiny config, for debugging
+    python bench/speech_gpu.py --concurrency 1,32 --layouts colocated --baseline-frames 0 \
+        --variants ours:bf16,ours:mixed-fused,ours-fw4:mixed-fused   # a short run: colocated c=1 and 32
 
 Models: transformers' Qwen3-Omni talker and code2wav with random weights, sized by the
 `Qwen3OmniMoeTalkerConfig` / `Qwen3OmniMoeCode2WavConfig` defaults (talker 20 layers, 128 experts,
@@ -16,7 +18,7 @@ per request; all requests of a round arrive at once.
 - ours: `slab_talker.SlabTalker` (KV slabs, grouped MoE, CUDA graphs) stepping every live request,
   frames cut into code2wav windows (first `--first-window`, then `--window` new frames with
   `--left-context` before, as the talker -> code2wav edge does), all ready windows decoded in one
-  `Qwen3Code2Wav.decode` call on its own CUDA stream in its own thread, in bf16.
+  `Qwen3Code2Wav.decode` call on its own CUDA stream in its own thread (precision: `--code2wav`).
   TTFP = first thinker token in -> first audio packet out; RTF = (last packet - arrival) / audio seconds;
   audio-s/s = audio seconds of the round / the round's wall time.
   Colocated (both on GPU 0) and split (talker GPU 0, code2wav GPU 1; codes hop through host memory as
@@ -24,7 +26,11 @@ per request; all requests of a round arrive at once.
 - variants of ours, all in the same run: `before` (first window 4, eager code2wav, windows decoded in
   arrival order: the previous run's path), `ours-fw4` (code2wav CUDA graphs per (batch, frames) bucket,
   first windows decoded in a call of their own ahead of longer ones, first window 4) and `ours`
-  (the same with `--first-window`, default 2). Each line also prints where the median TTFP goes
+  (the same with `--first-window`, default 2); `-normal` (ours-normal): windows with left context at the
+  default stream priority, first windows at the highest. `--code2wav` (or `:KIND` on a variant) picks the
+  code2wav: bf16, mixed (bf16 decoder, fp32 code embedding and pre-transformer: the one over the 30 dB
+  SNR bar at bf16 cost) or fp32, each optionally `-fused` (one compiled kernel per SnakeBeta); the run
+  prints each kind's SNR against fp32 and checks it with the targets. Each line also prints where the median TTFP goes
   (frame 1, the first window's last frame and when its thinker token was due, window queued, decode
   started, first packet) and the playback stall (playing each answer in real time from its first
   packet: how long it waits for later packets in all; a smaller first window plays out sooner).
@@ -51,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime_image"))
 
 import torch  # noqa: E402
 
-from omni_runtime.engines.speech.code2wav import Qwen3Code2Wav  # noqa: E402
+from omni_runtime.engines.speech.code2wav import MIXED, Qwen3Code2Wav  # noqa: E402
 from omni_runtime.engines.speech.qwen3_talker import Qwen3Talker  # noqa: E402
 from omni_runtime.engines.speech.sampling import Sampling  # noqa: E402
 from omni_runtime.engines.speech.slab_talker import SlabTalker  # noqa: E402
@@ -125,7 +131,7 @@ def build(config: Any, device: str, dtype: Any, c2w_devices: list[str]) -> tuple
         bad = [name for name, param in module.named_parameters() if not torch.isfinite(param).all()]
         if bad:
             raise SystemExit(f"code2wav's random init left non-finite weights in {bad[:5]}")
-        coders[dev] = Qwen3Code2Wav.from_module(module, dev, dtype)
+        coders[dev] = Qwen3Code2Wav.from_module(module, dev, dtype, fuse=False)
     params = sum(p.numel() for p in talker.parameters()) / 1e9
     c2w = sum(p.numel() for p in next(iter(coders.values())).module.parameters()) / 1e6
     print(
@@ -237,15 +243,41 @@ class Variant:
     first_window: int
     graphs: bool
     first_priority: bool
+    code2wav: str = "bf16"
+    """Which code2wav (CODE2WAV_KINDS): precision, and the fused SnakeBeta or not."""
+    later_normal: bool = False
+    """Windows with left context decoded at the default stream priority (first windows stay highest)."""
+
+
+CODE2WAV_KINDS = ("bf16", "bf16-fused", "mixed", "mixed-fused", "fp32", "fp32-fused")
+
+
+def make_coder(base: Qwen3Code2Wav, kind: str) -> Qwen3Code2Wav:
+    """A code2wav of `kind` with the same weights as `base` (bf16 on a GPU): bf16, mixed (bf16 decoder,
+    fp32 code embedding and pre-transformer) or fp32, with '-fused' the compiled SnakeBeta."""
+    if kind not in CODE2WAV_KINDS:
+        raise SystemExit(f"--code2wav / --variants: code2wav kind {kind!r} is not one of {CODE2WAV_KINDS}")
+    precision, fused = kind.removesuffix("-fused"), kind.endswith("-fused")
+    if kind == "bf16" and base.module.dtype == torch.bfloat16:
+        return base
+    module = copy.deepcopy(base.module).float()
+    dtype: Any = {"bf16": torch.bfloat16, "fp32": torch.float32, "mixed": MIXED}[precision]
+    if dtype == torch.bfloat16:
+        module.to(dtype)
+    coder = Qwen3Code2Wav.from_module(module, base.device, dtype, fuse=fused)
+    if fused and not coder.fused and str(base.device).startswith("cuda"):
+        print(f"code2wav {kind}: the fused SnakeBeta did not compile here; it runs eagerly")
+    return coder
 
 
 class Code2WavWorker:
     """One thread: every window queued at the moment is decoded in one call (its own CUDA stream); with
     `first_priority`, first windows (no left context) go in a call of their own, ahead of the others."""
 
-    def __init__(self, coder: Qwen3Code2Wav, first_priority: bool) -> None:
+    def __init__(self, coder: Qwen3Code2Wav, first_priority: bool, later_normal: bool = False) -> None:
         self.coder = coder
         self.first_priority = first_priority
+        self.later_normal = later_normal
         self.jobs: queue.Queue = queue.Queue()
         self.calls = 0
         self.windows = 0
@@ -277,7 +309,8 @@ class Code2WavWorker:
             for stream, _, context in batch:
                 if context == 0 and stream.first_started is None:
                     stream.first_started = started
-            wavs = self.coder.decode([(codes, context) for _, codes, context in batch])
+            urgent = not self.later_normal or any(context == 0 for _, _, context in batch)
+            wavs = self.coder.decode([(codes, context) for _, codes, context in batch], urgent=urgent)
             now = time.perf_counter()
             self.busy += now - started
             self.calls += 1
@@ -331,7 +364,7 @@ def round_trip(
     base = talker.base
     coder.use_graphs = variant.graphs
     args = argparse.Namespace(**{**vars(args), "first_window": variant.first_window})
-    worker = Code2WavWorker(coder, variant.first_priority)
+    worker = Code2WavWorker(coder, variant.first_priority, variant.later_normal)
     sampling = Sampling(temperature=0.9, top_k=50, max_tokens=args.frames)
     streams = []
     start = time.perf_counter()
@@ -440,25 +473,22 @@ def pass_times(talker: SlabTalker, sizes: list[int]) -> None:
     print("graph replay per pass: " + ", ".join(parts))
 
 
-def bf16_error(config: Any, coder: Qwen3Code2Wav) -> None:
-    """The same codes through the bf16 code2wav and an fp32 copy of it: how far the audio moves."""
-    if coder.module.dtype == torch.float32:
-        return
-    fp32 = copy.deepcopy(coder.module).float()
+def precision_error(config: Any, reference: Any, coder: Qwen3Code2Wav, kind: str) -> float:
+    """The same codes through code2wav `kind` and the fp32 copy of its weights: how far the audio moves (SNR)."""
     g = torch.Generator().manual_seed(1)
     codes = torch.randint(0, config.code2wav_config.codebook_size, (4, coder.groups, 100), generator=g)
     with torch.inference_mode():
         low = coder.module(codes.to(coder.device)).float()
-        high = fp32(codes.to(coder.device)).float()
+        high = reference(codes.to(coder.device)).float()
     diff = low - high
     rel = (diff.norm() / high.norm()).item()
-    snr = 20 * torch.log10(high.norm() / diff.norm()).item()
+    snr = 20 * torch.log10(high.norm() / diff.norm()).item() if diff.norm() > 0 else float("inf")
     print(
-        f"code2wav bf16 vs fp32 on the same 4 x 100 frames: max |diff| {diff.abs().max().item():.2e} "
+        f"code2wav {kind} vs fp32 on the same 4 x 100 frames: max |diff| {diff.abs().max().item():.2e} "
         f"(peak |fp32| {high.abs().max().item():.2e}), relative L2 error {rel:.2e}, SNR {snr:.1f} dB "
         f"(bar: SNR >= 30 dB, the error under 1/30 of the signal)"
     )
-    del fp32
+    return snr
 
 
 ENGINE_PROMPT_TOKENS = 40
@@ -573,7 +603,15 @@ def main() -> None:
         "--variants",
         default="before,ours-fw4,ours",
         help="before: first window 4, eager code2wav, windows in arrival order (the previous run's path); "
-        "ours-fw4: code2wav CUDA graphs + first windows first, first window 4; ours: the same, --first-window",
+        "ours-fw4: code2wav CUDA graphs + first windows first, first window 4; ours: the same, --first-window. "
+        "A '-normal' suffix (ours-normal): windows with left context at the default stream priority, first windows "
+        "at the highest; ':KIND' picks the variant's code2wav (ours:mixed-fused), else --code2wav",
+    )
+    parser.add_argument(
+        "--code2wav",
+        default="mixed-fused",
+        help=f"code2wav of the variants that name none, one of {CODE2WAV_KINDS}: bf16 (fails the 30 dB bar), mixed "
+        "(bf16 decoder, fp32 code embedding and pre-transformer), fp32; '-fused': the compiled SnakeBeta (GPU only)",
     )
     parser.add_argument("--engine-check", action="store_true", help="also run the stage engines (tiny config)")
     args = parser.parse_args()
@@ -592,7 +630,16 @@ def main() -> None:
         "ours-fw4": Variant("ours-fw4", 4, True, True),
         "ours": Variant(f"ours-fw{args.first_window}", args.first_window, True, True),
     }
-    variants = [known[name] for name in args.variants.split(",")]
+    variants = []
+    for spec in args.variants.split(","):
+        name, _, kind = spec.partition(":")
+        normal = name.endswith("-normal")
+        if name.removesuffix("-normal") not in known:
+            raise SystemExit(f"--variants: {spec!r} names none of {sorted(known)} (with -normal and :KIND optional)")
+        v = known[name.removesuffix("-normal")]
+        kind = kind or args.code2wav
+        suffix = "-normal" if normal else ""
+        variants.append(Variant(f"{v.name}{suffix}/{kind}", v.first_window, v.graphs, v.first_priority, kind, normal))
     print(f"command: {' '.join(sys.argv)}")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0) if cuda else 'cpu'} x {gpus}")
     if args.engine_check:
@@ -603,8 +650,14 @@ def main() -> None:
     config = build_config(args.tiny)
     if not args.tiny:
         print(f"sizes not given by the transformers defaults (released Qwen3-Omni values): {FULL}")
-    base, coders = build(config, talker_device, dtype, sorted(set(layouts.values())))
-    bf16_error(config, coders[talker_device])
+    base, plain = build(config, talker_device, dtype, sorted(set(layouts.values())))
+    kinds = sorted({v.code2wav for v in variants})
+    coders = {(dev, kind): make_coder(plain[dev], kind) for dev in plain for kind in kinds}
+    snr: dict[str, float] = {}
+    reference = copy.deepcopy(plain[talker_device].module).float()
+    for kind in kinds:
+        snr[kind] = precision_error(config, reference, coders[(talker_device, kind)], kind)
+    del reference
     if cuda:
         try:
             graph_check(base)
@@ -613,7 +666,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     if args.baseline_frames:
         try:
-            results["baseline"] = baseline(base, coders[talker_device], args)
+            results["baseline"] = baseline(base, plain[talker_device], args)
         except Exception as exc:  # the rest of the run still measures ours
             print(f"baseline failed: {type(exc).__name__}: {exc}")
     talker = SlabTalker(base, max_batch=max(concurrency), max_length=args.max_length)
@@ -629,16 +682,16 @@ def main() -> None:
         for v in variants:
             lengths |= {v.first_window, v.first_window + args.window}
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max(concurrency)] + [max(concurrency)]
-        for device, coder in coders.items():
+        for (device, kind), coder in coders.items():
             started = time.perf_counter()
             coder.capture(sizes, sorted(lengths))
             print(
-                f"code2wav on {device}: {len(coder._graphs)} CUDA graphs (batch {sizes} x frames {sorted(lengths)}) "
-                f"in {time.perf_counter() - started:.1f} s"
+                f"code2wav {kind} on {device}: {len(coder._graphs)} CUDA graphs (batch {sizes} x frames "
+                f"{sorted(lengths)}) in {time.perf_counter() - started:.1f} s"
             )
     for variant in variants:
         for layout, c2w_device in layouts.items():
-            coder = coders[c2w_device]
+            coder = coders[(c2w_device, variant.code2wav)]
             warm = argparse.Namespace(**{**vars(args), "frames": 2 * args.window})
             round_trip(talker, coder, min(2, max(concurrency)), warm, variant)
             for c in concurrency:
@@ -649,7 +702,7 @@ def main() -> None:
                     continue
                 results[f"{variant.name}-{layout}-{c}"] = r
                 print(
-                    f"{variant.name:8s} {layout:9s} c={c:3d}: TTFP median {r['ttfp_ms']:.0f} ms "
+                    f"{variant.name:22s} {layout:9s} c={c:3d}: TTFP median {r['ttfp_ms']:.0f} ms "
                     f"(max {r['ttfp_max_ms']:.0f}), RTF median {r['rtf']:.3f} (max {r['rtf_max']:.3f}), "
                     f"{r['audio_s_per_s']:.1f} audio-s/s, {r['audio_s']:.2f} s audio each, playback stall median "
                     f"{r['stall_ms']:.0f} ms (max {r['stall_max_ms']:.0f}), {r['steps']} steps in {r['wall_s']:.2f} s"
@@ -675,6 +728,7 @@ def main() -> None:
                     (f"TTFP <= 250 ms at c={top_c}", top["ttfp_ms"] <= 250),
                     (f"RTF <= 0.25 at c={top_c}", top["rtf"] <= 0.25),
                     (f">= 128 audio-s/s at c={top_c}", top["audio_s_per_s"] >= 128),
+                    (f"code2wav SNR {snr[variant.code2wav]:.1f} >= 30 dB", snr[variant.code2wav] >= 30),
                 ]
                 print(
                     f"targets ({variant.name}, {layout}, medians): "
