@@ -94,13 +94,14 @@ def generate_reference(cases: list[tuple[str, int, int]]) -> list[dict[str, Any]
 
 
 def media_parts() -> dict[str, Any]:
-    """The media of the media prompts: a 64x48 red image (PIL) and 0.5 s of a 16 kHz sine (float32)."""
+    """The media of the media prompts: a 64x48 red image (PIL) and 0.5 s of a 16 kHz sine (float32, on
+    the 16-bit grid: a 16-bit WAV of it decodes to the same samples)."""
     import numpy as np
     from PIL import Image
 
     return {
         "image": Image.new("RGB", (64, 48), (200, 30, 30)),
-        "audio": (np.sin(np.arange(8000, dtype=np.float32) / 10) * 0.3).astype(np.float32),
+        "audio": (np.round(np.sin(np.arange(8000) / 10) * 0.3 * 32768) / 32768).astype(np.float32),
     }
 
 

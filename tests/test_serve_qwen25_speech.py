@@ -6,8 +6,9 @@ whole model (`qwen25_reference`) and its waveform equals transformers' codec cod
 windows the edge cuts (4, then 25; within 2e-4 after the reply's 16-bit WAV quantization), so the
 staged codes equal transformers' (the thinker's rows come from vLLM here, within about 1e-6 of
 transformers'). Whole-output decoding equal to transformers' waveform is tested on the engine
-(test_speech_engines). Also streamed audio deltas, `/v1/audio/speech` and the voices of the token2wav
-speaker dictionary.
+(test_speech_engines). The same anchor for a prompt with an image and an audio part (vLLM's rows at
+the media positions, the media grids the thinker stage sends, the talker's 3-D rope index). Also
+streamed audio deltas, `/v1/audio/speech` and the voices of the token2wav speaker dictionary.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from servelib import Serve, http_get, tiny_model
 pytestmark = [pytest.mark.models, pytest.mark.timeout(1500)]
 
 THINKER_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 64 * 1024**2, "seed": 0,
-                "limit_mm_per_prompt": {"image": 0, "audio": 0, "video": 0}}  # fmt: skip
+                "limit_mm_per_prompt": {"image": 1, "audio": 1, "video": 0}}  # fmt: skip
 TOKENS = 8
 FRAMES = 30
 PROMPT = "Hello, who are you?"
@@ -87,6 +88,46 @@ def test_chat_speaks_what_transformers_speaks(served: Serve, reference: dict) ->
         )  # fmt: skip
     message = reply.choices[0].message
     tokenizer = AutoTokenizer.from_pretrained(tiny_model("tiny-qwen2-5-omni"))
+    assert reply.usage.completion_tokens == len(reference["tokens"])
+    assert message.content == tokenizer.decode(reference["tokens"], skip_special_tokens=True)
+    wav = samples(base64.b64decode(message.audio.data))
+    expected = reference["wav"].numpy()
+    assert wav.shape == expected.shape
+    np.testing.assert_allclose(wav, np.clip(expected, -1, 1), atol=2e-4)
+
+
+def test_image_and_audio_prompt_speaks_what_transformers_speaks(served: Serve) -> None:
+    """`image_url` (PNG) + `input_audio` (16-bit WAV) + text, modalities [text, audio], greedy: the text
+    equals transformers' generate() of the whole model on the same image and samples, and so does the
+    WAV (within 2e-4, the 16-bit quantization of the reply), so the staged codes equal transformers'."""
+    from qwen25_reference import generate_media_reference, media_parts
+    from transformers import AutoTokenizer
+
+    # a text whose reference codes all lie in token2wav's codebook (transformers would hand it any code;
+    # the staged talker never draws those, so that reference could not be decoded nor equal)
+    reference = generate_media_reference(("image", "audio"), "Describe it.", TOKENS, FRAMES)
+    parts = media_parts()
+    png, wav_in = io.BytesIO(), io.BytesIO()
+    parts["image"].save(png, format="PNG")
+    with wave.open(wav_in, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
+        w.writeframes((parts["audio"] * 32768).astype("<i2").tobytes())
+    content = [
+        {
+            "type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()},
+        },
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav_in.getvalue()).decode(), "format": "wav"}},
+        {"type": "text", "text": "Describe it."},
+    ]
+    with api_of(served) as api:
+        reply = api.chat.completions.create(
+            model=served.model, messages=[{"role": "user", "content": content}], modalities=["text", "audio"],
+            audio={"voice": "ethan", "format": "wav"}, max_tokens=TOKENS, temperature=0.0, extra_body=GREEDY_TALKER,
+        )  # fmt: skip
+    message = reply.choices[0].message
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model("tiny-qwen2-5-omni"))
+    assert reply.usage.prompt_tokens == len(reference["prompt"])
     assert reply.usage.completion_tokens == len(reference["tokens"])
     assert message.content == tokenizer.decode(reference["tokens"], skip_special_tokens=True)
     wav = samples(base64.b64decode(message.audio.data))
