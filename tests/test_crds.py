@@ -365,6 +365,19 @@ def test_resolve_qwen3_omni_sample_against_a_topology() -> None:
     assert resolved.topology.connectors.inline_max_bytes == 1024**2
 
 
+def test_an_edges_first_window_reaches_the_resolved_topology() -> None:
+    """`connectors.edges[].firstWindow` sets the first chunk the router plans and the stage cuts
+    (test_router_units / test_speech_engines cover what each does with it); unset keeps the topology's."""
+    raw = _load("qwen3-omni.yaml")
+    raw["spec"]["connectors"] = {"edges": [{"from": "talker", "to": "code2wav", "firstWindow": 2}]}
+    resolved = resolve(OmniPipeline.model_validate(raw), _omni_topology(), model_path="/models/q")
+    edges = {(e.source, e.target): (e.window, e.first_window) for e in resolved.topology.edges}
+    assert edges == {("thinker", "talker"): (25, 0), ("talker", "code2wav"): (50, 2)}
+    raw["spec"]["connectors"] = {"edges": [{"from": "talker", "to": "code2wav", "firstWindow": -1}]}
+    with pytest.raises(ValidationError, match="firstWindow"):
+        OmniPipeline.model_validate(raw)
+
+
 def test_connectors_left_unset_keep_the_topology() -> None:
     raw = _load("qwen3-omni.yaml")
     raw["spec"]["connectors"] = {"edges": [{"from": "thinker", "to": "talker", "window": 10}]}

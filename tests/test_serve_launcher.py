@@ -60,7 +60,10 @@ def test_a_pipeline_file_sets_replicas_overrides_edges_and_limits(t2i_folder, tm
                 {"name": "enhancer", "replicas": 2, "sampling_params": {"max_tokens": 8}},
                 {"name": "dit", "engine_args": {"torch_dtype": "float32"}},
             ],
-            "connectors": {"default": "inline", "edges": [{"from": "enhancer", "to": "dit", "connector": "mooncake"}]},
+            "connectors": {
+                "default": "inline",
+                "edges": [{"from": "enhancer", "to": "dit", "connector": "mooncake", "window": 4, "first_window": 2}],
+            },
             "limits": {"max_concurrent_requests": 3, "request_timeout_s": 9},
         },
     )
@@ -74,6 +77,7 @@ def test_a_pipeline_file_sets_replicas_overrides_edges_and_limits(t2i_folder, tm
     assert resolved.topology.stage("dit").engine_args == {"torch_dtype": "float32"}
     edge = resolved.topology.edges[0]
     assert resolved.topology.edge_connector(edge).value == "mooncake"
+    assert (edge.window, edge.first_window) == (4, 2)
     mc = resolved.topology.connectors.mooncake
     assert mc.master_port != 50051 and mc.metadata_port != 8080  # free ports, not the cluster defaults
     assert resolved.limits.max_concurrent_requests == 3 and resolved.limits.request_timeout_s == 9

@@ -114,6 +114,7 @@ class LocalEdge(BaseModel):
     target: str = Field(alias="to")
     connector: ConnectorKind | None = None
     window: int | None = Field(None, ge=0)
+    first_window: int | None = Field(None, ge=0)
 
 
 class LocalConnectors(ConnectorsSpec):
@@ -300,10 +301,7 @@ class LocalRun:
         if connector:
             connectors_data["default"] = ConnectorKind(connector)
         connectors = ConnectorsSpec.model_validate(connectors_data)
-        edges = [
-            EdgeOverride(**{"from": e.source, "to": e.target, "connector": e.connector, "window": e.window})
-            for e in spec.connectors.edges
-        ]
+        edges = [EdgeOverride.model_validate(e.model_dump(by_alias=True)) for e in spec.connectors.edges]
         uses_mooncake = any(
             (e.connector or connectors.default) is ConnectorKind.MOONCAKE for e in _edges_after(topology, edges)
         )

@@ -71,7 +71,10 @@ def stage_overrides(stages: list[PipelineStage]) -> list[StageOverride]:
 
 def edge_overrides(connectors: ConnectorsConfig) -> list[EdgeOverride]:
     """One EdgeOverride per `connectors.edges` entry."""
-    return [EdgeOverride(source=e.source, target=e.target, connector=e.kind, window=e.window) for e in connectors.edges]
+    return [
+        EdgeOverride(source=e.source, target=e.target, connector=e.kind, window=e.window, first_window=e.first_window)
+        for e in connectors.edges
+    ]
 
 
 def connectors_spec(connectors: ConnectorsConfig, base: ConnectorsSpec | None = None) -> ConnectorsSpec | None:

@@ -56,6 +56,7 @@ class EdgeOverride(BaseModel):
     target: str = Field(alias="to")
     connector: ConnectorKind | None = None
     window: int | None = Field(None, ge=0)
+    first_window: int | None = Field(None, ge=0)
 
 
 class StageDiscovery(BaseModel):
@@ -223,6 +224,8 @@ def resolve_pipeline(
             matching[0].connector = edge_override.connector
         if edge_override.window is not None:
             matching[0].window = edge_override.window
+        if edge_override.first_window is not None:
+            matching[0].first_window = edge_override.first_window
 
     resolved = ResolvedPipeline(
         name=name,
