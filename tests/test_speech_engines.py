@@ -273,6 +273,15 @@ def test_code2wav_graph_buckets_follow_the_edge_and_mixed_precision_keeps_30_db(
         model=str(folder),
         stages=[StageOverride(name="code2wav", engine_args={"torch_dtype": "float9"})],
     )
+    # unless the stage says, a GPU decodes mixed and a CPU in float32 (constructing reads args only)
+    on_gpu = resolve_pipeline(
+        get_pipeline("qwen3-omni"),
+        name="o",
+        model=str(folder),
+        stages=[StageOverride(name="code2wav", engine_args={"device": "cuda:0"})],
+    )
+    assert make_engine(on_gpu, "code2wav").dtype == MIXED
+    assert make_engine(_pipeline(folder), "code2wav").dtype == (MIXED if torch.cuda.is_available() else torch.float32)
     with pytest.raises(EngineError, match="torch_dtype 'float9' is not a torch dtype.*or mixed"):
         make_engine(wrong, "code2wav")
     codes = torch.randint(0, 2048, (2, 16, 40), generator=torch.Generator().manual_seed(5))
