@@ -11,12 +11,13 @@ install:
 
 ## Lint and type checks first (a lint failure is cheap), then every test: unit, cluster (real control
 ## plane) and end to end.
-## The Prometheus of the e2e tier and the control plane's binaries build (cold: minutes; cached after) in
-## the background meanwhile, so the unit tests overlap them; the e2e tier waits for them (each build.sh
-## holds a lock).
+## Prometheus and KEDA of the e2e tier and the control plane's binaries build (cold: minutes; cached
+## after) in the background meanwhile, so the unit tests overlap them; the e2e tier waits for them (each
+## build.sh holds a lock).
 test: export OMNIKUBE_CLUSTER_BUILD := background
 test: lint
 	@mkdir -p .omnikube && (bash e2e/cluster/addons/build.sh prometheus > .omnikube/prometheus-build.log 2>&1 &)
+	@(bash e2e/cluster/addons/build.sh keda > .omnikube/keda-build.log 2>&1 &)
 	$(PY) -m pytest -q --durations=40
 
 ## Unit tests only (no cluster, no model loads).
