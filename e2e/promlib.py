@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,12 +108,20 @@ class Prometheus:
 
     Two jobs, as the chart's monitors make them: the pipelines' pods (PodMonitor) and the operator, whose
     per-stage series keep their own `namespace` (its ServiceMonitor's honorLabels). `rule_groups` (a
-    PrometheusRule's spec.groups) are evaluated every scrape interval."""
+    PrometheusRule's spec.groups) are evaluated every scrape interval. `host` is the address it listens on:
+    the loopback, or the pod runner's bridge address (the node's InternalIP) when pods must reach it, as
+    KEDA's operator does for a ScaledObject's Prometheus trigger."""
 
-    def __init__(self, binary: Path, workdir: Path, rule_groups: list[dict[str, Any]] | None = None) -> None:
-        self.binary, self.workdir, self.rule_groups = binary, workdir, rule_groups
+    def __init__(
+        self,
+        binary: Path,
+        workdir: Path,
+        rule_groups: list[dict[str, Any]] | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.binary, self.workdir, self.rule_groups, self.host = binary, workdir, rule_groups, host
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.targets = workdir / "targets.json"
         self.operator_targets = workdir / "operator-targets.json"
         self.log_path = workdir / "prometheus.log"
@@ -149,7 +159,7 @@ class Prometheus:
                     str(self.binary),
                     f"--config.file={self.workdir / 'prometheus.yml'}",
                     f"--storage.tsdb.path={self.workdir / 'data'}",
-                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    f"--web.listen-address={self.host}:{self.port}",
                     "--log.level=warn",
                 ],
                 stdout=log,
@@ -178,6 +188,28 @@ class Prometheus:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(groups))
         tmp.replace(path)  # atomic: Prometheus never reads half a file
+
+    def follow(self, list_pods: Callable[[], list[dict[str, Any]]], period: float = 1.0) -> Callable[[], None]:
+        """Keep the targets on `list_pods()`'s running pods (replicas an autoscaler adds or removes included),
+        as the Prometheus Operator does for a PodMonitor; returns the function that stops following."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(period):
+                try:
+                    self.set_targets(pod_targets(list_pods()))
+                except Exception:  # noqa: BLE001 - a failed list keeps the last targets; the next one retries
+                    continue
+
+        self.set_targets(pod_targets(list_pods()))
+        thread = threading.Thread(target=loop, name="prometheus-targets", daemon=True)
+        thread.start()
+
+        def stop_following() -> None:
+            stop.set()
+            thread.join(10)
+
+        return stop_following
 
     def api(self, path: str, **params: str) -> Any:
         """GET /api/v1/<path>; the `data` of a success, else an AssertionError with Prometheus' error."""

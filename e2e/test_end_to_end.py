@@ -21,13 +21,13 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import psutil
 import pytest
 import yaml
 from chartlib import Release, ServiceAccountOperator, helm, operator_release
 from clusterlib import REPO, apply, kubectl_json, wait_for
+from loadlib import SteadyLoad
 from PIL import Image
 from podrunner.node import RUNNER_LABEL
 from promlib import Prometheus, metric_names, pod_targets, prometheus_binary
@@ -337,48 +337,6 @@ def test_killed_stage_process_is_restarted_and_serves_again(env) -> None:
         model="chat", messages=[{"role": "user", "content": "again"}], max_tokens=4
     )
     assert reply.choices[0].message.content is not None
-
-
-class SteadyLoad:
-    """Client threads sending requests back to back through the router until `stop()`; every outcome
-    is kept. Each request opens its own connection (a client behind a Service gets a new one to the
-    pod the Service picks); `max_retries=0`, so nothing is retried behind the test's back."""
-
-    def __init__(self, base_url: Callable[[], str], calls: list[Callable[[openai.OpenAI], None]]) -> None:
-        self.base_url = base_url
-        self.calls = calls
-        self.outcomes: list[tuple[str, str]] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, args=(c,), daemon=True) for c in calls]
-
-    def _loop(self, call: Callable[[openai.OpenAI], None]) -> None:
-        while not self._stop.is_set():
-            url = self.base_url()
-            http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=120)
-            client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, http_client=http)
-            try:
-                call(client)
-                self.outcomes.append(("ok", ""))
-            except openai.APIStatusError as exc:
-                self.outcomes.append((str(exc.status_code), f"{url}: {exc.message}"))
-            except Exception as exc:  # noqa: BLE001 - every failure counts, whatever its kind
-                self.outcomes.append((type(exc).__name__, f"{url}: {exc}"))
-            finally:
-                client.close()
-
-    def start(self) -> SteadyLoad:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def ok(self) -> int:
-        return sum(1 for kind, _ in self.outcomes if kind == "ok")
-
-    def stop(self) -> list[tuple[str, str]]:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(180)
-        return [o for o in self.outcomes if o[0] != "ok"]
 
 
 def _chat(stream: bool) -> Callable[[openai.OpenAI], None]:

@@ -166,6 +166,14 @@ def write_pki(pki: Path) -> None:
     kubelet_client = _cert(
         _name("kube-apiserver-kubelet-client", "system:masters"), kubelet_client_key, ca_name, ca_key, client=True
     )
+    # The aggregation layer (kubeadm's front-proxy): kube-apiserver proxies requests for an APIService (KEDA's
+    # external-metrics adapter) with this client cert and the user in X-Remote-* headers, which the extension
+    # server trusts only from a cert of this CA. A CA of its own, so no other client can pass those headers.
+    front_ca_key = _key()
+    front_ca_name = _name("omnikube-front-proxy-ca")
+    front_ca = _cert(front_ca_name, front_ca_key, front_ca_name, front_ca_key, ca=True)
+    proxy_client_key = _key()
+    proxy_client = _cert(_name("front-proxy-client"), proxy_client_key, front_ca_name, front_ca_key, client=True)
     sa_key = _key()
     files = {
         "ca.crt": ca.public_bytes(serialization.Encoding.PEM),
@@ -176,6 +184,9 @@ def write_pki(pki: Path) -> None:
         "admin.key": _pem_key(admin_key),
         "apiserver-kubelet-client.crt": kubelet_client.public_bytes(serialization.Encoding.PEM),
         "apiserver-kubelet-client.key": _pem_key(kubelet_client_key),
+        "front-proxy-ca.crt": front_ca.public_bytes(serialization.Encoding.PEM),
+        "front-proxy-client.crt": proxy_client.public_bytes(serialization.Encoding.PEM),
+        "front-proxy-client.key": _pem_key(proxy_client_key),
         "sa.key": _pem_key(sa_key),
         "sa.pub": sa_key.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
@@ -344,6 +355,16 @@ class LocalCluster:
                 f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
                 f"--kubelet-certificate-authority={pki / 'ca.crt'}",
                 "--kubelet-preferred-address-types=InternalIP,Hostname",
+                # The aggregation layer, for APIServices served by pods (KEDA's metrics adapter). No kube-proxy
+                # routes Service IPs here, so the API server dials an endpoint's pod IP itself.
+                f"--requestheader-client-ca-file={pki / 'front-proxy-ca.crt'}",
+                "--requestheader-allowed-names=front-proxy-client",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                f"--proxy-client-cert-file={pki / 'front-proxy-client.crt'}",
+                f"--proxy-client-key-file={pki / 'front-proxy-client.key'}",
+                "--enable-aggregator-routing=true",
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
@@ -383,6 +404,9 @@ class LocalCluster:
                 "--concurrent-deployment-syncs=10",
                 "--concurrent-replicaset-syncs=10",
                 "--concurrent-gc-syncs=20",
+                # The HPA controller (which KEDA's ScaledObjects drive) re-reads metrics every 15 s by default;
+                # 5 s lets a test see a scale-up within a few syncs.
+                "--horizontal-pod-autoscaler-sync-period=5s",
                 "-v=1",
             ],
         )
