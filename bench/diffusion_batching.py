@@ -103,6 +103,7 @@ def _resolved(model: str, kind: str, args: argparse.Namespace) -> tuple[Resolved
         engine_args={
             "max_batch_size": args.concurrency,
             "batch_window_ms": args.window_ms,
+            # a hand-built stage has no topology default; a FLUX stage runs bfloat16 (the flux topology's)
             **({"torch_dtype": "bfloat16"} if kind == "flux-sized" else {}),
         },
     )

@@ -159,7 +159,7 @@ async def run_mode(name: str, args: argparse.Namespace, ref: dict[str, Any]) -> 
 
     engine_args = {k: (args.cache_threshold if v is None else v) for k, v in MODES[name].items()}
     engine_args.update(device=args.device, max_batch_size=args.concurrency, batch_window_ms=20.0)
-    engine_args["torch_dtype"] = "float32" if args.device == "cpu" else "bfloat16"
+    engine_args["torch_dtype"] = "float32" if args.device == "cpu" else "bfloat16"  # the raw baseline's dtype
     stage = StageSpec(
         name="dit", kind=StageKind.DIFFUSION, output_modality=Modality.IMAGE, final_output=True, engine_args=engine_args
     )

@@ -122,6 +122,7 @@ async def main() -> None:
     call = {"num_inference_steps": args.steps, "height": args.size, "width": width, "num_frames": args.frames}
     engine_args: dict[str, object] = {}  # the topology's defaults, as a user gets them
     if args.a14b:  # bf16 on the GPU; eager, so both sides run the same uncompiled blocks
+        # the dtype the raw baseline runs in: both sides of the ratio run the same one
         engine_args = {"torch_dtype": "bfloat16" if args.device != "cpu" else "float32", "enforce_eager": True}
     if args.device:
         engine_args["device"] = args.device

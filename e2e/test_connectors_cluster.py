@@ -48,7 +48,7 @@ def on_runner() -> dict:
 
 
 def manifest(connectors: dict, *, colocate: bool = False) -> dict:
-    dit = {"name": "dit", "engineArgs": {"torch_dtype": "float32"}, "samplingParams": {"num_inference_steps": 2}}
+    dit = {"name": "dit", "samplingParams": {"num_inference_steps": 2}}  # the topology's engine args serve
     if colocate:
         dit["colocateWith"] = "enhancer"
     return {

@@ -127,7 +127,6 @@ def pipeline(cache: Path) -> dict:
                 {
                     **ON_RUNNER,
                     "name": "dit",
-                    "engineArgs": {"torch_dtype": "float32"},
                     "samplingParams": {"num_inference_steps": 2},
                 }
             ],

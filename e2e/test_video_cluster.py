@@ -48,7 +48,6 @@ PIPELINE = {
             {
                 **ON_RUNNER,
                 "name": "dit",
-                "engineArgs": {"torch_dtype": "float32"},
                 "samplingParams": {"num_inference_steps": 2, "height": 64, "width": 64, "num_frames": 5},
             }
         ],

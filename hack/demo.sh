@@ -61,7 +61,7 @@ MODELS=$("$PY" -c "from omni_runtime.tiny_models import default_cache_dir; print
 step "kubectl apply OmniPipelines"
 kubectl create namespace $NS --dry-run=client -o yaml | kubectl apply -f - >/dev/null
 for spec in "chat text-chat tiny-qwen2-chat llm {max_model_len: 512, kv_cache_memory_bytes: 268435456}" \
-            "draw stable-diffusion-3 tiny-sd3 dit {torch_dtype: float32}"; do
+            "draw stable-diffusion-3 tiny-sd3 dit {}"; do
   read -r name topology model stage args <<<"$spec"
   kubectl apply -n $NS -f - <<YAML
 apiVersion: omnikube.io/v1alpha1

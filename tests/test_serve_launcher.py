@@ -58,6 +58,7 @@ def test_a_pipeline_file_sets_replicas_overrides_edges_and_limits(t2i_folder, tm
             "served_model_name": "demo-model",
             "stages": [
                 {"name": "enhancer", "replicas": 2, "sampling_params": {"max_tokens": 8}},
+                # any engine arg: what is checked is that the file's stage overrides reach the resolved pipeline
                 {"name": "dit", "engine_args": {"torch_dtype": "float32"}},
             ],
             "connectors": {

@@ -41,7 +41,7 @@ def spec(model: Any, pipeline: str, name: str) -> dict[str, Any]:
         "model": str(model),
         "pipeline": pipeline,
         "name": name,
-        "stages": [{"name": "dit", "engine_args": {"torch_dtype": "float32"}, "sampling_params": DIT}],
+        "stages": [{"name": "dit", "sampling_params": DIT}],  # the topology's engine args: its defaults serve
         "limits": {"videos": VIDEO_LIMITS},
     }
 

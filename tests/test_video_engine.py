@@ -26,7 +26,7 @@ PARAMS = {"num_inference_steps": 2, "height": 64, "width": 64, "num_frames": 5}
 
 
 async def _engine(topology: str, model: Path) -> DiffusionEngine:
-    stage = StageOverride(name="dit", engine_args={"torch_dtype": "float32"}, sampling_params=PARAMS)
+    stage = StageOverride(name="dit", sampling_params=PARAMS)  # the topology's engine args: its defaults serve
     pipeline = resolve_pipeline(get_pipeline(topology), name="t", model=str(model), stages=[stage])
     engine = DiffusionEngine(pipeline, pipeline.topology.stage("dit"))
     await engine.start()
