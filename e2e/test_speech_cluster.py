@@ -5,8 +5,9 @@ the router pod with the official `openai` client. The module's cases run for bot
 Thinker and talker run in separate pods (thinker -> talker over Mooncake p2p), code2wav runs in the talker's pod
 (`colocateWith`, talker -> code2wav over shm). One pipeline per model is shared by the module's cases: text and
 speech in one reply, text and audio streamed as they are made, `/v1/audio/speech` (at the topology's default
-sampling, not a greedy thinker). On Qwen3-Omni also: an image spoken about (the thinker's rows at the image
-positions cross to the talker's pod), a client that disconnects mid-audio leaving no payload held in any stage,
+sampling, not a greedy thinker), an image spoken about (the thinker's rows at the image positions, Qwen2.5's
+every row, and the image grid cross to the talker's pod). On Qwen3-Omni also: a client that disconnects
+mid-audio leaving no payload held in any stage,
 and a talker pod killed mid-request (that request fails with a retriable error event, nothing hangs, and once the
 Deployment's new talker pod is Ready the next request succeeds).
 
@@ -71,7 +72,7 @@ QWEN3 = Model(
 )  # fmt: skip
 QWEN25 = Model(
     "qwen2-5-omni", "tiny-qwen2-5-omni", "qwen2-5-omni", voice="chelsie",
-    thinker_args={"limit_mm_per_prompt": {"image": 0, "audio": 0, "video": 0}},
+    thinker_args={"limit_mm_per_prompt": {"image": 1, "audio": 0, "video": 0}},
 )  # fmt: skip
 MODELS = [QWEN3, QWEN25]
 
@@ -378,10 +379,10 @@ def test_prometheus_sees_the_colocated_stage_on_its_own_port(env: Env, tmp_path)
         prometheus.stop()
 
 
-@only_qwen3
 def test_an_image_is_spoken_about(env: Env) -> None:
-    """An image prompt answered in text and speech: the thinker's rows at the image positions reach the talker
-    in another pod with the first chunk, over Mooncake p2p."""
+    """An image prompt answered in text and speech: the thinker's rows at the image positions (Qwen2.5-Omni:
+    all its rows, its talker's rope index needs the image grid too) reach the talker in another pod with the
+    first chunk, over Mooncake p2p."""
     from PIL import Image
 
     buf = io.BytesIO()
