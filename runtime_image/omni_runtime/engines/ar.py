@@ -100,7 +100,8 @@ HIDDEN_STATE_ARG = "hidden_state_layers"
 """omnikube's engine arg (never passed to vLLM): the layers whose rows each request streams out, as
 HF `output_hidden_states` indices (0 the embeddings, k the output of layer k-1, N the last layer
 *before* the final norm; -1 means N). vLLM's `speculative_config` (extract_hidden_states) and
-`kv_transfer_config` are then ours; see `omni_runtime.engines.hidden_states` for the costs."""
+`kv_transfer_config` are then ours; see `omni_runtime.engines.hidden_states` for the costs. vLLM's media
+processor cache is off (`mm_processor_cache_gb` 0: a cached media item carries no grid for the talker)."""
 
 MEDIA_HIDDEN_ARG = "media_hidden_layer"
 """omnikube's engine arg (never passed to vLLM): the layer whose rows at a prompt's media positions go
