@@ -8,7 +8,8 @@ staged codes equal transformers' (the thinker's rows come from vLLM here, within
 transformers'). Whole-output decoding equal to transformers' waveform is tested on the engine
 (test_speech_engines). The same anchor for a prompt with an image and an audio part (vLLM's rows at
 the media positions, the media grids the thinker stage sends, the talker's 3-D rope index). Also
-streamed audio deltas, `/v1/audio/speech` and the voices of the token2wav speaker dictionary.
+streamed audio deltas, a `video_url` prompt, `/v1/audio/speech` and the voices of the token2wav speaker
+dictionary.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from servelib import Serve, http_get, tiny_model
 pytestmark = [pytest.mark.models, pytest.mark.timeout(1500)]
 
 THINKER_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 64 * 1024**2, "seed": 0,
-                "limit_mm_per_prompt": {"image": 1, "audio": 1, "video": 0}}  # fmt: skip
+                "limit_mm_per_prompt": {"image": 1, "audio": 1, "video": 1}}  # fmt: skip
 TOKENS = 8
 FRAMES = 30
 PROMPT = "Hello, who are you?"
@@ -137,6 +138,48 @@ def test_image_and_audio_prompt_speaks_what_transformers_speaks(served: Serve) -
     expected = reference["wav"].numpy()
     assert wav.shape == expected.shape
     np.testing.assert_allclose(wav, np.clip(expected, -1, 1), atol=2e-4)
+
+
+def tiny_mp4(seconds: float = 0.5, fps: int = 8, size: int = 64) -> bytes:
+    """An H.264 clip of grey frames growing lighter, made with PyAV (the engine's own MP4 library)."""
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width = stream.height = size
+        stream.pix_fmt = "yuv420p"
+        for i in range(int(seconds * fps)):
+            frame = av.VideoFrame.from_ndarray(np.full((size, size, 3), 30 * i, np.uint8), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return out.getvalue()
+
+
+def test_a_video_prompt_is_spoken_about(served: Serve) -> None:
+    """A `video_url` part reaches the thinker (its frames count as prompt tokens) and the talker speaks the
+    reply from the thinker's rows, the video's grid and its 3-D rope index."""
+    video = {
+        "type": "video_url",
+        "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(tiny_mp4()).decode()},
+    }
+    with api_of(served) as api:
+        replies = [
+            api.chat.completions.create(
+                model=served.model,
+                messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "What happens?"}]}],
+                modalities=["text", "audio"],
+                audio={"voice": "ethan", "format": "wav"},
+                max_tokens=TOKENS,
+                temperature=0.0,
+                extra_body={"sampling_params_list": [{}, {"max_tokens": 12}]},
+            )  # fmt: skip
+            for parts in ([video], [])
+        ]
+    with_video, text_only = replies
+    assert with_video.usage.prompt_tokens > text_only.usage.prompt_tokens + 16  # the clip's tokens
+    message = with_video.choices[0].message
+    assert message.content and samples(base64.b64decode(message.audio.data)).size > 0
 
 
 def test_streamed_chat_sends_audio_deltas(served: Serve) -> None:
