@@ -11,6 +11,7 @@ import yaml
 
 from omni_runtime.cli import build_parser
 from omni_runtime.launcher import LocalRun, load_local_spec
+from omni_runtime.metrics import REGISTRY
 from omni_runtime.router.discovery import KubernetesDiscovery, StaticDiscovery, make_discovery, ready_addresses
 from omni_runtime.router.pool import StagePool
 from omni_runtime.spec import ResolvedPipeline, SpecError, StageDiscovery
@@ -200,8 +201,17 @@ class ListedDiscovery:
         await asyncio.Event().wait()
 
 
+def _replica_series(pipeline: str, address: str) -> dict[str, float | None]:
+    labels = {"pipeline": pipeline, "stage": "dit", "replica": address}
+    names = ("omnikube_stage_replica_up", "omnikube_stage_outstanding_requests")
+    return {name: REGISTRY.get_sample_value(name, labels) for name in names}
+
+
 async def test_pool_follows_discovery_and_drains_removed_replicas(t2i_folder, tmp_path) -> None:
+    """Discovery adds and removes replicas; a removed one drains, then goes, and so do its series on the
+    router's /metrics (a gone pod IP exported forever would add a frozen series per pod ever seen)."""
     run = LocalRun.prepare(load_local_spec(t2i_folder), run_dir=tmp_path / "run")
+    name = run.resolved.name
     found = {"enhancer": ListedDiscovery(), "dit": ListedDiscovery()}
     pool = StagePool(run.resolved, key=PipelineKey.from_file(run.key_path), discoveries=found)
     await pool.start()
@@ -209,6 +219,9 @@ async def test_pool_follows_discovery_and_drains_removed_replicas(t2i_folder, tm
         await asyncio.sleep(0)
         found["dit"].on_change({"127.0.0.1:1", "127.0.0.1:2"})
         assert sorted(pool["dit"].replicas) == ["127.0.0.1:1", "127.0.0.1:2"]
+        assert _replica_series(name, "127.0.0.1:2") == {
+            "omnikube_stage_replica_up": 0.0, "omnikube_stage_outstanding_requests": 0.0,
+        }  # fmt: skip
         client = pool["dit"].replicas["127.0.0.1:2"]
         client.outstanding = 1  # a work still runs there
         found["dit"].on_change({"127.0.0.1:1"})
@@ -219,5 +232,9 @@ async def test_pool_follows_discovery_and_drains_removed_replicas(t2i_folder, tm
         await asyncio.sleep(1.2)
         assert sorted(pool["dit"].replicas) == ["127.0.0.1:1"]
         assert pool.ready() == {"enhancer": 0, "dit": 0}  # nothing answers on those ports
+        assert _replica_series(name, "127.0.0.1:2") == {
+            "omnikube_stage_replica_up": None, "omnikube_stage_outstanding_requests": None,
+        }  # fmt: skip
+        assert _replica_series(name, "127.0.0.1:1")["omnikube_stage_replica_up"] == 0.0  # still listed: kept
     finally:
         await pool.stop()

@@ -101,6 +101,8 @@ class ReplicaClient:
         self._tasks: list[asyncio.Task] = []
         self._labels = (pipeline, stage, address)
         self._closed = False
+        self._rejected_reasons: set[str] = set()
+        """Reasons of omnikube_protocol_messages_rejected series this replica has, to drop on close."""
         M.replica_up.labels(*self._labels).set(0)
         M.stage_outstanding.labels(*self._labels).set(0)
 
@@ -135,12 +137,22 @@ class ReplicaClient:
         self._lose("the router stopped using this replica")
         for task in self._tasks:
             task.cancel()
+        self._forget_series()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         with contextlib.suppress(Exception):
             self._sock.disable_monitor()
         self._monitor.close(0)
         self._sock.close(0)
-        M.replica_up.labels(*self._labels).set(0)
+
+    def _forget_series(self) -> None:
+        """Drop this replica's series from the router's /metrics. A gone replica (its pod IP) would
+        otherwise be exported forever: one more series per pod ever seen, and a frozen value in every
+        sum, average or count over the stage. Called before `close` first yields: by the time it resumes,
+        discovery may have added a new client for the same address, whose series must stay."""
+        M.replica_up.remove(*self._labels)
+        M.stage_outstanding.remove(*self._labels)
+        for reason in self._rejected_reasons:
+            M.rejected.remove(*self._labels, reason)
 
     # -- works ---------------------------------------------------------------------------------
 
@@ -201,6 +213,7 @@ class ReplicaClient:
                 message, rest = P.decode(await self._channel.open_async(frames))
             except AuthError as err:
                 M.rejected.labels(*self._labels, err.reason).inc()
+                self._rejected_reasons.add(err.reason)
                 log.debug("replica %s/%s: dropped a message (%s: %s)", self.stage, self.address, err.reason, err)
                 continue
             except P.ProtocolError as err:
