@@ -975,3 +975,43 @@ def test_headless_service_names_resolve_in_pods_and_follow_their_endpoints(clust
     assert resolve(f"web.{namespace}.svc") == ""  # a ClusterIP would not route here: no line for it
     cluster.kubectl("-n", namespace, "delete", "pod", "db", "--wait=false")
     wait_for("db leaves the hosts file", lambda: resolve(f"db.{namespace}.svc") == "", timeout=60)
+
+
+def test_a_guaranteed_pod_with_a_whole_cpu_gets_that_cpu_to_itself(cluster, namespace, podrunner: PodRunner):
+    """As under the kubelet's static CPU manager policy: in a Guaranteed pod, the container asking for one
+    whole CPU runs (children included) on one host CPU no other container gets; its sidecar asking for 100m
+    runs on the shared pool, the host's other CPUs."""
+    show = "python -c 'import os; print(sorted(os.sched_getaffinity(0)))'; sleep 1000"  # a child of sh
+    limits = {"memory": "64Mi"}
+    apply(
+        cluster,
+        namespace,
+        pod(
+            "pinned",
+            [
+                {
+                    "name": "own",
+                    "image": "x",
+                    "command": ["sh", "-c", show],
+                    "resources": {"limits": {**limits, "cpu": "1"}},
+                },
+                {
+                    "name": "shared",
+                    "image": "x",
+                    "command": ["sh", "-c", show],
+                    "resources": {"limits": {**limits, "cpu": "100m"}},
+                },
+            ],
+        ),  # fmt: skip
+    )
+
+    def affinity(container: str) -> list[int] | None:
+        out = podrunner.logs(namespace, "pinned", container).strip()
+        return ast.literal_eval(out) if out else None
+
+    own = wait_for("the pinned container's affinity", lambda: affinity("own"))
+    shared = wait_for("the shared container's affinity", lambda: affinity("shared"))
+    host = sorted(os.sched_getaffinity(0))
+    assert len(own) == 1 and set(own) <= set(host), (own, host)
+    if len(host) > 1:
+        assert shared and set(shared) <= set(host) and not set(shared) & set(own), (shared, own, host)

@@ -209,6 +209,25 @@ def test_cpu_defaults_fill_only_what_is_unset() -> None:
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
 
 
+def test_cpu_threads_follow_the_cpus_the_process_is_pinned_to() -> None:
+    """A pod pinned to one core (a Guaranteed pod under the static CPU manager, or the pod runner's
+    stand-in for it) runs one OpenMP thread, not one per host core. The affinity is really set, on this
+    thread (sched_setaffinity(0) is per thread on Linux), and restored."""
+    host = os.sched_getaffinity(0)
+    if len(host) < 2:
+        pytest.skip("one CPU: pinning to it changes nothing")
+    os.sched_setaffinity(0, {min(host)})
+    try:
+        env: dict[str, str] = {}
+        cpu_defaults({}, env)
+        assert env["OMP_NUM_THREADS"] == "1"
+        env = {"OMP_NUM_THREADS": "4"}
+        cpu_defaults({}, env)
+        assert env["OMP_NUM_THREADS"] == "4"  # the user's setting wins
+    finally:
+        os.sched_setaffinity(0, host)
+
+
 def test_registry_only_engine_args_never_reach_vllm() -> None:
     omni = resolve_pipeline(get_pipeline("qwen3-omni"), name="o", model="/models/none")
     engine = AREngine(omni, omni.topology.stage("thinker"))

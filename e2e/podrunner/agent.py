@@ -254,6 +254,9 @@ def _exec_container(req: dict, errw: int) -> None:
         os.dup2(null, 0)
         os.dup2(log, 1)
         os.dup2(log, 2)
+        if req.get("cpus"):
+            # The CPUs the runner gave the container (cpus.py); everything it starts inherits them.
+            os.sched_setaffinity(0, req["cpus"])
         argv = req["argv"]
         if not argv:
             raise RuntimeError(

@@ -165,8 +165,9 @@ class ContainerRunner:
         self.log_starts.append(log_file.stat().st_size if log_file.exists() else 0)
         try:
             process = await self.worker.sandbox.start(
-                self.name, argv=argv, env=env, cwd=cwd, mounts=mounts, log_path=str(log_file)
-            )
+                self.name, argv=argv, env=env, cwd=cwd, mounts=mounts, log_path=str(log_file),
+                cpus=self.worker.cpus_for(self.spec),
+            )  # fmt: skip
         except StartError as e:
             self._count_attempt()
             self._terminated(128, "StartError", str(e), started_at)

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from podrunner.containers import Backoff, ContainerRunner
+from podrunner.cpus import CpuManager, exclusive_cpus
 from podrunner.dns import ServiceDns
 from podrunner.downward import now
 from podrunner.envs import ObjectCache, container_env, expand_command
@@ -65,6 +66,8 @@ class Services:
     workers: dict[str, PodWorker] = field(default_factory=dict)
     volume_sync_s: float = 60.0
     """How often configMap and secret volumes are brought up to date (the kubelet's sync period is ~1 min)."""
+    cpus: CpuManager = field(default_factory=CpuManager)
+    """The host CPUs, handed out as the static CPU manager policy does (cpus.py); shared by the runner's nodes."""
 
 
 def pod_dir(state_dir: Path, namespace: str, name: str) -> Path:
@@ -194,6 +197,22 @@ class PodWorker:
             self.svc.image_paths,
         )
         return expand_command(spec, env), env, spec.get("workingDir") or "/", mounts
+
+    def cpus_for(self, spec: dict) -> list[int]:
+        """The CPUs container `spec` runs on: its own (static CPU manager policy, cpus.py) or the shared pool."""
+        pool = self.svc.cpus
+        count = exclusive_cpus(self.pod, spec)
+        if count:
+            own = pool.allocate(self.uid, spec["name"], count)
+            if own is not None:
+                return sorted(own)
+            self.event(
+                "Warning", "CPUsUnavailable",
+                f"container {spec['name']} asks for {count} exclusive CPU(s) (Guaranteed pod, whole CPU request) "
+                f"and {len(pool.free())} of the host's {len(pool.cpus)} are free: "
+                "it runs on the shared pool; lower its CPU request or stop other Guaranteed pods",
+            )  # fmt: skip
+        return sorted(pool.shared())
 
     def write_hosts(self) -> None:
         """The pod's /etc/hosts: the Services cluster DNS would resolve (dns.py), then itself. Written in
@@ -336,6 +355,7 @@ class PodWorker:
                     await asyncio.sleep(0.1)
                 continue
             code = await runner.run()
+            self.svc.cpus.release(self.uid, runner.name)  # as the kubelet: an init container's CPUs are reused
             if code != 0:
                 self.init_failed = True
                 self.changed()
@@ -435,6 +455,7 @@ class PodWorker:
             return
         self._torn_down = True
         await self.sandbox.shutdown()
+        self.svc.cpus.release(self.uid)
         if self._attached:
             await self.svc.network.detach(self.veth)
         if self.ip is not None and not self.host_network:

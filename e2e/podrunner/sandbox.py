@@ -110,11 +110,16 @@ class Sandbox:
         cwd: str,
         log_path: str,
         mounts: list[dict],
+        cpus: list[int] | None = None,
         timeout: float = 60,
     ) -> Process:
+        """Start container `name`; `cpus`, when given, is the CPU affinity of its process."""
         await self._send(
-            {"op": "start", "name": name, "argv": argv, "env": env, "cwd": cwd, "log": log_path, "mounts": mounts}
-        )
+            {
+                "op": "start", "name": name, "argv": argv, "env": env, "cwd": cwd, "log": log_path,
+                "mounts": mounts, "cpus": cpus,
+            }
+        )  # fmt: skip
         reply = await self._wait(f"start:{name}", timeout)
         if reply["event"] != "started":
             raise StartError(reply.get("message", "start failed"))

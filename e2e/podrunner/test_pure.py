@@ -7,6 +7,7 @@ from decimal import Decimal
 import pytest
 
 from podrunner.containers import go_duration
+from podrunner.cpus import CpuManager, exclusive_cpus, guaranteed
 from podrunner.downward import expand, parse_quantity
 from podrunner.kubelet import LogRequest, LogRequestError, parse_log_request, tail_offset
 from podrunner.status import PodFacts, build_status, pod_phase
@@ -185,3 +186,46 @@ def test_tail_offset(tmp_path, data: bytes, start: int, lines: int, want: bytes)
     path = tmp_path / "log"
     path.write_bytes(data)
     assert data[tail_offset(path, start, len(data), lines) :] == want
+
+
+def _pod(*containers: dict, init: tuple[dict, ...] = ()) -> dict:
+    named = [{"name": f"c{i}", **c} for i, c in enumerate(containers)]
+    return {"spec": {"containers": named, "initContainers": [{"name": f"i{i}", **c} for i, c in enumerate(init)]}}
+
+
+def _res(limits: dict | None = None, requests: dict | None = None) -> dict:
+    return {"resources": {k: v for k, v in (("limits", limits), ("requests", requests)) if v is not None}}
+
+
+@pytest.mark.parametrize(
+    ("pod", "is_guaranteed", "want"),
+    [
+        (_pod(_res({"cpu": "1", "memory": "1Gi"})), True, [1]),  # requests default to the limits
+        (_pod(_res({"cpu": "2", "memory": "1Gi"}, {"cpu": "2000m", "memory": "1Gi"})), True, [2]),
+        (_pod(_res({"cpu": "1500m", "memory": "1Gi"})), True, [0]),  # Guaranteed, not a whole CPU: shared pool
+        (_pod(_res({"cpu": "1"})), False, [0]),  # no memory limit: Burstable
+        (_pod(_res({"cpu": "2", "memory": "1Gi"}, {"cpu": "1"})), False, [0]),  # request below the limit: Burstable
+        (_pod(_res({"cpu": "1", "memory": "1Gi"}), {}), False, [0, 0]),  # one container without limits: Burstable
+        (_pod(_res({"cpu": "1", "memory": "1Gi"}), _res({"cpu": "250m", "memory": "64Mi"})), True, [1, 0]),
+        (_pod(_res({"cpu": "1", "memory": "1Gi"}), init=({},)), False, [0]),  # an init container counts for the QoS
+    ],
+)
+def test_exclusive_cpus_follow_the_static_policy(pod: dict, is_guaranteed: bool, want: list[int]) -> None:
+    assert guaranteed(pod) is is_guaranteed
+    assert [exclusive_cpus(pod, c) for c in pod["spec"]["containers"]] == want
+
+
+def test_cpu_manager_hands_out_exclusive_cpus_and_keeps_the_rest_shared() -> None:
+    pool = CpuManager({0, 1, 2})
+    assert pool.allocate("a", "llm", 1) == {0}
+    assert pool.allocate("a", "llm", 1) == {0}  # a restart keeps its CPUs
+    assert pool.shared() == {1, 2}
+    assert pool.allocate("b", "llm", 2) == {1, 2}
+    assert pool.shared() == {0, 1, 2}  # nothing left to share: shared containers run anywhere
+    assert pool.allocate("c", "llm", 1) is None  # the caller runs it on the shared pool with a warning
+    pool.release("a")
+    assert pool.free() == {0} and pool.allocate("c", "llm", 1) == {0}
+    pool.release("b", "other")
+    assert pool.free() == frozenset()
+    pool.release("b", "llm")
+    assert pool.shared() == {1, 2}

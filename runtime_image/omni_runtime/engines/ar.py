@@ -142,8 +142,10 @@ CPU_ENV_DEFAULTS: dict[str, str] = {
 - `VLLM_CPU_OMP_THREADS_BIND=nobind`: vLLM's `auto` pins OpenMP threads to every core of a NUMA node
   that the process's affinity mask shows; in a pod that mask is usually the whole node, not the
   pod's CPU limit, so pinning would oversubscribe. Set it to a core list ("0-7") on dedicated nodes.
-- `OMP_NUM_THREADS`: when unset, the cgroup CPU limit (rounded down, at least 1), so torch does not
-  start one thread per host core inside a limited container (see `_cgroup_cpu_limit`).
+- `OMP_NUM_THREADS`: when unset, the CPUs the process may really use (`cpu_threads`): the cgroup CPU
+  limit (rounded down, at least 1) and the CPU affinity, whichever is fewer. So torch does not start one
+  thread per host core inside a limited container, nor more threads than the cores a node's static CPU
+  manager pinned the pod to.
 """
 
 SELF_CHECK_PROMPT = "Hello"
@@ -235,6 +237,16 @@ def _cgroup_cpu_limit() -> int | None:
     return max(1, int(int(quota) // int(period)))
 
 
+def cpu_threads() -> int | None:
+    """Threads worth running on the CPUs this process has: the fewer of its cgroup's whole-CPU limit and
+    its CPU affinity (a Guaranteed pod under the static CPU manager is pinned to its cores); None when
+    neither bounds it below the host's CPU count."""
+    limit, pinned = _cgroup_cpu_limit(), len(os.sched_getaffinity(0))
+    if limit is None and pinned >= (os.cpu_count() or pinned):
+        return None  # nothing bounds it: torch's own default (one thread per core) is right
+    return min(pinned, limit or pinned)
+
+
 def cpu_defaults(engine_args: dict[str, Any], environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
     """`engine_args` with the CPU defaults filled in; sets the CPU environment defaults in `environ`
     (the process environment unless given).
@@ -249,8 +261,8 @@ def cpu_defaults(engine_args: dict[str, Any], environ: MutableMapping[str, str] 
         args.setdefault(key, value)
     for key, value in CPU_ENV_DEFAULTS.items():
         env.setdefault(key, value)
-    if "OMP_NUM_THREADS" not in env and (limit := _cgroup_cpu_limit()) is not None:
-        env["OMP_NUM_THREADS"] = str(limit)
+    if "OMP_NUM_THREADS" not in env and (threads := cpu_threads()) is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     return args
 
 
