@@ -51,6 +51,9 @@ MODES: dict[str, dict[str, Any]] = {
     "compile+fp8": {"quantization": "fp8"},
     "compile+cache": {"step_cache_threshold": None},
     "compile+fp8+cache": {"quantization": "fp8", "step_cache_threshold": None},
+    # The schedule-based step cache (diffusers' TaylorSeer, lite): --ts-interval / --ts-warmup / --ts-order.
+    "compile+taylorseer": {"step_cache": None},
+    "compile+fp8+taylorseer": {"quantization": "fp8", "step_cache": None},
     # The engine's own sequence parallelism over 2 GPUs (one worker process; needs two visible GPUs).
     "compile+sp2": {"sequence_parallel": 2},
     "compile+fp8+sp2": {"quantization": "fp8", "sequence_parallel": 2},
@@ -157,7 +160,14 @@ def latents(engine: DiffusionEngine, args: argparse.Namespace, step_cache: bool 
 async def run_mode(name: str, args: argparse.Namespace, ref: dict[str, Any]) -> dict[str, Any] | None:
     import torch
 
-    engine_args = {k: (args.cache_threshold if v is None else v) for k, v in MODES[name].items()}
+    taylorseer = {
+        "policy": "taylorseer",
+        "interval": args.ts_interval,
+        "warmup": args.ts_warmup,
+        "order": args.ts_order,
+    }
+    defaults = {"step_cache_threshold": args.cache_threshold, "step_cache": taylorseer}
+    engine_args = {k: (defaults[k] if v is None else v) for k, v in MODES[name].items()}
     engine_args.update(device=args.device, max_batch_size=args.concurrency, batch_window_ms=20.0)
     engine_args["torch_dtype"] = "float32" if args.device == "cpu" else "bfloat16"  # the raw baseline's dtype
     stage = StageSpec(
@@ -184,6 +194,10 @@ async def run_mode(name: str, args: argparse.Namespace, ref: dict[str, Any]) -> 
         await one(engine, request(pipe, 0, args, engine.device))  # warm: allocator, cuDNN plans
         res = await measure(engine, args)
         report(name, res, ref, engine, args)
+        if name in args.profile_modes:
+            profile(engine, args)
+        if "taylorseer" in name:  # the request's switch: the mode without its cache, same engine
+            report(f"{name}(off)", await measure(engine, args, step_cache=False), ref, engine, args)
         if "cache" in name:  # the request's switch: every step in full, i.e. the mode without its cache
             report(f"{name}(off)", await measure(engine, args, step_cache=False), ref, engine, args)
             for threshold in args.more_thresholds:  # same compiled engine, other thresholds (the hooks' own)
@@ -207,6 +221,49 @@ async def run_mode(name: str, args: argparse.Namespace, ref: dict[str, Any]) -> 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return res
+
+
+def profile(engine: DiffusionEngine, args: argparse.Namespace, steps: int = 2) -> None:
+    """Where a compiled step's time goes: a `steps`-step transformer-only call (output_type=latent) under
+    torch.profiler; the top kernels by GPU time, and the wall time the GPU ran no kernel (launch gaps)."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    pipe = engine.pipe
+    kw = dict(height=args.size, width=args.size, num_inference_steps=steps, guidance_scale=3.5, output_type="latent")
+    gpu = torch.cuda.is_available() and engine.device.startswith("cuda")
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with torch.inference_mode(), engine.accel.call(False):
+        pipe(**embeds(pipe, 1, engine.device, 0), **kw)  # warm
+        sync()
+        with torch.profiler.profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            pipe(**embeds(pipe, 1, engine.device, 0), **kw)
+            sync()
+            wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    own = (lambda e: e.self_device_time_total) if gpu else (lambda e: e.self_cpu_time_total)
+    kernels = [e for e in events if own(e) > 0 and (not gpu or e.device_type.name == "CUDA")]
+    total = sum(own(e) for e in kernels) / 1e6
+    print(
+        f"profile: {steps} steps {wall * 1e3:.1f} ms wall (profiled), kernels {total * 1e3:.1f} ms, "
+        f"GPU idle {(wall - total) * 1e3:.1f} ms ({100 * (wall - total) / wall:.0f}%)",
+        flush=True,
+    )
+    groups: dict[str, float] = {}
+    for e in kernels:
+        k = e.key.lower()
+        kind = (
+            "fp8/bf16 gemm" if any(w in k for w in ("nvjet", "gemm", "cutlass", "sm90_xmma", "scaled_mm"))
+            else "attention" if any(w in k for w in ("sdpa", "flash", "fmha", "attention"))
+            else "triton (inductor)" if "triton" in k
+            else "other"
+        )  # fmt: skip
+        groups[kind] = groups.get(kind, 0.0) + own(e) / 1e3
+    print("profile: by kind " + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(groups.items(), key=lambda x: -x[1])))
+    for e in sorted(kernels, key=lambda e: -own(e))[: args.profile_top]:
+        print(f"profile:   {own(e) / 1e3:8.2f} ms  {e.count:5d}x  {e.key[:110]}", flush=True)
 
 
 async def measure(engine: DiffusionEngine, args: argparse.Namespace, step_cache: bool = True) -> dict[str, Any]:
@@ -244,8 +301,8 @@ async def main_async(args: argparse.Namespace) -> int:
     print(
         f"# bench/diffusion_speed.py {'tiny' if args.tiny else 'flux-sized'} {args.size}x{args.size} "
         f"steps={args.steps} repeats={args.repeats} device={args.device} torch={torch.__version__} "
-        f"cache_threshold={args.cache_threshold}"
-        + (f" gpu={torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""),
+        f"cache_threshold={args.cache_threshold} taylorseer interval={args.ts_interval} warmup={args.ts_warmup} "
+        f"order={args.ts_order}" + (f" gpu={torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""),
         flush=True,
     )
     ref: dict[str, Any] = {}
@@ -271,7 +328,8 @@ async def main_async(args: argparse.Namespace) -> int:
                     f"concurrency {args.concurrency}: {label} {res['rps']:.3f} req/s = x{res['rps'] / base:.2f} eager"
                 )
     if not args.tiny:
-        for name, target in (("compile+fp8", 3.0), ("compile", 3.0), ("compile+fp8+cache", 2.0)):
+        targets = (("compile+fp8", 3.0), ("compile", 3.0), ("compile+fp8+cache", 2.0), ("compile+fp8+taylorseer", 2.0))
+        for name, target in targets:
             if name in results:
                 ok = "met" if results[name]["latency"] <= target else "NOT met"
                 print(f"target {name} <= {target} s: {results[name]['latency']:.3f} s ({ok})")
@@ -430,6 +488,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache-threshold", type=float, default=0.08)
     parser.add_argument("--more-thresholds", type=float, nargs="*", default=[], help="cache modes: also these")
+    parser.add_argument("--ts-interval", type=int, default=3, help="taylorseer modes: 1 step in N in full")
+    parser.add_argument("--ts-warmup", type=int, default=4, help="taylorseer modes: first steps in full")
+    parser.add_argument("--ts-order", type=int, default=1, help="taylorseer modes: Taylor order")
+    parser.add_argument("--profile-modes", nargs="*", default=[], help="profile 2 steps of these modes")
+    parser.add_argument("--profile-top", type=int, default=15)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--concurrency-modes", nargs="*", default=["eager", "compile+fp8"])

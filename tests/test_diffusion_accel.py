@@ -26,6 +26,10 @@ CACHE_ARGS = {"torch_dtype": "float32", "batch_window_ms": 200, "step_cache_thre
 """float32 not to make a CPU run work: PSNR_BOUND_DB was measured in float32 (cached vs full run)."""
 PSNR_BOUND_DB = 25.0
 """Tiny random Flux, 6 steps, threshold 0.9 (10 of 12 steps from the cache): measured 51 dB against the full run."""
+TAYLORSEER = {"policy": "taylorseer", "interval": 2, "warmup": 2, "order": 1}
+"""6 steps: 0 and 1 in full (warm-up), then 3 and 5 in full, 2 and 4 extrapolated."""
+TAYLORSEER_PSNR_BOUND_DB = 25.0
+"""Tiny random Flux, 6 steps, TAYLORSEER (2 of 6 steps extrapolated): measured 50.1 dB against the full run."""
 
 
 def _engine(model: Path | str, **engine_args: object) -> DiffusionEngine:
@@ -58,6 +62,66 @@ def test_bad_speed_settings_are_refused_with_what_is_allowed(args: dict, message
     with pytest.raises(EngineError, match=message) as err:
         Accel("dit", args)
     assert "quantization (fp8 or unset)" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"step_cache": {"policy": "teacache"}}, r"step_cache\.policy='teacache'.*policy: taylorseer"),
+        ({"step_cache": {"policy": "taylorseer", "interval": 1}}, r"step_cache\.interval=1.*interval: 2-50"),
+        ({"step_cache": {"policy": "taylorseer", "every": 2}}, r"step_cache\.every=2 is not allowed"),
+        ({"step_cache": "taylorseer"}, r"step_cache='taylorseer' is not allowed"),
+        (
+            {"step_cache": TAYLORSEER, "step_cache_threshold": 0.1},
+            r"step_cache \(taylorseer\) and step_cache_threshold \(0\.1\) are two step caches; keep one",
+        ),
+    ],
+)
+def test_bad_step_cache_settings_are_refused_with_what_is_allowed(args: dict, message: str) -> None:
+    with pytest.raises(EngineError, match=message):
+        Accel("dit", args)
+
+
+def test_fused_qkv_with_fp8_stays_close_to_the_float_model_and_the_cpu_path_is_unchanged() -> None:
+    """With fp8, a Flux denoiser's q/k/v projections become one FP8 matmul per attention (one activation
+    quantization instead of three); the separate projections are dropped. The arithmetic is checked on the
+    CPU (`torch._scaled_mm` runs there; the engine refuses fp8 on a CPU only because it is no faster). Without
+    fp8, a CPU stage keeps diffusers' model as it is."""
+    import copy
+
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    ).to(torch.bfloat16)  # fmt: skip
+    plain = copy.deepcopy(model)
+    inputs = {
+        "hidden_states": torch.randn(1, 64, 16, dtype=torch.bfloat16),
+        "encoder_hidden_states": torch.randn(1, 8, 32, dtype=torch.bfloat16),
+        "pooled_projections": torch.randn(1, 32, dtype=torch.bfloat16),
+        "timestep": torch.tensor([0.5]),
+        "guidance": torch.tensor([3.5]),
+        "img_ids": torch.zeros(64, 3),
+        "txt_ids": torch.zeros(8, 3),
+    }
+
+    class _Pipe:
+        transformer = model
+
+    cpu = Accel("dit", {"attention_backend": "native"})
+    cpu.apply(type("P", (), {"transformer": copy.deepcopy(model)})(), "cpu")
+    assert cpu.fused_attentions == 0 and cpu.fp8_layers == 0
+    accel = Accel("dit", {"quantization": "fp8", "attention_backend": "native"})
+    accel.apply(_Pipe(), "cpu")
+    assert accel.fused_attentions == 3  # one double-stream block, two single-stream blocks
+    assert not any(hasattr(m, "to_q") for m in model.modules() if hasattr(m, "to_qkv"))
+    with torch.inference_mode():
+        got = model(**inputs).sample.float()
+        want = plain(**inputs).sample.float()
+    assert float((got - want).norm() / want.norm()) < 0.06
 
 
 async def test_fp8_is_refused_on_a_cpu_before_loading_anything() -> None:
@@ -175,6 +239,39 @@ async def test_step_cache_skips_steps_within_a_psnr_bound_and_a_request_can_turn
         await _image(cached, "bad", step_cache="no")
 
 
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def taylorseer():
+    args = {"torch_dtype": "float32", "batch_window_ms": 200, "step_cache": TAYLORSEER}
+    stage = StageOverride(name="dit", engine_args=args, sampling_params={**PARAMS, "guidance_scale": 3.5})
+    pipeline = resolve_pipeline(get_pipeline("flux"), name="t", model="/nonexistent/tiny-flux", stages=[stage])
+    engine = _TinyFluxEngine(pipeline, pipeline.topology.stage("dit"))
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+@pytest.mark.models
+@pytest.mark.timeout(600)
+@pytest.mark.asyncio(loop_scope="module")
+async def test_taylorseer_step_cache_skips_the_scheduled_steps_within_a_psnr_bound_and_a_request_can_turn_it_off(
+    taylorseer: DiffusionEngine,
+) -> None:
+    """The schedule-based cache skips the same steps whatever the weights (random ones too): 2 of 6 here."""
+    stats = taylorseer.stats
+    checks, hits = stats()["step_cache_checks_total"], stats()["step_cache_hits_total"]
+    fast = await _image(taylorseer, "t1")
+    assert (stats()["step_cache_checks_total"] - checks, stats()["step_cache_hits_total"] - hits) == (6, 2)
+    hits = stats()["step_cache_hits_total"]
+    full = await _image(taylorseer, "t2", step_cache=False)
+    assert stats()["step_cache_hits_total"] == hits  # every step ran in full
+    assert fast != full
+    psnr = _psnr(fast, full)
+    print(f"taylorseer (2 of 6 steps extrapolated) vs every step in full: PSNR {psnr:.1f} dB")
+    assert psnr >= TAYLORSEER_PSNR_BOUND_DB
+    assert await _image(taylorseer, "t3") == fast  # no state leaks from one call into the next
+    assert stats()["step_cache_hits_total"] == hits + 2
+
+
 @pytest.mark.models
 @pytest.mark.timeout(600)
 @pytest.mark.asyncio(loop_scope="module")
@@ -183,6 +280,7 @@ async def test_step_cache_skips_steps_within_a_psnr_bound_and_a_request_can_turn
     [
         ({"attention_backend": "warp-drive"}, "attention_backend 'warp-drive' cannot run here.*use auto, native"),
         ({"step_cache_threshold": 0.1}, "step caching does not apply to SD3Transformer2DModel"),
+        ({"step_cache": {"policy": "taylorseer"}}, "step caching does not apply to SD3Transformer2DModel"),
     ],
 )
 async def test_settings_the_model_cannot_take_fail_the_start(tiny_sd3_model: Path, args: dict, message: str) -> None:

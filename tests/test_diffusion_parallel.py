@@ -74,7 +74,11 @@ async def test_two_cpu_ranks_give_the_image_of_one_process(tiny_flux_model: Path
     [
         ({"sequence_parallel": 0}, "sequence_parallel=0 is not allowed; use auto or a number of ranks"),
         ({"sequence_parallel": "two"}, "sequence_parallel='two' is not allowed"),
-        ({"sequence_parallel": 2, "step_cache_threshold": 0.1}, "step_cache_threshold and sequence_parallel=2"),
+        ({"sequence_parallel": 2, "step_cache_threshold": 0.1}, r"step_cache\) and sequence_parallel=2"),
+        (
+            {"sequence_parallel": 2, "step_cache": {"policy": "taylorseer"}},
+            r"a step cache \(step_cache_threshold or step_cache\) and sequence_parallel=2",
+        ),
         ({"sequence_parallel": 2, "device": "cuda:1"}, "one rank per GPU from cuda:0.*'cuda:1'"),
         ({"sequence_parallel": 4, "device": "cuda"}, "sequence_parallel=4 needs 4 GPUs and this pod sees"),
     ],

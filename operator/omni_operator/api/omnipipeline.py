@@ -440,7 +440,10 @@ class PipelineStage(Placement):
         "options: `enforce_eager` (true: never torch.compile; on GPUs the repeated transformer blocks are "
         "compiled at start-up by default), `quantization: fp8` (FP8 matmuls; Ada/Hopper GPUs only, refused "
         "elsewhere), `step_cache_threshold` (first block cache, e.g. 0.08; 0 or unset: off; a request turns it "
-        "off with `step_cache: false`) and `attention_backend` (auto: FlashAttention-3, cuDNN or SDPA by GPU).",
+        "off with `step_cache: false`), `step_cache` (a schedule-based step cache instead, e.g. `{policy: "
+        "taylorseer, interval: 3, warmup: 4}`: after the warm-up steps one in `interval` runs in full, the others "
+        "extrapolate; a request turns it off the same way) and `attention_backend` (auto: FlashAttention-3, cuDNN "
+        "or SDPA by GPU).",
     )
     sampling_params: dict[str, Any] = Field(
         default_factory=dict,

@@ -29,7 +29,7 @@ Output: `{"images": [png bytes, ...]}`; a stage whose `output_modality` is `hidd
 Video pipelines (their `__call__` takes `num_frames`) take `fps` too and give an MP4 per request, with
 progress outputs while they denoise: see `engines/video.py` (its engine args: `max_frames`,
 `default_fps`, `max_fps`). Speed options are engine args too, see `engines/diffusion_accel.py`:
-`enforce_eager`, `quantization`, `step_cache_threshold`, `attention_backend` (a request's
+`enforce_eager`, `quantization`, `step_cache_threshold`, `step_cache`, `attention_backend` (a request's
 `step_cache: false` turns the step cache off). Every pipeline that takes `callback_on_step_end` stops
 between two denoising steps once every request of its batch is aborted, and reports its step time
 (`omnikube_stage_denoise_step_seconds`).
@@ -237,7 +237,8 @@ class DiffusionEngine(Engine):
             self.sequence_parallel = 1
         if self.sequence_parallel > 1 and self.accel.step_cache:
             raise EngineError(
-                f"stage {self.stage.name!r}: step_cache_threshold and {P.ARG}={self.sequence_parallel} cannot "
+                f"stage {self.stage.name!r}: a step cache (step_cache_threshold or step_cache) and "
+                f"{P.ARG}={self.sequence_parallel} cannot "
                 f"run together (each rank would decide from its own part of the sequence whether to skip "
                 f"blocks, and the ranks would fall out of step); remove one of them from engineArgs"
             )

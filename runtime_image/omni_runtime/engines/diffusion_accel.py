@@ -11,9 +11,19 @@ Engine args (read from the stage's `engineArgs`, never passed to diffusers' `fro
   a step whose first block's residual changed by less than this relative amount reuses the previous step's
   output of the other blocks (0.05-0.12 is typical; higher is faster and less exact). A request turns it off
   with the parameter `step_cache: false`.
+- `step_cache` (default unset, off): a schedule-based step cache, `{policy: taylorseer, interval: 3, warmup: 4,
+  order: 1}`: diffusers' TaylorSeer cache (`TaylorSeerCacheConfig`, lite variant): the first `warmup` steps run
+  in full, then one step in every `interval` runs in full and the others skip every transformer block and
+  extrapolate the denoiser's output (`proj_out`) from the full steps by a Taylor series of `order`. Which steps
+  are skipped depends on the schedule only, not on the model's activations (unlike the threshold cache). Not
+  together with `step_cache_threshold`; a request turns it off with `step_cache: false` too.
 - `attention_backend` (default `auto`): `auto` picks FlashAttention-3 when its package is installed, else
   cuDNN attention on NVIDIA GPUs of compute capability 9.0+, else PyTorch SDPA (`native`); or one of
   diffusers' backend names (`native`, `_native_cudnn`, `_flash_3`, `flash`, ...).
+
+On a GPU (unless `enforce_eager`), and wherever `quantization: fp8` is set, a Flux denoiser's q/k/v projections
+are fused into one matmul per attention (diffusers' `fuse_projections`): with FP8 that is one activation
+quantization and one FP8 matmul instead of three.
 
 Each choice is logged at start. The CPU path is unchanged unless a stage asks for the step cache.
 """
@@ -40,6 +50,19 @@ REQUEST_PARAM = "step_cache"
 """Request parameter (bool) that turns the stage's step cache off for that request."""
 
 
+class StepCacheSettings(BaseModel):
+    """A schedule-based step cache (engine arg `step_cache`): which steps skip the transformer blocks."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: Literal["taylorseer"] = Field(
+        description="taylorseer: diffusers' TaylorSeer cache (skipped steps extrapolate the denoiser's output)."
+    )
+    interval: int = Field(3, ge=2, le=50, description="After the warm-up, one step in `interval` runs in full.")
+    warmup: int = Field(4, ge=1, le=1000, description="The first steps, all run in full (Taylor factors).")
+    order: int = Field(1, ge=0, le=3, description="Taylor order of the extrapolation (0: reuse the last output).")
+
+
 class AccelSettings(BaseModel):
     """The speed options of one diffusion stage (engine args; see the module docstring)."""
 
@@ -52,6 +75,9 @@ class AccelSettings(BaseModel):
     step_cache_threshold: float = Field(
         0.0, ge=0.0, le=1.0, description="First Block Cache threshold; 0 turns step caching off."
     )
+    step_cache: StepCacheSettings | None = Field(
+        None, description="A schedule-based step cache, e.g. {policy: taylorseer, interval: 3, warmup: 4}; unset: off."
+    )
     attention_backend: str = Field("auto", min_length=1, description="auto, or a diffusers attention backend name.")
 
 
@@ -62,15 +88,22 @@ ACCEL_ENGINE_ARGS: frozenset[str] = frozenset(AccelSettings.model_fields)
 def _settings(stage: str, engine_args: dict[str, Any]) -> AccelSettings:
     given = {k: v for k, v in engine_args.items() if k in ACCEL_ENGINE_ARGS}
     try:
-        return AccelSettings.model_validate(given)
+        settings = AccelSettings.model_validate(given)
     except ValidationError as err:
         first = err.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
         raise EngineError(
-            f"stage {stage!r}: engine arg {field}={given.get(field)!r} is not allowed ({first['msg']}); "
+            f"stage {stage!r}: engine arg {field}={first.get('input')!r} is not allowed ({first['msg']}); "
             "see enforce_eager (bool), quantization (fp8 or unset), step_cache_threshold (0 to 1), "
+            "step_cache ({policy: taylorseer, interval: 2-50, warmup: 1-1000, order: 0-3} or unset), "
             "attention_backend (auto or a diffusers backend name)"
         ) from None
+    if settings.step_cache is not None and settings.step_cache_threshold > 0:
+        raise EngineError(
+            f"stage {stage!r}: engine args step_cache ({settings.step_cache.policy}) and step_cache_threshold "
+            f"({settings.step_cache_threshold}) are two step caches; keep one of them in engineArgs"
+        )
+    return settings
 
 
 class Fp8Linear:
@@ -113,8 +146,15 @@ def _fp8_module_class() -> Any:
             flat = x.reshape(-1, x.shape[-1])
             x_scale = flat.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / fp8_max
             xq = (flat.float() / x_scale).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+            # use_fast_accum: Hopper's FP8 MMA accumulates without the periodic FP32 promotion (faster; the
+            # error stays within the bench's latents bound, as torchao does for forward matmuls).
             out = torch._scaled_mm(
-                xq, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale, out_dtype=x.dtype
+                xq,
+                self.weight_fp8.t(),
+                scale_a=x_scale,
+                scale_b=self.weight_scale,
+                out_dtype=x.dtype,
+                use_fast_accum=xq.is_cuda,
             )
             if self.bias is not None:
                 out = out + self.bias
@@ -153,6 +193,11 @@ class Accel:
         self.compile_seconds = 0.0
         self.fp8_layers = 0
         self._cache_hooks: list[Any] = []
+        """First Block Cache: the hooks that decide whether the other blocks run."""
+        self._taylor_hooks: list[Any] = []
+        """TaylorSeer: every hook (blocks and proj_out); each counts the steps itself."""
+        self.fused_attentions = 0
+        """Attentions whose q/k/v projections run as one matmul."""
         self._cached_model: Any = None
         self.cache_checks = 0
         """Denoising steps the step cache looked at."""
@@ -161,7 +206,8 @@ class Accel:
 
     @property
     def step_cache(self) -> bool:
-        return self.settings.step_cache_threshold > 0
+        """Whether the stage has a step cache (threshold or schedule)."""
+        return self.settings.step_cache_threshold > 0 or self.settings.step_cache is not None
 
     def check_device(self, device: str) -> None:
         """Refuse, before loading anything, options this device cannot run."""
@@ -206,6 +252,11 @@ class Accel:
         if second is not None and second is not model:
             self._attention(second, device)
             blocks += _repeated_blocks(second)
+        gpu_compiled = device.startswith("cuda") and not self.settings.enforce_eager
+        if (gpu_compiled or self.settings.quantization == "fp8") and type(model).__name__ in _FUSE_QKV:
+            fused = _fuse_qkv(model) + (_fuse_qkv(second) if second is not None and second is not model else 0)
+            self.fused_attentions = fused
+            log.info("stage %s: fused the q/k/v projections of %d attentions", self.stage, fused)
         if self.settings.quantization == "fp8":
             self.fp8_layers = self._fp8(blocks)
             log.info(
@@ -221,15 +272,16 @@ class Accel:
             for block in blocks:
                 block.forward = torch.compile(block.forward, dynamic=True)
             self.compiled = True
-        if self.step_cache:
+        if self.step_cache and type(model).__name__ in _NO_STEP_CACHE:
+            raise EngineError(
+                f"stage {self.stage!r}: step caching does not apply to {type(model).__name__} (diffusers' "
+                "step caches break on its last block, which returns no text states); remove "
+                "step_cache_threshold / step_cache from engineArgs (Flux, Qwen-Image and Wan stages take them)"
+            )
+        if self.settings.step_cache is not None:
+            self._taylorseer(model, self.settings.step_cache)
+        if self.settings.step_cache_threshold > 0:
             from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
-
-            if type(model).__name__ in _NO_STEP_CACHE:
-                raise EngineError(
-                    f"stage {self.stage!r}: step caching does not apply to {type(model).__name__} (diffusers' "
-                    "first block cache breaks on its last block, which returns no text states); remove "
-                    "step_cache_threshold from engineArgs (Flux, Qwen-Image and Wan stages take it)"
-                )
 
             # The hook itself, not `enable_cache`: models without diffusers' CacheMixin (SD3) take it too.
             try:
@@ -245,6 +297,53 @@ class Accel:
                 hook._should_compute_remaining_blocks = self._counted(hook._should_compute_remaining_blocks)
             log.info("stage %s: first block cache, threshold %s", self.stage, self.settings.step_cache_threshold)
 
+    def _taylorseer(self, model: Any, cfg: StepCacheSettings) -> None:
+        """diffusers' TaylorSeer cache, lite variant: on a skipped step every transformer block returns zeros
+        at once and `proj_out` (the denoiser's output projection) returns its Taylor extrapolation from the last
+        full steps; so a skipped step costs next to nothing, whatever the blocks are."""
+        import torch
+        from diffusers.hooks import TaylorSeerCacheConfig
+        from diffusers.hooks.taylorseer_cache import apply_taylorseer_cache
+
+        config = TaylorSeerCacheConfig(
+            cache_interval=cfg.interval,
+            disable_cache_before_step=cfg.warmup,
+            max_order=cfg.order,
+            taylor_factors_dtype=torch.float32,  # the extrapolated output is small (latent channels only)
+            use_lite_mode=True,
+        )
+        try:
+            apply_taylorseer_cache(model, config)
+        except (ValueError, TypeError, KeyError) as err:
+            raise EngineError(
+                f"stage {self.stage!r}: step_cache {cfg.policy} does not apply to {type(model).__name__} ({err}); "
+                "remove step_cache from engineArgs"
+            ) from err
+        hooks = _taylor_hooks(model)
+        heads = [hook for name, hook in hooks if name == "proj_out"]
+        if len(heads) != 1 or len(hooks) < 2:
+            raise EngineError(
+                f"stage {self.stage!r}: step_cache {cfg.policy} needs a denoiser with transformer blocks and an "
+                f"output projection named proj_out; {type(model).__name__} has {len(hooks) - len(heads)} hooked "
+                "blocks and no single proj_out. Remove step_cache from engineArgs"
+            )
+        self._taylor_hooks = [hook for _name, hook in hooks]
+        self._cached_model = model
+        head = heads[0]
+        decide = head._measure_should_compute
+
+        def counted() -> tuple[bool, Any]:
+            compute, state = decide()
+            self.cache_checks += 1
+            self.cached_steps += not compute
+            return compute, state
+
+        head._measure_should_compute = counted  # the instance attribute wins over the hook's method
+        log.info(
+            "stage %s: taylorseer step cache (diffusers, lite): warm-up %d steps, then 1 in %d in full, order %d",
+            self.stage, cfg.warmup, cfg.interval, cfg.order,
+        )  # fmt: skip
+
     def _counted(self, decide: Callable[[Any], bool]) -> Callable[[Any], bool]:
         def counted(residual: Any) -> bool:
             compute = decide(residual)
@@ -256,7 +355,7 @@ class Accel:
 
     def stats(self) -> dict[str, float]:
         """For the engine's stats: `step_cache_checks_total`, `step_cache_hits_total` (steps served by the cache)."""
-        if not self._cache_hooks:
+        if not self._cache_hooks and not self._taylor_hooks:
             return {}
         return {"step_cache_checks_total": float(self.cache_checks), "step_cache_hits_total": float(self.cached_steps)}
 
@@ -321,29 +420,61 @@ class Accel:
     def call(self, step_cache: bool) -> Iterator[None]:
         """Around one pipeline call: a fresh step-cache state (no step compares with another call's), and the
         cache off for this call when its requests asked for that."""
-        if not self._cache_hooks:
+        if not self._cache_hooks and not self._taylor_hooks:
             yield
             return
         from diffusers.hooks.hooks import CacheContext, HookRegistry, _set_cache_context
 
-        HookRegistry.check_if_exists_or_initialize(self._cached_model).reset_stateful_hooks()
+        HookRegistry.check_if_exists_or_initialize(self._cached_model).reset_stateful_hooks()  # and submodules'
         # Pipelines that name their own cache context (Flux: "cond") override this one inside the call;
         # the others (SD3) would otherwise fail with "No cache context is set".
         _set_cache_context(self._cached_model, CacheContext("omnikube"))
         saved = [h.threshold for h in self._cache_hooks]
+        warmups = [h.disable_cache_before_step for h in self._taylor_hooks]
         if not step_cache:
             for hook in self._cache_hooks:
                 hook.threshold = -1.0  # every relative change exceeds it: every block runs every step
+            for hook in self._taylor_hooks:
+                hook.disable_cache_before_step = 1 << 30  # every step is a warm-up step: all run in full
         try:
             yield
         finally:
             _set_cache_context(self._cached_model, None)
             for hook, threshold in zip(self._cache_hooks, saved, strict=True):
                 hook.threshold = threshold
+            for hook, warmup in zip(self._taylor_hooks, warmups, strict=True):
+                hook.disable_cache_before_step = warmup
 
 
 _NO_STEP_CACHE = frozenset({"SD3Transformer2DModel"})
-"""Denoisers whose blocks diffusers' first block cache cannot wrap (seen failing on diffusers 0.42)."""
+"""Denoisers whose blocks diffusers' step caches cannot wrap (seen failing on diffusers 0.42)."""
+
+_FUSE_QKV = frozenset({"FluxTransformer2DModel"})
+"""Denoisers whose attention processor reads the fused projection (`fused_projections`) in diffusers 0.42 and
+whose per-projection layers nothing else reads, so the unfused ones can go (no second copy of the weights)."""
+
+
+def _fuse_qkv(model: Any) -> int:
+    """Fuse each attention's q/k/v (and the text stream's added q/k/v) projections into one Linear and drop
+    the separate ones; returns how many attentions were fused. Same arithmetic, one matmul instead of three
+    (with FP8: one activation quantization instead of three)."""
+    import torch
+
+    count = 0
+    for module in list(model.modules()):
+        if not getattr(module, "_supports_qkv_fusion", False) or not hasattr(module, "fuse_projections"):
+            continue
+        if getattr(module, "fused_projections", False) or getattr(module, "is_cross_attention", False):
+            continue
+        with torch.no_grad():
+            module.fuse_projections()
+        if not getattr(module, "fused_projections", False):
+            continue
+        for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+            if isinstance(getattr(module, name, None), torch.nn.Linear):
+                delattr(module, name)
+        count += 1
+    return count
 
 
 def _head_hooks(model: Any) -> list[Any]:
@@ -358,6 +489,18 @@ def _head_hooks(model: Any) -> list[Any]:
     if not hooks:
         raise EngineError("step cache: diffusers registered no first-block hook; its hook layout changed")
     return hooks
+
+
+def _taylor_hooks(model: Any) -> list[tuple[str, Any]]:
+    """(module name, TaylorSeer hook) for every module diffusers hooked."""
+    from diffusers.hooks import HookRegistry
+
+    found = []
+    for name, module in model.named_modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        if isinstance(registry, HookRegistry):
+            found.extend((name, h) for h in registry.hooks.values() if hasattr(h, "disable_cache_before_step"))
+    return found
 
 
 def _auto_backend(device: str) -> str:
