@@ -495,7 +495,7 @@ def _taylor_hooks(model: Any) -> list[tuple[str, Any]]:
     """(module name, TaylorSeer hook) for every module diffusers hooked."""
     from diffusers.hooks import HookRegistry
 
-    found = []
+    found: list[tuple[str, Any]] = []
     for name, module in model.named_modules():
         registry = getattr(module, "_diffusers_hook", None)
         if isinstance(registry, HookRegistry):
