@@ -11,13 +11,11 @@ install:
 
 ## Lint and type checks first (a lint failure is cheap), then every test: unit, cluster (real control
 ## plane) and end to end.
-## Prometheus and KEDA of the e2e tier and the control plane's binaries build (cold: minutes; cached
-## after) in the background meanwhile, so the unit tests overlap them; the e2e tier waits for them (each
-## build.sh holds a lock).
+## The control plane's binaries, Prometheus and KEDA of the e2e tier (Go; cold: minutes, cached after) start
+## building in the background first thing (hack/bootstrap.sh), so the venv install, the lint and the unit tests
+## overlap them; the e2e tier waits for them (each build.sh holds a lock).
 test: export OMNIKUBE_CLUSTER_BUILD := background
 test: lint
-	@mkdir -p .omnikube && (bash e2e/cluster/addons/build.sh prometheus > .omnikube/prometheus-build.log 2>&1 &)
-	@(bash e2e/cluster/addons/build.sh keda > .omnikube/keda-build.log 2>&1 &)
 	$(PY) -m pytest -q --durations=40
 
 ## Unit tests only (no cluster, no model loads).
