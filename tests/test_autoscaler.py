@@ -128,6 +128,7 @@ def test_engine_hpa_renders_a_plain_hpa_on_a_pods_metric() -> None:
         ({"maxReplicas": 2, "prometheusAddress": "prometheus:9090"}, "prometheusAddress"),
         ({"engine": "hpa", "minReplicas": 0, "maxReplicas": 2}, "engine hpa cannot scale to zero"),
         ({"metric": "ttft", "target": "0", "maxReplicas": 2}, "autoscaling.target: must be above 0"),
+        ({"engine": "hpa", "pollingIntervalSeconds": 5, "maxReplicas": 2}, "engine hpa has none"),
     ],
 )
 def test_settings_that_would_do_nothing_are_refused(autoscaling: dict[str, Any], words: str) -> None:
@@ -199,6 +200,10 @@ def test_a_stage_that_scales_from_zero_activates_on_the_requests_the_router_hold
     objects = render_pipeline(manifest, REGISTRY_OF_PIPELINES)
     scaled = next(o for o in objects if o["kind"] == "ScaledObject")
     assert scaled["spec"]["minReplicaCount"] == 0 and scaled["spec"]["cooldownPeriod"] == 300
+    assert "pollingInterval" not in scaled["spec"]  # KEDA's default, 30 s
+    quick = sample("qwen3-omni.yaml", "talker", {"minReplicas": 0, "maxReplicas": 2, "pollingIntervalSeconds": 5})
+    quick_scaled = next(o for o in render_pipeline(quick, REGISTRY_OF_PIPELINES) if o["kind"] == "ScaledObject")
+    assert quick_scaled["spec"]["pollingInterval"] == 5  # how soon a held request starts a replica
     query = triggers(scaled)["queue"]["metadata"]["query"]
     assert "omnikube_stage_requests_waiting_for_replica" in query and "or vector(0)" in query
     stage = next(o for o in objects if o["kind"] == "OmniStage" and o["spec"]["stage"] == "talker")

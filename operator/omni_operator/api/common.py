@@ -411,6 +411,14 @@ class Autoscaling(KubeModel):
         le=3600,
         description="Seconds the load must stay low before replicas are removed.",
     )
+    polling_interval_seconds: Int | None = Field(
+        None,
+        ge=1,
+        le=3600,
+        description="Seconds between KEDA's queries of Prometheus (the ScaledObject's pollingInterval; engine "
+        "keda only). It bounds how long a stage at zero replicas waits before KEDA starts one for a held "
+        "request; the HPA's own sync period paces scaling between 1 and maxReplicas. Unset: KEDA's default, 30.",
+    )
     prometheus_address: str = Field(
         DEFAULT_PROMETHEUS_ADDRESS,
         max_length=2048,
@@ -435,6 +443,12 @@ class Autoscaling(KubeModel):
             message="autoscaling.minReplicas: engine hpa cannot scale to zero (a HorizontalPodAutoscaler "
             "needs a feature gate for it); set minReplicas to 1 or more, or use engine keda",
             check=lambda m: m.engine is not AutoscalingEngine.HPA or m.min_replicas >= 1,
+        ),
+        Rule(
+            cel="!has(self.engine) || self.engine != 'hpa' || !has(self.pollingIntervalSeconds)",
+            message="autoscaling.pollingIntervalSeconds: sets KEDA's polling; engine hpa has none (the "
+            "HorizontalPodAutoscaler syncs at the controller manager's period); drop it, or use engine keda",
+            check=lambda m: m.engine is not AutoscalingEngine.HPA or m.polling_interval_seconds is None,
         ),
         Rule(
             cel="!has(self.target) || (has(self.metric) && self.metric != 'queue')",

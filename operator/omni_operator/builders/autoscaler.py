@@ -156,6 +156,11 @@ def build_stage_autoscaler(stage: dict[str, Any]) -> dict[str, Any] | None:
                 "maxReplicaCount": scaling.max_replicas,
                 # How long KEDA waits, once idle, before it takes the stage from 1 replica to 0.
                 "cooldownPeriod": scaling.scale_down_stabilization_seconds,
+                **(
+                    {"pollingInterval": scaling.polling_interval_seconds}
+                    if scaling.polling_interval_seconds is not None
+                    else {}
+                ),
                 "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(scaling)}},
                 "triggers": triggers,
             },
