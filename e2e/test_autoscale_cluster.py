@@ -5,13 +5,15 @@ adapter built from the pinned module (scalers cut to cpu, memory and prometheus;
 through the API server's aggregation layer, Prometheus scraping the router and stage pods, the omnikube
 operator (chart identity) rendering the stage's ScaledObject, vLLM on CPU in pod-runner pods, and the
 official `openai` client. KEDA's HPA changes the OmniStage through its `/scale` subresource; the operator
-follows with the stage's Deployment.
+follows with the stage's Deployment. At zero replicas the router holds a request for the stage and counts it
+in omnikube_stage_requests_waiting_for_replica; KEDA's operator activates the stage on it.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.models]
 PIPELINE, STAGE = "auto", "llm"
 SCALED = f"{PIPELINE}-{STAGE}"  # the OmniStage, and the ScaledObject named after it
 STABILIZATION_S = 20  # the scale-down window, shortened from the CRD's default for the test
+POLLING_S = 5  # KEDA's polling once the stage may go to zero, shortened from KEDA's 30 s for the test
+HOLD_S = 420  # the router's request timeout once the stage may go to zero: above a cold vLLM load here
 READY_TIMEOUT = 900  # vLLM on two shared cores loads in about a minute, slower while other stages load
 
 
@@ -198,3 +202,56 @@ def test_keda_scales_a_stage_up_under_load_and_back_down_failing_no_request(env:
     failed = failed_heavy + failed_light
     outcomes = len(heavy.outcomes) + len(light.outcomes)
     assert failed == [], f"{len(failed)} of {outcomes} requests failed while the stage scaled: {failed[:10]}"
+
+
+def _scale_from_zero(env: Env) -> None:
+    """What a user does to let the stage go to zero when idle: minReplicas 0, KEDA polling sooner, and a
+    request timeout above the stage's load time (the router holds requests that long)."""
+    patch = [
+        {"op": "replace", "path": "/spec/stages/0/autoscaling/minReplicas", "value": 0},
+        {"op": "add", "path": "/spec/stages/0/autoscaling/pollingIntervalSeconds", "value": POLLING_S},
+        {"op": "replace", "path": "/spec/router/limits/requestTimeoutSeconds", "value": HOLD_S},
+    ]
+    env.cluster.kubectl("patch", "omnipipeline", PIPELINE, "-n", env.ns, "--type=json", "-p", json.dumps(patch))
+
+
+def test_keda_takes_an_idle_stage_to_zero_and_a_held_request_wakes_it(env: Env) -> None:
+    """With minReplicas 0 the idle stage goes to zero replicas after the cooldown (KEDA's operator scales
+    the OmniStage to 0 itself; its HPA cannot). The next request is held by the router, which counts it in
+    omnikube_stage_requests_waiting_for_replica; KEDA's operator, querying Prometheus, sees the demand and
+    activates the stage; the operator's Deployment starts a replica and, once it is ready, the held request
+    is answered in full through the official `openai` client, not refused. (A request held past the request
+    timeout gets 503 with Retry-After: tests/test_router_app.py covers that with a real stage server.)"""
+    _scale_from_zero(env)
+    wait_for(
+        lambda: (env.get("scaledobject", SCALED) or {}).get("spec", {}).get("minReplicaCount") == 0,
+        120,
+        "the operator rendering minReplicaCount 0",
+        env.diagnostics,
+    )
+    wait_for(
+        lambda: env.stage_replicas() == 0 and not env.pods(STAGE),
+        STABILIZATION_S + 300,
+        "KEDA taking the idle stage to zero replicas",
+        env.diagnostics,
+    )
+    # The router rolled to the configuration that lets the stage have no replica: only that one answers.
+    wait_for(
+        lambda: _pipeline_ready(env) and len(env.pods("router")) == 1 and not env.ready_stage_pods(),
+        240,
+        "the pipeline Ready at zero stage replicas, on the new router alone",
+        env.diagnostics,
+    )
+    client = openai.OpenAI(base_url=env.router_url(), api_key="unused", max_retries=0, timeout=HOLD_S + 60)
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(_chat, client)
+        wait_for(
+            lambda: env.stage_replicas() == 1 or held.done(),
+            120,
+            "KEDA activating the stage on the held request",
+            env.diagnostics,
+        )
+        assert not held.done(), f"the request ended before a replica existed: {held.exception()!r}"
+        held.result(timeout=HOLD_S + 60)  # answered in full (48 tokens), once the new replica is ready
+    (pod,) = env.ready_stage_pods()
+    assert wait_for(lambda: env.served_by().get(pod, 0) > 0, 60, "the woken replica's work scraped", env.diagnostics)
