@@ -1,6 +1,6 @@
 """Autoscaling under a load step: 1 -> N streaming clients on a tiny chat pipeline, with and without KEDA.
 
-    .venv/bin/python bench/autoscale.py [--clients 16] [--before 30] [--during 150] [--after 40]
+    .venv/bin/python bench/autoscale.py [--clients 16] [--before 30] [--during 150] [--after 40] [--stage-cpu 1]
 
 In a local cluster (real control plane, the pod runner running vLLM on CPU, the real KEDA and Prometheus of
 the test tier, the omnikube operator with the chart's identity), one tiny text-chat pipeline at a time:
@@ -10,8 +10,14 @@ Each run: 1 client for --before seconds, then --clients clients for --during sec
 --after seconds. Printed per run: p90 time to first token (client side, streaming) before, during and after
 the step, failed requests, and (autoscaling on) the seconds from the step until the new replica has served
 a request (its omnikube_stage_requests_total in Prometheus). The headline is the ratio of the p90 TTFT
-during the step, on / off. On a CPU machine the replicas share the same cores, so a second replica adds
-queue slots, not compute: read the ratio with that in mind.
+during the step, on / off; beside it the same ratio over the part of the step after the new replica
+served (the same seconds after the step in both runs).
+
+Each stage replica is a Guaranteed pod with `--stage-cpu` whole CPUs (limits cpu and memory), so the pod
+runner pins it to cores of its own as a node with the static CPU manager does (e2e/podrunner/cpus.py) and
+its engine runs that many threads: the second replica adds cores, as on a real cluster. `--stage-cpu 0`
+leaves the replicas unpinned (they then share every core; a second replica adds queue slots, not compute).
+Other processes of the machine (the router, the clients, other people's work) are not kept off those cores.
 """
 
 from __future__ import annotations
@@ -122,6 +128,10 @@ def router_url(cluster: LocalCluster, ns: str, name: str) -> str:
 def run_once(
     cluster: LocalCluster, ns: str, prometheus: Prometheus, name: str, autoscaling: bool, args: argparse.Namespace
 ) -> dict[str, Any]:
+    resources = None
+    if args.stage_cpu:
+        # Guaranteed QoS (cpu and memory limits, requests default to them): whole cores of its own per replica.
+        resources = {"limits": {"cpu": str(args.stage_cpu), "memory": "4Gi"}}
     scaling = None
     if autoscaling:
         scaling = {
@@ -132,7 +142,7 @@ def run_once(
             "scaleDownStabilizationSeconds": 30,
             "prometheusAddress": prometheus.url,
         }
-    apply(cluster, ns, chat_pipeline(name, scaling))
+    apply(cluster, ns, chat_pipeline(name, scaling, resources))
     wait_for(lambda: ready(cluster, ns, name), 900, f"{name} Ready")
     first = {p["metadata"]["name"] for p in stage_pods(cluster, ns, name)}
     clients = Clients(router_url(cluster, ns, name), name)
@@ -160,6 +170,9 @@ def run_once(
         return [t for s, t, err in clients.samples if lo <= s < hi and t is not None]
 
     return {
+        "window": window,
+        "step": step,
+        "end_step": end_step,
         "before": p90(window(0, step)),
         "during": p90(window(step, end_step)),
         "after": p90(window(end_step, float("inf"))),
@@ -176,6 +189,7 @@ def main() -> int:
     parser.add_argument("--before", type=float, default=30)
     parser.add_argument("--during", type=float, default=150)
     parser.add_argument("--after", type=float, default=40)
+    parser.add_argument("--stage-cpu", type=int, default=1, help="whole CPUs per stage replica (0: unpinned)")
     args = parser.parse_args()
     ensure("tiny-qwen2-chat")
     started = time.monotonic()
@@ -210,7 +224,8 @@ def main() -> int:
     print(
         f"# {os.cpu_count()} CPUs; load average {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end; "
         f"{time.monotonic() - started:.0f}s; step 1 -> {args.clients} streaming clients, {MAX_TOKENS} tokens each; "
-        f"windows {args.before:.0f}s / {args.during:.0f}s / {args.after:.0f}s"
+        f"windows {args.before:.0f}s / {args.during:.0f}s / {args.after:.0f}s; "
+        + (f"{args.stage_cpu} pinned CPU(s) per stage replica" if args.stage_cpu else "stage replicas unpinned")
     )
     print(f"{'run':<22}{'p90 TTFT before':>16}{'during':>10}{'after':>10}{'requests':>10}{'failed':>8}{'max pods':>10}")
     for label, r in (("autoscaling on (KEDA)", on), ("autoscaling off", off)):
@@ -221,6 +236,13 @@ def main() -> int:
     serving = on["new_replica_serving_s"]
     print(f"step -> new replica serving: {'not within the step' if serving is None else f'{serving:.1f}s'}")
     print(f"p90 TTFT during the step, on / off: {on['during'] / off['during']:.2f}")
+    if serving is not None:
+        scaled_on = p90(on["window"](on["step"] + serving, on["end_step"]))
+        scaled_off = p90(off["window"](off["step"] + serving, off["end_step"]))
+        print(
+            f"p90 TTFT from {serving:.0f}s after the step to its end (2 replicas on, 1 off): "
+            f"{scaled_on:.2f}s / {scaled_off:.2f}s = {scaled_on / scaled_off:.2f}"
+        )
     for r in (on, off):
         for err in r["failed"][:5]:
             print("failed:", err)

@@ -158,12 +158,17 @@ ON_RUNNER = {
 AR_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 256 * 1024**2}
 
 
-def chat_pipeline(name: str, autoscaling: dict[str, Any] | None) -> dict[str, Any]:
+def chat_pipeline(
+    name: str, autoscaling: dict[str, Any] | None, resources: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """text-chat on tiny Qwen2 (stage `llm`) on the pod runner; `autoscaling` for the stage, or None for a
-    fixed single replica. What the autoscaling test and bench/autoscale.py scale."""
+    fixed single replica; `resources` for each stage replica. What the autoscaling test and
+    bench/autoscale.py scale."""
     stage: dict[str, Any] = {**ON_RUNNER, "name": "llm", "engineArgs": AR_ARGS}
     if autoscaling is not None:
         stage["autoscaling"] = autoscaling
+    if resources is not None:
+        stage["resources"] = resources
     return {
         "apiVersion": "omnikube.io/v1alpha1",
         "kind": "OmniPipeline",
