@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -70,15 +70,34 @@ class OperatorProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
-    def desired_replicas(self, namespace: str, pipeline: str, stage: str) -> float | None:
-        """The operator's omnikube_operator_stage_replicas_desired for one stage, from its /metrics."""
-        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5, trust_env=False).text
-        want = {"namespace": namespace, "pipeline": pipeline, "stage": stage}
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        """One sample of the operator's /metrics; None when it has no such sample or does not answer."""
+        try:
+            text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5, trust_env=False).text
+        except httpx.TransportError:
+            return None
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == STAGE_REPLICAS_DESIRED and sample.labels == want:
+                if sample.name == name and sample.labels == (labels or {}):
                     return sample.value
         return None
+
+    def wait_started(self) -> None:
+        """Until the process serves /metrics: it has imported everything and its election loop runs.
+
+        Load-bound: starting the interpreter and importing kopf and kubernetes_asyncio costs about 3 s of
+        CPU, which is 15-30 s of wall time on a loaded 2-core CI machine (measured at load average 20),
+        so the timeout is generous; the waits on the operator's own behaviour come after this one."""
+        wait_for(
+            lambda: self.metric("omnikube_operator_leader") is not None, 120, f"{self.identity} to start", self.log
+        )
+
+    def desired_replicas(self, namespace: str, pipeline: str, stage: str) -> float | None:
+        """The operator's omnikube_operator_stage_replicas_desired for one stage, from its /metrics."""
+        return self.metric(STAGE_REPLICAS_DESIRED, {"namespace": namespace, "pipeline": pipeline, "stage": stage})
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +112,15 @@ def get(cluster, namespace: str, kind: str, name: str) -> dict | None:
     return json.loads(out.stdout) if out.returncode == 0 else None
 
 
-def wait_ready(cluster, operator, namespace: str, name: str, timeout: float = 90) -> dict:
+def wait_ready(
+    cluster, operator, namespace: str, name: str, timeout: float = 90, showing: Callable[[dict], bool] | None = None
+) -> dict:
+    """The pipeline once Ready for its current generation and, with `showing`, once its status shows that too.
+
+    `observedGeneration` covers only the pipeline's own spec: a change its stages see later (an HPA
+    scaling an OmniStage through /scale) reaches the pipeline's status on a later reconcile, so a status
+    that is Ready for the current generation can still be the one written before that change."""
+
     def ready():
         obj = get(cluster, namespace, "omnipipeline", name)
         return (
@@ -101,6 +128,7 @@ def wait_ready(cluster, operator, namespace: str, name: str, timeout: float = 90
             if obj
             and condition(obj, "Ready").get("status") == "True"
             and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
+            and (showing is None or showing(obj["status"]))
             else None
         )
 
@@ -558,8 +586,11 @@ def test_kubectl_scale_and_the_operators_hpa_drive_an_autoscaled_stage(cluster, 
         "Deployment follows the HPA",
         operator.log,
     )
-    ready = wait_ready(cluster, operator, namespace, "auto")
-    assert ready["status"]["stages"][0]["replicas"] == 4
+    # The pipeline's status follows its stage on the reconcile after the HPA's /scale write.
+    ready = wait_ready(
+        cluster, operator, namespace, "auto", showing=lambda status: status["stages"][0]["replicas"] == 4
+    )
+    assert ready["status"]["stages"] == [{"name": "llm", "replicas": 4, "readyReplicas": 4}]
     # What the HPA asked for through /scale is what the operator exports for OmnikubeStageDown.
     wait_for(
         lambda: operator.desired_replicas(namespace, "auto", "llm") == 4,
@@ -651,40 +682,32 @@ def test_keda_missing_then_installed(cluster, operator, namespace) -> None:
 # --- leader election -----------------------------------------------------------------------------
 
 
+def lease_holder(cluster) -> str | None:
+    return kubectl_json(cluster, "get", "lease", "omnikube-operator", "-n", "default")["spec"].get("holderIdentity")
+
+
 def test_second_operator_replica_waits_then_takes_over(cluster, operator, namespace, tmp_path) -> None:
+    """A second replica, once running, waits while the first holds the Lease; the first releases it when
+    stopped and the second leads and reconciles. The waits on a process starting are separate from the
+    waits on the election: under load, starting the interpreter takes longer than a Lease handover."""
     second = OperatorProcess(cluster, tmp_path / "b.log", "operator-b").start()
     try:
-        time.sleep(4)
-        lease = kubectl_json(cluster, "get", "lease", "omnikube-operator", "-n", "default")
-        assert lease["spec"]["holderIdentity"] == "operator-a"
+        second.wait_started()
+        time.sleep(6)  # more than one election round of operator-b (it retries every 5 s)
+        assert lease_holder(cluster) == "operator-a"
+        assert second.metric("omnikube_operator_leader") == 0, second.log()
         operator.stop()  # graceful: it releases the Lease
-        wait_for(
-            lambda: (
-                kubectl_json(cluster, "get", "lease", "omnikube-operator", "-n", "default")["spec"].get(
-                    "holderIdentity"
-                )
-                == "operator-b"
-            ),
-            30,
-            "operator-b to lead",
-            second.log,
-        )
+        wait_for(lambda: lease_holder(cluster) == "operator-b", 30, "operator-b to lead", second.log)
         apply(cluster, namespace, pipeline("takeover", "text-chat", []))
         wait_ready(cluster, second, namespace, "takeover")
+        assert second.metric("omnikube_operator_leader") == 1
     finally:
+        # operator-a waits as a follower before operator-b lets go, so the module's later tests find it leading.
+        if not operator.running():
+            operator.start()
+            operator.wait_started()
         second.stop()
-        operator.start()
-        wait_for(
-            lambda: (
-                kubectl_json(cluster, "get", "lease", "omnikube-operator", "-n", "default")["spec"].get(
-                    "holderIdentity"
-                )
-                == "operator-a"
-            ),
-            40,
-            "operator-a to lead again",
-            operator.log,
-        )
+        wait_for(lambda: lease_holder(cluster) == "operator-a", 40, "operator-a to lead again", operator.log)
 
 
 # --- trust and ownership -------------------------------------------------------------------------
