@@ -17,7 +17,7 @@ COPY operator ./operator
 COPY runtime_image ./runtime_image
 COPY config ./config
 RUN pip install --no-cache-dir uv==0.13.8 \
- && uv pip install --system --no-cache ".[operator]" \
+ && uv pip install --system --no-cache --compile-bytecode ".[operator]" \
  && useradd --uid 1000 --create-home omnikube
 USER 1000
 ENTRYPOINT ["omnikube"]
@@ -49,11 +49,13 @@ COPY requirements ./requirements
 COPY operator ./operator
 COPY runtime_image ./runtime_image
 COPY config ./config
+# --compile-bytecode: the image runs as uid 1000 and cannot write .pyc into /opt/omnikube, so without it every
+# stage process would compile torch, vLLM and transformers from source at each start (seconds of CPU each).
 # OVERRIDES is a list of flags: it must split into words.
 # hadolint ignore=SC2086
 RUN python3 -m venv /opt/omnikube \
  && /opt/omnikube/bin/pip install --no-cache-dir uv==0.13.8 \
- && uv pip install --no-cache ".[${EXTRA}]" ${OVERRIDES} \
+ && uv pip install --no-cache ".[${EXTRA}]" ${OVERRIDES} --compile-bytecode \
  && useradd --uid 1000 --create-home omnikube
 USER 1000
 EXPOSE 8000 8100 8101
