@@ -1,18 +1,30 @@
 """Sequence parallelism of a diffusion stage (engine arg `sequence_parallel`), on the CPU: two ranks (the engine's
 process and one worker process, gloo) give the image one process gives, on the real tiny Flux folder through
 the real engine (self-check, text prompts, PNG); settings that cannot run are refused before anything loads,
-and a denoiser diffusers cannot split is refused from its folder before any worker starts. The GPU figures
-(NCCL, two H200s) are in bench/results-h200-diffusion-speed.txt."""
+and a denoiser diffusers cannot split is refused from its folder before any worker starts. A worker rank that
+dies (SIGKILL, as the out-of-memory killer sends it) mid-call or between calls fails the requests at once with
+an error naming the rank and its exit code and leaves the engine dead; a worker whose rank 0 dies exits. The GPU
+figures (NCCL, two H200s) are in bench/results-h200-diffusion-speed.txt; NCCL's abort path has not run here."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+import json
+import logging
 import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from servelib import REPO, pid_alive
 
+from omni_runtime.engines import diffusion_parallel as P
 from omni_runtime.engines.base import EngineError, EngineInput
 from omni_runtime.engines.diffusion import DiffusionEngine
 from omni_runtime.registry import get_pipeline
@@ -99,3 +111,133 @@ async def test_a_denoiser_without_a_parallel_plan_is_refused_before_any_rank_sta
         await engine.start()
     assert engine.pipe is None
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("omnikube-dit-rank")]
+
+
+DIED = r"stage 'dit': sequence-parallel rank 1 \(pid {pid}\) died \(exit code -9: killed by SIGKILL"
+PARALLEL_LOG = "omni_runtime.engines.diffusion_parallel"
+
+
+def _worker(engine: DiffusionEngine) -> multiprocessing.Process:
+    workers = [p for p in multiprocessing.active_children() if p.name == "omnikube-dit-rank1"]
+    assert len(workers) == 1 and workers[0].is_alive() and engine.sequence_parallel == 2
+    return workers[0]
+
+
+class _KillAfterFirstStep(logging.Handler):
+    """Kills `pid` when rank 0 logs (debug) that the first denoising step finished on every rank: the
+    worker dies inside the call, between two steps' collectives."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(logging.DEBUG)
+        self.pid = pid
+        self.fired = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.fired and "denoising step 0 done" in record.getMessage():
+            self.fired = True
+            os.kill(self.pid, signal.SIGKILL)
+
+
+@pytest.mark.models
+@pytest.mark.timeout(600)
+@pytest.mark.asyncio
+@pytest.mark.parametrize("when", ["mid-call", "between calls"])
+async def test_a_worker_rank_that_dies_fails_its_call_at_once_and_the_engine_is_dead(
+    tiny_flux_model: Path, when: str
+) -> None:
+    """The request fails with the rank, its pid and exit code (not after NCCL's or gloo's timeout: the
+    wait_for bounds only guard against a hang), the engine is marked dead (the stage server stops on it), the
+    next request fails at once with the same error, and the engine stops without waiting for the dead rank."""
+    engine = _engine("flux", tiny_flux_model, sequence_parallel=2)
+    await engine.start()
+    logger = logging.getLogger(PARALLEL_LOG)
+    level = logger.level
+    try:
+        worker = _worker(engine)
+        message = DIED.format(pid=worker.pid)
+        if when == "mid-call":
+            hook = _KillAfterFirstStep(worker.pid)
+            logger.addHandler(hook)
+            logger.setLevel(logging.DEBUG)
+            with pytest.raises(EngineError, match=message):
+                await asyncio.wait_for(_image(engine), 120)
+            assert hook.fired
+        else:
+            worker.kill()
+        failure = await asyncio.wait_for(engine.failed(), 60)
+        assert isinstance(failure, P.RankDied) and failure is engine.failure
+        assert "the stage stops and restarts" in str(failure)
+        with pytest.raises(EngineError, match=message):
+            await asyncio.wait_for(_image(engine), 10)
+    finally:
+        logger.setLevel(level)
+        for handler in [h for h in logger.handlers if isinstance(h, _KillAfterFirstStep)]:
+            logger.removeHandler(handler)
+        await asyncio.wait_for(engine.stop(), 120)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("omnikube-dit-rank")]
+
+
+HOLD_RANK0 = """
+import asyncio, json, logging, multiprocessing, sys, time
+from omni_runtime.engines.base import EngineInput
+from omni_runtime.engines.diffusion import DiffusionEngine
+from omni_runtime.registry import get_pipeline
+from omni_runtime.spec import StageOverride
+from omni_runtime.spec.resolved import resolve_pipeline
+
+class Hold(logging.Handler):  # rank 0 stops inside the call, after its first step: the worker waits in a collective
+    def emit(self, record):
+        if "denoising step 0 done" in record.getMessage():
+            workers = [p.pid for p in multiprocessing.active_children() if p.name == "omnikube-dit-rank1"]
+            print("mid-call", *workers, flush=True)
+            time.sleep(600)
+
+async def main():
+    args = {"torch_dtype": "float32", "sequence_parallel": 2}
+    stage = StageOverride(name="dit", engine_args=args, sampling_params=json.loads(sys.argv[2]))
+    pipeline = resolve_pipeline(get_pipeline("flux"), name="t", model=sys.argv[1], stages=[stage])
+    engine = DiffusionEngine(pipeline, pipeline.topology.stage("dit"))
+    await engine.start()
+    logger = logging.getLogger("omni_runtime.engines.diffusion_parallel")
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(Hold(logging.DEBUG))
+    async for _ in engine.generate(EngineInput("r", {"prompt": "a red cube"}, {"seed": 5})):
+        pass
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.models
+@pytest.mark.timeout(600)
+def test_a_worker_rank_exits_when_rank_0_dies_mid_call(tiny_flux_model: Path, tmp_path: Path) -> None:
+    """Rank 0 (the engine's process, here a subprocess) is killed while the worker waits in a collective of
+    the same call: the worker exits on its own (no orphan holding a GPU's memory)."""
+    log = tmp_path / "rank0.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HOLD_RANK0, str(tiny_flux_model), json.dumps(PARAMS)],
+            stdout=subprocess.PIPE,
+            stderr=out,
+            cwd=REPO,
+        )
+    worker = 0
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(b"mid-call"):
+                worker = int(line.split()[1])
+                break
+        assert worker, f"rank 0 never reached its first step: {log.read_text()[-3000:]}"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 120  # a hang guard, not a timing assertion
+        while pid_alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not pid_alive(worker), "the worker rank outlived its rank 0"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if worker and pid_alive(worker):
+            os.kill(worker, signal.SIGKILL)

@@ -19,6 +19,7 @@ import openai
 import pytest
 from servelib import echo_cluster, echo_pipeline
 
+from omni_runtime.engines.base import EngineError
 from omni_runtime.router.discovery import ready_addresses
 from omni_runtime.spec import EdgeSpec, PipelineSpec, StageSpec
 from omni_runtime.stage import protocol as P
@@ -102,6 +103,27 @@ async def test_a_draining_stage_finishes_the_stream_it_runs_and_tells_the_router
         assert "data: [DONE]" in rest
         assert await drain is True
         assert cluster.engines["llm"][0].aborted == []
+
+
+async def test_an_engine_that_dies_while_serving_ends_the_stage_with_its_error() -> None:
+    """`Engine.fail` (what a diffusion engine calls when a sequence-parallel rank dies): the stage stops being
+    ready and `serve_forever` raises the engine's error, which `omnikube stage` writes as its EngineFailed
+    termination message before it exits 1."""
+    async with echo_cluster(echo_pipeline(chat_topology())) as cluster, client(cluster.base) as api:
+        server = cluster.servers["llm"][0]
+        serving = asyncio.create_task(server.serve_forever())
+        died = EngineError("stage 'llm': rank 1 died (exit code -9)")
+        cluster.engines["llm"][0].fail(died)
+        with pytest.raises(EngineError) as raised:
+            await asyncio.wait_for(serving, 10)
+        assert raised.value is died and server.engine_failure is died and not server.ready
+        async with httpx.AsyncClient() as http:
+            probe = await http.get(f"http://127.0.0.1:{server.http_port}/readyz")
+        assert probe.status_code == 503 and probe.json()["status"] == "engine failed"
+        await until(lambda: not replica(cluster, "llm", 0).usable)
+        with pytest.raises(openai.APIStatusError) as refused:
+            await api.chat.completions.create(model="echo", messages=user("after"))
+        assert refused.value.status_code == 503
 
 
 async def test_a_draining_replica_gets_no_new_work_while_its_running_work_finishes() -> None:

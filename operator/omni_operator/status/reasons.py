@@ -45,7 +45,8 @@ class Reason(str, Enum):
     CONTAINER_CONFIG = "ContainerConfig"
     CONNECTOR_UNAVAILABLE = "ConnectorUnavailable"
     ENGINE_FAILED = "EngineFailed"
-    """A stage's engine failed to load or failed its self-check; the message says what to change."""
+    """A stage's engine failed to load, failed its self-check, or died while serving (a sequence-parallel
+    rank died); the message says what to change or what died."""
     AUTOSCALER_UNAVAILABLE = "AutoscalerUnavailable"
     """A stage asks for a KEDA ScaledObject and the cluster has no KEDA CRDs."""
     STAGE_DEGRADED = "StageDegraded"

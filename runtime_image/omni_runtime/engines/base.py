@@ -7,6 +7,7 @@ every kind, and the router never knows which engine is behind a stage.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -103,9 +104,34 @@ class Engine(ABC):
     a talker fed the thinker's tokens step by step, a codec decoder fed codec windows. Otherwise a
     streamed edge runs the engine once per chunk."""
 
+    failure: EngineError | None = None
+    """Set once a part of the engine died while it served (a worker process): it takes no more work, and the
+    stage server stops and exits with this error (see `fail`)."""
+
+    _failure_event: asyncio.Event | None = None
+
     def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
         self.pipeline = pipeline
         self.stage = stage
+
+    def fail(self, error: EngineError) -> None:
+        """Mark the engine dead with `error` (on the event loop's thread; the first error stays). The engine
+        fails its requests with it; the stage server sees it (`failed`), stops taking work and exits non-zero
+        with it as the termination message, so the pod restarts and its status says why."""
+        if self.failure is None:
+            self.failure = error
+        self._failed_event().set()
+
+    async def failed(self) -> EngineError:
+        """Wait until the engine is marked dead (`fail`); its error."""
+        await self._failed_event().wait()
+        assert self.failure is not None, "fail() sets the failure before the event"
+        return self.failure
+
+    def _failed_event(self) -> asyncio.Event:
+        if self._failure_event is None:
+            self._failure_event = asyncio.Event()
+        return self._failure_event
 
     @abstractmethod
     async def start(self) -> None:

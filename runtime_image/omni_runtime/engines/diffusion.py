@@ -102,6 +102,10 @@ _CALL_ARGS_OWNED = frozenset(
 )
 """Pipeline call arguments the engine sets itself; a request may not pass them."""
 
+RUNNING_GRACE_S = 10.0
+"""Once a sequence-parallel rank died, how long the running call may take to end (its aborted collective
+raises at once; a decode already past the last collective may finish) before its requests fail anyway."""
+
 
 def _steps(call: dict[str, Any], default: int = 1) -> int:
     """Denoising steps a pipeline call runs: one per entry of a custom schedule, else num_inference_steps
@@ -245,6 +249,13 @@ class DiffusionEngine(Engine):
         started = time.monotonic()
         if self.sequence_parallel > 1:
             group = P.ParallelGroup(self.stage.name, self.sequence_parallel, self.device)
+            loop = asyncio.get_running_loop()
+
+            def on_death(error: P.RankDied) -> None:  # the group's watcher thread
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to tell
+                    loop.call_soon_threadsafe(self._rank_died, error)
+
+            group.on_death = on_death
             self._group = group
             try:
                 await asyncio.to_thread(group.start, self, str(fitting).removeprefix("torch."))
@@ -408,6 +419,24 @@ class DiffusionEngine(Engine):
         with torch.inference_mode():
             self.pipe(**kwargs)
 
+    def _rank_died(self, error: P.RankDied) -> None:
+        """A sequence-parallel rank died (on the event loop, from the group's watcher): the engine is dead.
+        Queued requests fail now with the error; the running call fails with it as soon as its collective
+        is aborted (or, should it hang, after `RUNNING_GRACE_S`); nothing new is taken."""
+        self.fail(error)
+        for job in self._pending:
+            if job.future is not None and not job.future.done():
+                job.future.set_exception(error)
+        self._pending.clear()
+        running = list(self._running)
+
+        def fail_running() -> None:
+            for job in running:
+                if job.future is not None and not job.future.done():
+                    job.future.set_exception(error)
+
+        asyncio.get_running_loop().call_later(RUNNING_GRACE_S, fail_running)
+
     async def stop(self) -> None:
         """Fail queued requests, let a running call finish, and release the pipeline."""
         worker, self._worker = self._worker, None
@@ -416,8 +445,11 @@ class DiffusionEngine(Engine):
             with contextlib.suppress(asyncio.CancelledError):
                 await worker
         if self._current is not None:
+            # A dead engine's call may never end (a collective on a dead rank): it gets a bounded wait.
             with contextlib.suppress(Exception):
-                await asyncio.shield(self._current)
+                await asyncio.wait_for(
+                    asyncio.shield(self._current), RUNNING_GRACE_S if self.failure is not None else None
+                )
         if self._encoding is not None:  # results already computed reach their requests
             with contextlib.suppress(Exception):
                 await self._encoding
@@ -612,6 +644,8 @@ class DiffusionEngine(Engine):
         return _Job(rid, "embeds", key, params, n, seed, embeds=tensors)
 
     async def generate(self, request: EngineInput) -> AsyncIterator[EngineOutput]:
+        if self.failure is not None:
+            raise self.failure
         if self.pipe is None or self._arrived is None:
             raise EngineError(f"stage {self.stage.name!r} is not started")
         job = self._parse(request)
@@ -714,7 +748,11 @@ class DiffusionEngine(Engine):
         except Exception as exc:
             ids = [j.request_id for j in batch]
             log.exception("stage %s: pipeline call failed for %s", self.stage.name, ids)
-            error = EngineError(f"stage {self.stage.name!r}: the diffusion pipeline failed: {exc}")
+            error = (
+                exc
+                if isinstance(exc, P.RankDied)
+                else EngineError(f"stage {self.stage.name!r}: the diffusion pipeline failed: {exc}")
+            )
             for job in batch:
                 if job.future is not None and not job.future.done():
                     job.future.set_exception(error)

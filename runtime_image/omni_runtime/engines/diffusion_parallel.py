@@ -22,9 +22,18 @@ Measured on two H200s through this engine (run 5 of that file): Flux-sized, 1024
 2.41 s per image vs 3.30 s on one GPU (0.73x).
 
 A call's stop decision (every request of it aborted) is agreed by all ranks after each denoising step (one
-all-reduce of one number), so all ranks stop at the same step. A worker that dies fails the next call with an
-error naming it; one that dies inside a call leaves rank 0 in a collective until NCCL's watchdog ends the
-process (the pod restarts).
+all-reduce of one number), so all ranks stop at the same step.
+
+A rank that dies (killed, out of memory, crashed) ends the stage, promptly and saying which rank and why: a
+thread of rank 0 waits on the workers' process sentinels, and on a death it aborts the process groups (NCCL: a
+collective blocked on the dead rank returns with an error instead of waiting for NCCL's watchdog; gloo raises at
+once when a peer's sockets close), so the call in flight fails with `RankDied` (rank, pid, exit code) and the
+engine is told (`on_death`): it fails its requests with that error, takes no more, and the stage exits non-zero
+with it as its termination message (the pod restarts; the operator's Degraded reason says why). A worker that
+dies between calls is seen the same way, before the next call. While starting, rank 0 joins the ranks'
+rendezvous only once every worker says it is joining, so a worker that fails or dies before then fails the
+start at once instead of after `START_TIMEOUT`. A worker whose rank 0 dies exits at once (a thread waits on its
+parent's sentinel), so no orphan holds a GPU's memory, whether it waited for a call or sat in a collective.
 """
 
 from __future__ import annotations
@@ -34,7 +43,10 @@ import datetime
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
+import signal
 import socket
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -43,7 +55,7 @@ from typing import Any
 
 from omni_runtime.engines.base import EngineError
 
-__all__ = ["ARG", "ParallelGroup", "ParallelPipe", "enable_context_parallel", "resolve_degree"]
+__all__ = ["ARG", "ParallelGroup", "ParallelPipe", "RankDied", "enable_context_parallel", "resolve_degree"]
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +66,33 @@ START_TIMEOUT = datetime.timedelta(minutes=15)
 """How long the ranks wait for each other while starting (loading a large model on every GPU takes minutes)."""
 
 
+DEATH_WAIT_S = 5.0
+"""How long a failed call waits for the watcher to see a worker's death before it reports the failure as its
+own: a dead peer's sockets close (gloo raises) a moment before its death is seen, and the death is the reason."""
+PARENT_EXIT_CODE = 3
+"""A worker's exit code when it exits because rank 0 (the engine's process) died."""
+
+
 class _Stopped(Exception):
     """Raised on every rank between two denoising steps once rank 0 stops the call."""
+
+
+class RankDied(EngineError):
+    """A sequence-parallel worker rank died: the stage cannot run another call and must restart."""
+
+
+def _exit_detail(code: int | None) -> str:
+    """`code` as a person reads it: a negative exit code is the signal that ended the process."""
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        why = " (the kernel's out-of-memory killer sends it, or someone killed it)" if -code == signal.SIGKILL else ""
+        return f"exit code {code}: killed by {name}{why}"
+    return f"exit code {code}"
 
 
 def resolve_degree(stage: str, value: Any, device: str, model_path: str) -> int:
@@ -254,7 +291,7 @@ def _unpack(packed: dict[str, Any], device: str, on_step: Callable[..., Any]) ->
 
 
 class ParallelGroup:
-    """Rank 0's side: starts the workers, mirrors every pipeline call to them, and stops them."""
+    """Rank 0's side: starts the workers, mirrors every pipeline call to them, watches them, and stops them."""
 
     def __init__(self, stage: str, world: int, device: str) -> None:
         self.stage = stage
@@ -262,6 +299,12 @@ class ParallelGroup:
         self.device = "cuda:0" if device == "cuda" else device
         self._procs: list[Any] = []
         self._conns: list[multiprocessing.connection.Connection] = []
+        self.death: RankDied | None = None
+        """Set once a worker died: the error every call raises from then on."""
+        self.on_death: Callable[[RankDied], None] | None = None
+        """Called once, from the watcher thread, when a worker dies after the ranks joined."""
+        self._died = threading.Event()
+        self._closing = False
 
     def start(self, engine: Any, dtype_name: str) -> None:
         """Start ranks 1..N-1 (each loads the pipeline) and join the process group (blocking: call in a thread)."""
@@ -293,38 +336,95 @@ class ParallelGroup:
             self._procs.append(proc)
             self._conns.append(mine)
         log.info("stage %s: started %d sequence-parallel worker ranks", self.stage, self.world - 1)
+        for rank in range(1, self.world):  # rank 0's rendezvous waits for every rank: only for live ones
+            self._expect(rank, "joining")
         _init(0, self.world, port, self.device)
+        threading.Thread(target=self._watch, name=f"omnikube-{self.stage}-ranks", daemon=True).start()
+
+    def _expect(self, rank: int, kind: str) -> None:
+        """Wait for worker `rank`'s `kind` message; raises EngineError when it failed or exited instead."""
+        conn, proc = self._conns[rank - 1], self._procs[rank - 1]
+        got, detail = "error", ""
+        try:
+            multiprocessing.connection.wait([conn, proc.sentinel])
+            got, detail = conn.recv() if conn.poll() else ("error", "")
+        except (EOFError, OSError):
+            pass
+        if got == kind:
+            return
+        if not detail:
+            proc.join(1)
+            detail = f"the process (pid {proc.pid}) exited ({_exit_detail(proc.exitcode)})"
+        raise EngineError(
+            f"stage {self.stage!r}: sequence-parallel rank {rank} failed to start: {detail}; "
+            f"check the GPU it runs on, or set engine arg {ARG}: 1"
+        )
 
     def wait_ready(self) -> None:
         """Block until every worker has loaded its pipeline; raises EngineError with a worker's failure."""
-        for rank, conn in enumerate(self._conns, start=1):
-            try:
-                kind, detail = conn.recv()
-            except EOFError:
-                kind, detail = "error", f"the process exited (code {self._procs[rank - 1].exitcode})"
-            if kind != "ready":
-                raise EngineError(
-                    f"stage {self.stage!r}: sequence-parallel rank {rank} failed to start: {detail}; "
-                    f"check the GPU it runs on, or set engine arg {ARG}: 1"
-                )
+        for rank in range(1, self.world):
+            self._expect(rank, "ready")
+
+    def _watch(self) -> None:
+        """Rank 0's watcher thread: on a worker's death, abort the process groups and report it."""
+        by_sentinel = {proc.sentinel: rank for rank, proc in enumerate(self._procs, start=1)}
+        ended = multiprocessing.connection.wait(list(by_sentinel))
+        if self._closing:
+            return
+        rank = by_sentinel[ended[0]]
+        proc = self._procs[rank - 1]
+        proc.join(1)
+        self.death = RankDied(
+            f"stage {self.stage!r}: sequence-parallel rank {rank} (pid {proc.pid}) died "
+            f"({_exit_detail(proc.exitcode)}); the call it was part of failed and the stage stops and restarts "
+            f"(its log and its GPU's memory say why; {ARG}: 1 runs on one GPU)"
+        )
+        log.error("%s", self.death)
+        self._died.set()
+        self._abort()
+        if self.on_death is not None:
+            self.on_death(self.death)
+
+    def _abort(self) -> None:
+        """Abort every process group so a collective blocked on the dead rank returns with an error now."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # the groups are dead either way; the call in flight still fails on gloo
+            log.warning("stage %s: aborting the process groups failed", self.stage, exc_info=True)
 
     def call(self, pipe: Any, kwargs: dict[str, Any]) -> Any:
-        """One pipeline call on every rank; rank 0's result."""
-        for rank, proc in enumerate(self._procs, start=1):
-            if not proc.is_alive():
-                raise EngineError(
-                    f"stage {self.stage!r}: sequence-parallel rank {rank} has exited (code {proc.exitcode}); "
-                    "the stage must restart"
-                )
+        """One pipeline call on every rank; rank 0's result. Raises RankDied once a worker died."""
+        if self.death is None:
+            for rank, proc in enumerate(self._procs, start=1):
+                if not proc.is_alive():  # died a moment ago: the watcher reports it too
+                    self._died.wait(DEATH_WAIT_S)
+                    if self.death is None:
+                        raise RankDied(
+                            f"stage {self.stage!r}: sequence-parallel rank {rank} has exited "
+                            f"({_exit_detail(proc.exitcode)}); the stage must restart"
+                        )
+        if self.death is not None:
+            raise self.death
         packed = _pack(kwargs)
-        for conn in self._conns:
-            conn.send(packed)
-        given = kwargs.get("callback_on_step_end")
-        if given is not None:
-            kwargs = {**kwargs, "callback_on_step_end": self._agreeing(given)}
-        return pipe(**kwargs)
+        agreed: list[BaseException] = []
+        try:
+            for conn in self._conns:
+                conn.send(packed)
+            given = kwargs.get("callback_on_step_end")
+            if given is not None:
+                kwargs = {**kwargs, "callback_on_step_end": self._agreeing(given, agreed)}
+            return pipe(**kwargs)
+        except Exception as exc:
+            if exc in agreed or (self.death is None and not self._died.wait(DEATH_WAIT_S)):
+                raise  # a stop every rank agreed on, or the call's own failure
+            assert self.death is not None
+            raise self.death from exc
 
-    def _agreeing(self, given: Callable[..., Any]) -> Callable[..., Any]:
+    def _agreeing(self, given: Callable[..., Any], agreed: list[BaseException]) -> Callable[..., Any]:
         def on_step(p: Any, index: int, timestep: Any, tensors: dict[str, Any]) -> Any:
             error: BaseException | None = None
             out: Any = {}
@@ -333,7 +433,9 @@ class ParallelGroup:
             except Exception as exc:  # the engine's stop (or a callback failure): every rank stops here
                 error = exc
             if _agree(error is not None, self.device):
-                raise error or _Stopped()
+                agreed.append(error or _Stopped())
+                raise agreed[-1]
+            log.debug("stage %s: denoising step %d done on every rank", self.stage, index)
             return out
 
         return on_step
@@ -342,14 +444,19 @@ class ParallelGroup:
         """Stop the workers (they finish nothing: rank 0 is not calling) and leave the process group."""
         import torch.distributed as dist
 
+        self._closing = True
         for conn in self._conns:
             with contextlib.suppress(OSError):
                 conn.send(None)
-        deadline = time.monotonic() + 30
+        # Live ranks of a dead group may sit in a collective that never ends: they are stopped at once.
+        deadline = time.monotonic() + (0 if self.death else 30)
         for proc in self._procs:
             proc.join(max(0.1, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.terminate()
+                proc.join(5)
+            if proc.is_alive():
+                proc.kill()
                 proc.join(5)
         for conn in self._conns:
             conn.close()
@@ -390,12 +497,14 @@ def _worker_main(
     import torch.distributed as dist
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(rank,), name="omnikube-rank0-watch", daemon=True).start()
     device = f"cuda:{rank}" if gpu else "cpu"
     try:
         engine = engine_class(pipeline, stage)
         for key, value in state.items():
             setattr(engine, key, value)
         engine.device = device
+        conn.send(("joining", None))
         _init(rank, world, port, device)
         pipe = engine._load(getattr(torch, dtype_name))
         engine.accel.apply(pipe, device, lambda p: enable_context_parallel(stage.name, p, world, device))
@@ -425,3 +534,15 @@ def _worker_main(
             log.exception("rank %d: pipeline call failed", rank)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
+
+
+def _exit_with_parent(rank: int) -> None:
+    """A worker's thread: exit at once when rank 0's process dies, wherever the worker is (waiting for a call,
+    or in a collective that will never end), so no orphan keeps its GPU's memory."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    multiprocessing.connection.wait([parent.sentinel])
+    log.error("rank %d: rank 0 (pid %s) exited; exiting", rank, parent.pid)
+    logging.shutdown()
+    os._exit(PARENT_EXIT_CODE)

@@ -37,8 +37,9 @@ def connector_settings(settings: StageSettings, pipeline: ResolvedPipeline, repl
 
 
 async def serve(settings: StageSettings, *, key: PipelineKey) -> int:
-    """Serve until SIGTERM/SIGINT (then 0). 1 when the engine failed to load or a connector of the
-    stage's edges could not start in time; the latter also writes a termination message."""
+    """Serve until SIGTERM/SIGINT (then 0). 1 when the engine failed to load or died while serving (a
+    sequence-parallel rank died), or a connector of the stage's edges could not start in time; each writes a
+    termination message (reason EngineFailed or ConnectorUnavailable)."""
     pipeline = ResolvedPipeline.model_validate_json(Path(settings.config).read_text(encoding="utf-8"))
     stage = settings.stage
     replica = settings.replica or socket.gethostname()
@@ -67,12 +68,16 @@ async def serve(settings: StageSettings, *, key: PipelineKey) -> int:
         err = serving.exception()
         log.error("%s", err)
         code = 1
+        if server.engine_failure is not None:
+            # The engine died while serving: its works fail with its error (a 5xx naming it), routers are
+            # told to send no more; then the process exits non-zero and the pod restarts.
+            await server.drain(settings.drain_timeout)
         if isinstance(err, ConnectorUnavailable):
             # The operator reads this (pod terminationMessagePath) and reports Degraded with the reason.
             Termination(reason=ExitReason.CONNECTOR_UNAVAILABLE, message=str(err)[-3000:]).write(
                 settings.termination_log
             )
-        else:  # the engine failed to load or its self-check failed: the pod's status says what to change
+        else:  # the engine failed to load, its self-check failed, or it died: the pod's status says why
             Termination(reason=ExitReason.ENGINE_FAILED, message=str(err)[-3000:]).write(settings.termination_log)
     elif stop.is_set():
         drain = asyncio.create_task(server.drain(settings.drain_timeout))

@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from omni_runtime.connectors import ConnectorError, Handle
-from omni_runtime.engines.base import Engine, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
 from omni_runtime.metrics import Stage as M
 from omni_runtime.processors import ProcessorError
 from omni_runtime.spec import ResolvedPipeline
@@ -151,6 +151,8 @@ class StageServer:
         self._http: Any = None
         self._stopped = asyncio.Event()
         self._load_error: BaseException | None = None
+        self.engine_failure: EngineError | None = None
+        """Why the engine died while serving (see `serve_forever`); None while it lives."""
         self._phase = "starting"
         self._closing = False
 
@@ -210,6 +212,7 @@ class StageServer:
             self.ready = True
             M.ready.labels(*self._labels).set(1)
             log.info("stage %s: engine ready in %.1fs", self.stage, time.perf_counter() - started)
+            self._tasks.append(asyncio.create_task(self._watch_engine(self.engine), name="stage-engine-watch"))
         except BaseException as err:
             self._load_error = err
             if isinstance(err, ConnectorUnavailable):
@@ -222,9 +225,23 @@ class StageServer:
             if not isinstance(err, Exception):
                 raise
 
+    async def _watch_engine(self, engine: Engine) -> None:
+        """Once the engine says it died while serving (`Engine.fail`), take no more work and end
+        `serve_forever` with its error."""
+        error = await engine.failed()
+        self.ready = False
+        M.ready.labels(*self._labels).set(0)
+        self._phase = "engine failed"
+        self.engine_failure = error
+        log.error("stage %s: the engine failed while serving, stopping: %s", self.stage, error)
+        self._stopped.set()
+
     async def serve_forever(self) -> None:
-        """Run until `stop()` is called or the engine fails to load (then raise its error)."""
+        """Run until `stop()` is called, the engine fails to load (then raise its error), or the engine fails
+        while serving (then raise `engine_failure`)."""
         await self._stopped.wait()
+        if self.engine_failure is not None:
+            raise self.engine_failure
         if isinstance(self._load_error, ConnectorUnavailable):
             raise self._load_error
         if self._load_error is not None:

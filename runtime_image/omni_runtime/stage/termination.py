@@ -26,8 +26,8 @@ class ExitReason(str, Enum):
     CONNECTOR_UNAVAILABLE = "ConnectorUnavailable"
     """A connector an edge of the stage needs could not start (e.g. the Mooncake master is unreachable)."""
     ENGINE_FAILED = "EngineFailed"
-    """The stage's engine failed to load, or its self-check (one tiny request) failed, so every request would;
-    the message says what to change."""
+    """The stage's engine failed to load, or its self-check (one tiny request) failed, so every request would,
+    or a part of it died while serving (a sequence-parallel rank); the message says what to change or what died."""
 
 
 class Termination(BaseModel):
