@@ -3,17 +3,20 @@ process and one worker process, gloo) give the image one process gives, on the r
 the real engine (self-check, text prompts, PNG); settings that cannot run are refused before anything loads,
 and a denoiser diffusers cannot split is refused from its folder before any worker starts. A worker rank that
 dies (SIGKILL, as the out-of-memory killer sends it) mid-call or between calls fails the requests at once with
-an error naming the rank and its exit code and leaves the engine dead; a worker whose rank 0 dies exits. The GPU
-figures (NCCL, two H200s) are in bench/results-h200-diffusion-speed.txt; NCCL's abort path has not run here."""
+an error naming the rank and its exit code and leaves the engine dead; a worker whose rank 0 dies exits; served,
+the client gets a 500 naming the rank and the stage process exits 1. The GPU figures (NCCL, two H200s) are in
+bench/results-h200-diffusion-speed.txt; NCCL's abort path has not run here."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import io
 import json
 import logging
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,8 +24,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import openai
 import pytest
-from servelib import REPO, pid_alive
+from servelib import REPO, Serve, http_get, pid_alive, process_tree
 
 from omni_runtime.engines import diffusion_parallel as P
 from omni_runtime.engines.base import EngineError, EngineInput
@@ -241,3 +245,63 @@ def test_a_worker_rank_exits_when_rank_0_dies_mid_call(tiny_flux_model: Path, tm
             proc.wait()
         if worker and pid_alive(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+def _running_batch(metrics: str) -> float:
+    """The diffusion engine's `running_batch` gauge (requests in the running pipeline call)."""
+    for line in metrics.splitlines():
+        if line.startswith("omnikube_stage_engine_stat{") and 'name="running_batch"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The multiprocessing workers (spawn) under `pid`, not its resource tracker."""
+    found = []
+    for child in process_tree(pid) - {pid}:
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline:
+            found.append(child)
+    return found
+
+
+@pytest.mark.models
+@pytest.mark.timeout(900)
+def test_served_a_worker_rank_killed_mid_request_gives_the_client_a_5xx_and_the_stage_exits_1(
+    tiny_flux_model: Path, tmp_path: Path
+) -> None:
+    """Through `omnikube serve` and the real OpenAI client: the stage's worker rank is SIGKILLed while a
+    request denoises; the client gets a 500 naming the rank and its exit code, and the stage process exits
+    with code 1 (the launcher restarts it, as a Deployment restarts the pod)."""
+    spec = {
+        "model": str(tiny_flux_model),
+        "name": "flux-sp",
+        "stages": [{"name": "dit", "engine_args": {P.ARG: 2}, "sampling_params": PARAMS}],
+    }
+    run = Serve(spec, tmp_path)
+    try:
+        stage = run.stage_processes("dit")[0]
+        workers = _spawned_children(stage["pid"])
+        assert len(workers) == 1, workers
+        api = openai.OpenAI(base_url=run.endpoint, api_key="none", max_retries=0, timeout=300)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            # Enough steps that the worker is killed inside the call, which the stage's gauge shows running.
+            reply = pool.submit(api.images.generate, model="flux-sp", prompt="a red cube",
+                                extra_body={"num_inference_steps": 200})  # fmt: skip
+            metrics = stage["probe"].replace("/readyz", "/metrics")
+            while not reply.done() and _running_batch(http_get(metrics)[1]) != 1.0:
+                time.sleep(0.1)
+            os.kill(workers[0], signal.SIGKILL)
+            with pytest.raises(openai.InternalServerError) as failed:
+                reply.result(timeout=300)
+        assert re.search(DIED.format(pid=workers[0]), str(failed.value)), str(failed.value)
+        deadline = time.monotonic() + 120  # a hang guard, not a timing assertion
+        while "exited with code 1; restarting it" not in run.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "stage dit/" in run.log.read_text() and "exited with code 1; restarting it" in run.log.read_text()
+    finally:
+        code = run.stop()
+    assert code == 0, run.log.read_text()[-3000:]

@@ -108,7 +108,8 @@ async def test_a_draining_stage_finishes_the_stream_it_runs_and_tells_the_router
 async def test_an_engine_that_dies_while_serving_ends_the_stage_with_its_error() -> None:
     """`Engine.fail` (what a diffusion engine calls when a sequence-parallel rank dies): the stage stops being
     ready and `serve_forever` raises the engine's error, which `omnikube stage` writes as its EngineFailed
-    termination message before it exits 1."""
+    termination message before it exits 1 (tests/test_diffusion_parallel.py runs that served, with a real rank
+    killed)."""
     async with echo_cluster(echo_pipeline(chat_topology())) as cluster, client(cluster.base) as api:
         server = cluster.servers["llm"][0]
         serving = asyncio.create_task(server.serve_forever())
