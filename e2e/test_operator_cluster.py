@@ -693,10 +693,16 @@ def test_second_operator_replica_waits_then_takes_over(cluster, operator, namesp
     second = OperatorProcess(cluster, tmp_path / "b.log", "operator-b").start()
     try:
         second.wait_started()
-        time.sleep(6)  # more than one election round of operator-b (it retries every 5 s)
+        wait_for(
+            lambda: "held by operator-a: waiting" in second.log_path.read_text(errors="replace"),
+            30,
+            "operator-b to say it waits for operator-a",
+            second.log,
+        )
         assert lease_holder(cluster) == "operator-a"
         assert second.metric("omnikube_operator_leader") == 0, second.log()
-        operator.stop()  # graceful: it releases the Lease
+        operator.stop()  # graceful: it releases the Lease before it exits
+        assert lease_holder(cluster) in ("", "operator-b"), operator.log()
         wait_for(lambda: lease_holder(cluster) == "operator-b", 30, "operator-b to lead", second.log)
         apply(cluster, namespace, pipeline("takeover", "text-chat", []))
         wait_ready(cluster, second, namespace, "takeover")

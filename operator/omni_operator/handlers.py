@@ -5,6 +5,7 @@ Events say which object to look at, never what to do: the reconcile steps read t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -78,6 +79,19 @@ def omnistage_event(namespace: str | None, name: str, spec: kopf.Spec, memo: kop
 def child_event(namespace: str | None, name: str, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
     for key in keys_for_child(dict(labels), _namespaced(namespace), name):
         memo.queue.add(key)
+
+
+@kopf.on.cleanup()
+async def resign(memo: kopf.Memo, **_: Any) -> None:
+    """On a graceful stop, stop reconciling and release the Lease as soon as kopf's watches are closed.
+
+    The election loop ends (its own shutdown stops the work queue, then releases the Lease), so another
+    replica leads at its next try. Left to the end of `run_operator`, the release would wait until kopf
+    has also given the queue's workers, which it sees as its own hung tasks, 5 s to finish."""
+    task = memo.get("election_task")
+    if task is not None and not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 @kopf.on.probe(id="leader")

@@ -52,6 +52,8 @@ class LeaderElector:
         self.on_started, self.on_stopped = on_started, on_stopped
         self.duration, self.renew_every = duration, renew_every
         self.leading = False
+        self._waiting_for: str | None = None
+        """The holder this replica last said it waits for (said once per holder, not every round)."""
 
     async def run(self) -> None:
         try:
@@ -101,7 +103,17 @@ class LeaderElector:
             "leaseDurationSeconds", self.duration
         )
         if holder not in (self.identity, None, "") and not expired:
+            if holder != self._waiting_for:
+                self._waiting_for = holder
+                log.info(
+                    "lease %s/%s is held by %s: waiting; this replica leads once it is released or not renewed for %ss",
+                    self.namespace,
+                    self.name,
+                    holder,
+                    current.get("leaseDurationSeconds", self.duration),
+                )
             return False
+        self._waiting_for = None
         if holder != self.identity:
             spec["acquireTime"] = _fmt(now)
             spec["leaseTransitions"] = current.get("leaseTransitions", 0) + 1
