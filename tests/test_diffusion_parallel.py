@@ -181,6 +181,44 @@ async def test_a_worker_rank_that_dies_fails_its_call_at_once_and_the_engine_is_
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("omnikube-dit-rank")]
 
 
+class _KillOnStart(logging.Handler):
+    """Kills the worker rank as soon as rank 0 logs that it started it: it dies before joining the ranks."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.killed = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.killed and "sequence-parallel worker ranks" in record.getMessage():
+            worker = next(p for p in multiprocessing.active_children() if p.name == "omnikube-dit-rank1")
+            assert worker.pid is not None
+            self.killed = worker.pid
+            os.kill(worker.pid, signal.SIGKILL)
+
+
+@pytest.mark.models
+@pytest.mark.timeout(600)
+@pytest.mark.asyncio
+async def test_a_worker_rank_that_dies_while_starting_fails_the_start_at_once(tiny_flux_model: Path) -> None:
+    """Rank 0 joins the ranks' rendezvous (which waits up to START_TIMEOUT, 15 minutes, for every rank) only
+    once every worker says it is joining: a worker that dies before that fails the start at once, naming it."""
+    engine = _engine("flux", tiny_flux_model, sequence_parallel=2)
+    logger = logging.getLogger(PARALLEL_LOG)
+    hook, level = _KillOnStart(), logger.level
+    logger.addHandler(hook)
+    logger.setLevel(logging.INFO)
+    try:
+        with pytest.raises(EngineError, match=r"sequence-parallel rank 1 failed to start: the process \(pid \d+\) "
+                           r"exited \(exit code -9: killed by SIGKILL") as failed:  # fmt: skip
+            await asyncio.wait_for(engine.start(), 120)  # a hang guard: the rendezvous alone waits 15 minutes
+    finally:
+        logger.removeHandler(hook)
+        logger.setLevel(level)
+    assert f"(pid {hook.killed})" in str(failed.value) and "set engine arg sequence_parallel: 1" in str(failed.value)
+    assert engine.pipe is None
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("omnikube-dit-rank")]
+
+
 HOLD_RANK0 = """
 import asyncio, json, logging, multiprocessing, sys, time
 from omni_runtime.engines.base import EngineInput
