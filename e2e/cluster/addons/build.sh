@@ -10,8 +10,8 @@
 #             left out (tag remove_all_sd: the tests give it file_sd targets).
 # keda:       ./cmd/operator and ./cmd/adapter (the external-metrics API server) of github.com/kedacore/keda/v2,
 #             built as KEDA builds itself (its own go.mod and go.sum) from a copy of the module whose scalers
-#             keda/trim.sh cuts to cpu, memory and prometheus: the full set compiles every cloud SDK (3,338
-#             packages, 25 min cold here), too long for CI; cut, ~1,960 packages, 6 CPU-minutes.
+#             keda/trim.sh cuts to cpu, memory and prometheus, without cloud credentials: the full set compiles
+#             every cloud SDK (3,338 packages, 25 min cold here), too long for CI; cut, ~1,600 packages.
 # Concurrent calls wait for one another (flock), so CI may start a build early in the background.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
