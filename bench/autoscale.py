@@ -189,6 +189,7 @@ def main() -> int:
     parser.add_argument("--before", type=float, default=30)
     parser.add_argument("--during", type=float, default=150)
     parser.add_argument("--after", type=float, default=40)
+    parser.add_argument("--off-first", action="store_true", help="run autoscaling off first, then on")
     parser.add_argument("--stage-cpu", type=int, default=1, help="whole CPUs per stage replica (0: unpinned)")
     args = parser.parse_args()
     ensure("tiny-qwen2-chat")
@@ -213,8 +214,12 @@ def main() -> int:
                         ns = release.apps
                         stop = prometheus.follow(lambda: kubectl_json(cluster, "get", "pods", "-n", ns)["items"])
                         try:
-                            on = run_once(cluster, ns, prometheus, "scaled", True, args)
-                            off = run_once(cluster, ns, prometheus, "fixed", False, args)
+                            if args.off_first:  # the machine's load drifts: swap the order to see how much
+                                off = run_once(cluster, ns, prometheus, "fixed", False, args)
+                                on = run_once(cluster, ns, prometheus, "scaled", True, args)
+                            else:
+                                on = run_once(cluster, ns, prometheus, "scaled", True, args)
+                                off = run_once(cluster, ns, prometheus, "fixed", False, args)
                         finally:
                             stop()
                 finally:

@@ -980,7 +980,8 @@ def test_headless_service_names_resolve_in_pods_and_follow_their_endpoints(clust
 def test_a_guaranteed_pod_with_a_whole_cpu_gets_that_cpu_to_itself(cluster, namespace, podrunner: PodRunner):
     """As under the kubelet's static CPU manager policy: in a Guaranteed pod, the container asking for one
     whole CPU runs (children included) on one host CPU no other container gets; its sidecar asking for 100m
-    runs on the shared pool, the host's other CPUs."""
+    runs on the shared pool, the host's other CPUs. A second Guaranteed pod asking for every host CPU finds
+    too few free: it runs on the shared pool, and a CPUsUnavailable warning event says why."""
     show = "python -c 'import os; print(sorted(os.sched_getaffinity(0)))'; sleep 1000"  # a child of sh
     limits = {"memory": "64Mi"}
     apply(
@@ -1005,13 +1006,29 @@ def test_a_guaranteed_pod_with_a_whole_cpu_gets_that_cpu_to_itself(cluster, name
         ),  # fmt: skip
     )
 
-    def affinity(container: str) -> list[int] | None:
-        out = podrunner.logs(namespace, "pinned", container).strip()
+    def affinity(pod_name: str, container: str) -> list[int] | None:
+        out = podrunner.logs(namespace, pod_name, container).strip()
         return ast.literal_eval(out) if out else None
 
-    own = wait_for("the pinned container's affinity", lambda: affinity("own"))
-    shared = wait_for("the shared container's affinity", lambda: affinity("shared"))
+    own = wait_for("the pinned container's affinity", lambda: affinity("pinned", "own"))
+    shared = wait_for("the shared container's affinity", lambda: affinity("pinned", "shared"))
     host = sorted(os.sched_getaffinity(0))
     assert len(own) == 1 and set(own) <= set(host), (own, host)
     if len(host) > 1:
         assert shared and set(shared) <= set(host) and not set(shared) & set(own), (shared, own, host)
+
+    greedy = {"name": "all", "image": "x", "command": ["sh", "-c", show],
+              "resources": {"limits": {**limits, "cpu": str(len(host))}}}  # fmt: skip
+    apply(cluster, namespace, pod("greedy", [greedy]))
+    left = wait_for("the greedy container's affinity", lambda: affinity("greedy", "all"))
+    assert set(left) <= set(host) and (len(host) == 1 or not set(left) & set(own)), (left, own, host)
+
+    def warned() -> list[str]:
+        selector = "involvedObject.name=greedy,reason=CPUsUnavailable"
+        return [
+            e["message"]
+            for e in kubectl_json(cluster, "-n", namespace, "get", "events", "--field-selector", selector)["items"]
+        ]
+
+    (message,) = wait_for("a CPUsUnavailable event", warned)
+    assert f"asks for {len(host)} exclusive CPU(s)" in message and "runs on the shared pool" in message, message
