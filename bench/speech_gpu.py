@@ -247,6 +247,10 @@ class Variant:
     """Which code2wav (CODE2WAV_KINDS): precision, and the fused SnakeBeta or not."""
     later_normal: bool = False
     """Windows with left context decoded at the default stream priority (first windows stay highest)."""
+    substep: str = "loop"
+    """How the talker's code predictor runs its sub-steps (slab_talker.SUBSTEPS): '-cc' = compiled."""
+    talker_high: bool = False
+    """'-hi': the talker on a high-priority stream (and later windows at the default priority)."""
 
 
 CODE2WAV_KINDS = ("bf16", "bf16-fused", "mixed", "mixed-fused", "fp32", "fp32-fused")
@@ -473,6 +477,35 @@ def pass_times(talker: SlabTalker, sizes: list[int]) -> None:
     print("graph replay per pass: " + ", ".join(parts))
 
 
+def profile_passes(talker: SlabTalker, count: int, label: str, steps: int = 3) -> None:
+    """The top kernels by total GPU time over `steps` replays of the frames and decode passes for
+    `count` slots (no request active), and the number of kernels one step launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n = talker._bucket(count)
+    talker.active.zero_()
+    for graphed in (True, False):  # kernels inside graph replays, else (if the profiler sees none) eager passes
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, torch.inference_mode():
+            for _ in range(steps):
+                if graphed:
+                    talker._graphs[("frames", n)].replay()
+                    talker._graphs[("decode", n)].replay()
+                else:
+                    talker._frames_pass(n)
+                    talker._decode_pass(n)
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        if kernels:
+            label += "" if graphed else " (eager passes: graph replays showed no kernels)"
+            break
+    total = sum(e.device_time for e in kernels) / 1000
+    print(
+        f"profile ({label}, n={n}, {steps} steps of frames + decode graph replays): {len(kernels) // steps} "
+        f"kernels a step, {total / steps:.2f} ms of kernel time a step"
+    )
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=14, max_name_column_width=70))
+
+
 def precision_error(config: Any, reference: Any, coder: Qwen3Code2Wav, kind: str) -> float:
     """The same codes through code2wav `kind` and the fp32 copy of its weights: how far the audio moves (SNR)."""
     g = torch.Generator().manual_seed(1)
@@ -568,8 +601,11 @@ def engine_check(args: argparse.Namespace) -> None:
             whole = torch.tensor(alone, dtype=torch.long).T.contiguous()
             one_shot = (await asyncio.to_thread(coder.decode, [(whole, 0)]))[0].shape[0]
             graphs = len(getattr(model, "_graphs", {}))
+            detail = f"{graphs} CUDA graphs, code predictor sub-steps {getattr(model, 'substep_mode', 'loop')}"
+            if getattr(model, "stream", None) is not None:
+                detail += f", stream priority {model.stream.priority}"
             print(
-                f"engine path: Qwen3TalkerEngine on {talker.device} ran {type(model).__name__} ({graphs} CUDA graphs), "
+                f"engine path: Qwen3TalkerEngine on {talker.device} ran {type(model).__name__} ({detail}), "
                 f"Code2WavEngine on {code2wav.device} ({len(coder._graphs)} CUDA graphs); seeded request: "
                 f"{len(alone)} frames, first frames after {ttfp:.0f} ms (tiny model); same seed again: "
                 f"{'equal' if again == alone else 'DIFFERENT'}; same seed among 3 others: "
@@ -614,6 +650,9 @@ def main() -> None:
         "(bf16 decoder, fp32 code embedding and pre-transformer), fp32; '-fused': the compiled SnakeBeta (GPU only)",
     )
     parser.add_argument("--engine-check", action="store_true", help="also run the stage engines (tiny config)")
+    parser.add_argument(
+        "--profile", action="store_true", help="torch.profiler over graph replays of each talker's passes (top kernels)"
+    )
     args = parser.parse_args()
     sys.setswitchinterval(0.0005)  # two Python threads drive the GPU: hand the GIL over within 0.5 ms, not 5
     cuda = args.device.startswith("cuda")
@@ -631,15 +670,31 @@ def main() -> None:
         "ours": Variant(f"ours-fw{args.first_window}", args.first_window, True, True),
     }
     variants = []
+    flags = ("-normal", "-hi", "-cc")
     for spec in args.variants.split(","):
         name, _, kind = spec.partition(":")
-        normal = name.endswith("-normal")
-        if name.removesuffix("-normal") not in known:
-            raise SystemExit(f"--variants: {spec!r} names none of {sorted(known)} (with -normal and :KIND optional)")
-        v = known[name.removesuffix("-normal")]
+        seen = []
+        while any(name.endswith(f) for f in flags):
+            flag = next(f for f in flags if name.endswith(f))
+            seen.insert(0, flag)
+            name = name.removesuffix(flag)
+        if name not in known:
+            raise SystemExit(f"--variants: {spec!r} names none of {sorted(known)} (with {flags} and :KIND optional)")
+        v = known[name]
         kind = kind or args.code2wav
-        suffix = "-normal" if normal else ""
-        variants.append(Variant(f"{v.name}{suffix}/{kind}", v.first_window, v.graphs, v.first_priority, kind, normal))
+        high = "-hi" in seen
+        variants.append(
+            Variant(
+                f"{v.name}{''.join(seen)}/{kind}",
+                v.first_window,
+                v.graphs,
+                v.first_priority,
+                kind,
+                "-normal" in seen or high,
+                ("compiled" if cuda else "fixed") if "-cc" in seen else "loop",
+                high,
+            )
+        )
     print(f"command: {' '.join(sys.argv)}")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0) if cuda else 'cpu'} x {gpus}")
     if args.engine_check:
@@ -669,14 +724,20 @@ def main() -> None:
             results["baseline"] = baseline(base, plain[talker_device], args)
         except Exception as exc:  # the rest of the run still measures ours
             print(f"baseline failed: {type(exc).__name__}: {exc}")
-    talker = SlabTalker(base, max_batch=max(concurrency), max_length=args.max_length)
-    started = time.perf_counter()
-    talker.capture(concurrency)
-    buckets = sorted({talker._bucket(c) for c in concurrency})
-    took = time.perf_counter() - started
-    print(f"captured CUDA graphs for batch buckets {buckets} in {took:.1f} s" if talker.use_graphs else "eager passes")
-    if talker.use_graphs:
-        pass_times(talker, sorted(buckets))
+    talkers: dict[tuple[str, bool], SlabTalker] = {}
+    for key in sorted({(v.substep, v.talker_high) for v in variants}):
+        talker = SlabTalker(
+            base, max_batch=max(concurrency), max_length=args.max_length, substep=key[0], high_priority=key[1]
+        )
+        started = time.perf_counter()
+        talker.capture(concurrency)
+        buckets = sorted({talker._bucket(c) for c in concurrency})
+        took = time.perf_counter() - started
+        label = f"talker substep {talker.substep_mode}, {'high-priority stream' if talker.stream else 'current stream'}"
+        print(f"{label}: CUDA graphs for batch buckets {buckets} in {took:.1f} s" if talker.use_graphs else label)
+        if talker.use_graphs:
+            pass_times(talker, sorted(buckets))
+        talkers[key] = talker
     if cuda and any(v.graphs for v in variants):
         lengths = {args.left_context + args.window}
         for v in variants:
@@ -692,6 +753,7 @@ def main() -> None:
     for variant in variants:
         for layout, c2w_device in layouts.items():
             coder = coders[(c2w_device, variant.code2wav)]
+            talker = talkers[(variant.substep, variant.talker_high)]
             warm = argparse.Namespace(**{**vars(args), "frames": 2 * args.window})
             round_trip(talker, coder, min(2, max(concurrency)), warm, variant)
             for c in concurrency:
@@ -706,10 +768,14 @@ def main() -> None:
                     f"(max {r['ttfp_max_ms']:.0f}), RTF median {r['rtf']:.3f} (max {r['rtf_max']:.3f}), "
                     f"{r['audio_s_per_s']:.1f} audio-s/s, {r['audio_s']:.2f} s audio each, playback stall median "
                     f"{r['stall_ms']:.0f} ms (max {r['stall_max_ms']:.0f}), {r['steps']} steps in {r['wall_s']:.2f} s"
-                    f", code2wav {r['c2w_calls']} calls x {r['c2w_windows_per_call']:.1f} windows "
+                    f" ({1000 * r['wall_s'] / max(r['steps'], 1):.1f} ms a step), code2wav {r['c2w_calls']} calls x "
+                    f"{r['c2w_windows_per_call']:.1f} windows "
                     f"({r['c2w_busy_s']:.2f} s busy), finish {r['reasons']}\n    TTFP parts (median ms after "
                     f"arrival): {r['parts']}"
                 )
+    if args.profile and cuda:
+        for key, talker in talkers.items():
+            profile_passes(talker, max(concurrency), f"talker substep {key[0]}")
     b = results.get("baseline")
     top_c = max(concurrency)
     for variant in variants:

@@ -118,6 +118,21 @@ def test_slab_talker_frames_equal_the_eager_loop_as_requests_join_and_leave(fold
     assert slab.free == [0, 1, 2, 3] and not slab.slots  # every slot given back
 
 
+def test_fixed_shape_sub_steps_give_the_loops_frames(folder: Path, base) -> None:
+    """The code predictor as 16 calls of one fixed-shape sub-step (what CUDA compiles and captures):
+    the same greedy frames as the loop over the layers' own shapes, requests joining and leaving."""
+    from transformers import AutoTokenizer
+
+    from omni_runtime.engines.speech.slab_talker import SlabTalker
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    expected, reasons = _run(base, tokenizer)
+    fixed = SlabTalker(base, max_batch=4, max_length=128, substep="fixed")
+    got, fixed_reasons = _run(fixed, tokenizer)
+    assert fixed.substep_mode == "fixed" and fixed.stream is None
+    assert got == expected and fixed_reasons == reasons
+
+
 def test_a_seed_draws_the_same_frames_alone_or_beside_other_requests(folder: Path, base) -> None:
     """Sampled (not greedy) frames of a seeded request: the slab path's draws hash (seed, position,
     candidate), so the request alone and beside two others gives the same frames; another seed not."""
@@ -149,6 +164,8 @@ def test_a_seed_draws_the_same_frames_alone_or_beside_other_requests(folder: Pat
     crowd = run([3, 7, 8])
     assert len(alone) == 6 and crowd[1] == alone
     assert crowd[0] != alone and crowd[2] != alone
+    slab = SlabTalker(base, max_batch=4, max_length=128, substep="fixed")  # the same draws, fixed-shape sub-steps
+    assert run([3, 7, 8]) == crowd
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA graphs need a CUDA device")

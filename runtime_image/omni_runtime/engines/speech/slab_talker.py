@@ -18,6 +18,16 @@ length is masked and overwritten by its real step). On CUDA each (pass, bucket) 
 a CUDA graph and replayed; elsewhere the same code runs eagerly, which is what the CPU tests check
 (greedy frames equal `Qwen3Talker`'s, which equal transformers' `generate()`).
 
+On CUDA the code predictor's sub-steps (the larger part of a step, and launch bound: ~200 small
+kernels each, nearly the same time at 1 slot as at 32) run as `predictor_substep`: fixed shapes (a
+16-position K/V slab per layer written functionally, the later positions masked), so one
+`torch.compile` (inductor) serves all 16 calls of a pass and fuses the norms, rope, residuals,
+activation and the sampling's elementwise work into few kernels; the compiled code is captured in the
+pass's CUDA graph like the rest. Elsewhere they run as the loop over the layers' own shapes (the CPU
+tests' path; the fixed-shape form gives the same frames there, tested). Every talker kernel runs on a
+CUDA stream of the highest priority: the talker's steps are the critical path, and a colocated
+code2wav's long windows fill what SMs the small kernels leave idle.
+
 The MoE layers run `grouped_moe`: tokens sorted by expert, one `torch._grouped_mm` for gate/up and
 one for down over all 128 experts (fixed shapes, no host sync, so it sits inside the graph).
 
@@ -38,11 +48,15 @@ from typing import Any
 
 from omni_runtime.engines.speech.qwen3_talker import CODE_PREDICTOR_TOP_K, CODE_PREDICTOR_TOP_P, Qwen3Talker
 
-__all__ = ["SlabTalker", "grouped_moe", "hashed_exponential", "sample_rows", "wait_quietly"]
+__all__ = ["SlabTalker", "grouped_moe", "hashed_exponential", "predictor_substep", "sample_rows", "wait_quietly"]
 
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SUBSTEPS = ("loop", "fixed", "compiled")
+"""How the code predictor's 15 sub-steps run: "loop" (the layers' own shapes, growing KV: the CPU
+path), "fixed" (`predictor_substep`, fixed shapes), "compiled" (that through torch.compile: its
+elementwise work fused into few kernels; the sub-steps are launch bound, not compute bound)."""
 
 
 def grouped_moe(block: Any, x: Any) -> Any:
@@ -79,9 +93,14 @@ def grouped_moe(block: Any, x: Any) -> Any:
 def rms(norm: Any, x: Any) -> Any:
     """A transformers Qwen RMSNorm module applied as torch's fused `rms_norm` (same arithmetic: float32
     statistics, the weight applied in the input's dtype)."""
+    return rms_weight(norm.weight, x, norm.variance_epsilon)
+
+
+def rms_weight(weight: Any, x: Any, eps: float) -> Any:
+    """`rms` with the norm's weight and epsilon given."""
     import torch.nn.functional as F
 
-    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 _M32 = 0xFFFFFFFF
@@ -154,6 +173,82 @@ def wait_quietly(device: Any, stream: Any = None) -> None:
         time.sleep(0.00005)
 
 
+def predictor_substep(
+    x: Any,
+    cos_all: Any,
+    sin_all: Any,
+    at: Any,
+    keys: list[Any],
+    values: list[Any],
+    layers: list[list[Any]],
+    norm: Any,
+    head: Any,
+    embed: Any,
+    total: Any,
+    seeds: Any,
+    counters: Any,
+    greedy: Any,
+    dims: tuple[int, int, int, float, float, int, float],
+) -> tuple[Any, Any, Any, list[Any], list[Any]]:
+    """One code-predictor sub-step for `x` [n, 1, H] at position `at` (a 1-element long tensor) in fixed
+    shapes, so one `torch.compile` serves every sub-step (and its elementwise work fuses): K/V slabs
+    [n, kv_heads, 16, head_dim] per layer written functionally at `at` (new slabs returned), attention
+    over all 16 positions with the later ones masked; then the group's head (`head`), the draw (codes
+    1-15: top-k 50 / top-p 0.8 of `sample_rows`, noise hashed from (seed, `counters` + at)), and the
+    drawn code's embedding (`embed`), returned with `total` + it. `layers`: per layer [input norm,
+    fused qkv, q norm, k norm, o, post-attention norm, fused gate/up, down] weights; `dims`: (heads,
+    kv_heads, head_dim, attention scale, rms epsilon, top-k, top-p)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
+
+    heads, kv_heads, head_dim, scaling, eps, top_k, top_p = dims
+    n = x.shape[0]
+    width = keys[0].shape[2]
+    cos, sin = cos_all.index_select(1, at), sin_all.index_select(1, at)
+    mask = (torch.arange(width, device=x.device) <= at).view(1, 1, 1, width)
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    new_keys, new_values = [], []
+    for (ln1, qkv, q_norm, k_norm, o, ln2, gate_up, down), k_slab, v_slab in zip(layers, keys, values, strict=True):
+        q, k, v = F.linear(rms_weight(ln1, x, eps), qkv).split(sizes, dim=-1)
+        q = rms_weight(q_norm, q.view(n, 1, heads, head_dim), eps).transpose(1, 2)
+        k = rms_weight(k_norm, k.view(n, 1, kv_heads, head_dim), eps).transpose(1, 2)
+        v = v.view(n, 1, kv_heads, head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k_slab, v_slab = k_slab.index_copy(2, at, k), v_slab.index_copy(2, at, v)
+        out = F.scaled_dot_product_attention(q, k_slab, v_slab, attn_mask=mask, scale=scaling, enable_gqa=True)
+        x = x + F.linear(out.transpose(1, 2).reshape(n, 1, -1), o)
+        gate, up = F.linear(rms_weight(ln2, x, eps), gate_up).chunk(2, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, down)
+        new_keys.append(k_slab)
+        new_values.append(v_slab)
+    logits = F.linear(rms_weight(norm, x[:, -1], eps), head).float()
+    noise = hashed_exponential(seeds, counters + at, min(top_k, logits.shape[-1]))
+    ones = torch.ones(n, device=x.device)
+    code = sample_rows(logits, ones, ones.long(), ones * top_p, greedy, fixed_k=top_k, noise=noise)
+    drawn = F.embedding(code, embed).unsqueeze(1)
+    return code, drawn, total + drawn[:, 0], new_keys, new_values
+
+
+_compiled_substep: Any = None
+
+
+def compiled_substep() -> Any:
+    """`predictor_substep` through `torch.compile` (inductor, static shapes: one compile per batch
+    bucket, shared by the 16 sub-steps); made once per process. The recompile limit is raised so that
+    every bucket of every model in the process gets its own compile instead of a silent eager fallback."""
+    global _compiled_substep
+    if _compiled_substep is None:
+        import torch
+        import torch._dynamo
+
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+        _compiled_substep = torch.compile(predictor_substep, dynamic=False, fullgraph=True)
+    return _compiled_substep
+
+
 @dataclass(eq=False)
 class _Slot:
     index: int
@@ -163,7 +258,20 @@ class _Slot:
 class SlabTalker:
     """`Qwen3Talker.advance` over preallocated slots (see the module docstring); same API."""
 
-    def __init__(self, base: Qwen3Talker, max_batch: int = 64, max_length: int = 2048, graphs: bool | None = None):
+    def __init__(
+        self,
+        base: Qwen3Talker,
+        max_batch: int = 64,
+        max_length: int = 2048,
+        graphs: bool | None = None,
+        substep: str | None = None,
+        high_priority: bool | None = None,
+    ):
+        """`graphs`: CUDA graphs of the passes (default: on CUDA). `substep`: how the code predictor's
+        sub-steps run (SUBSTEPS; default "compiled" on CUDA, "loop" elsewhere, whose results stay those
+        of the CPU tests). `high_priority`: the talker's work on a CUDA stream of the highest priority,
+        so a colocated code2wav's kernels fill the SMs a talker pass leaves idle instead of holding it
+        back (default: on CUDA)."""
         import torch
 
         self.base = base
@@ -211,6 +319,54 @@ class SlabTalker:
         self._qkv: dict[int, tuple[Any, list[int]]] = {}
         self._gate_up: dict[int, Any] = {}
         self._pool: Any = None
+        cuda = str(dev).startswith("cuda")
+        mode = substep or ("compiled" if cuda else "loop")
+        if mode not in SUBSTEPS:
+            raise ValueError(f"substep {mode!r}: one of {SUBSTEPS}")
+        attn = predictor.layers[0].self_attn
+        if mode != "loop" and (pconf.hidden_act != "silu" or attn.q_proj.bias is not None):
+            log.warning("code predictor with %s / biased attention: its sub-steps run as a loop", pconf.hidden_act)
+            mode = "loop"
+        self.substep_mode = mode
+        """What runs the code predictor's sub-steps (may fall back from "compiled" to "fixed": see
+        `_substep`)."""
+        if mode != "loop":
+            eps = predictor.norm.variance_epsilon
+            self._dims = (
+                pconf.num_attention_heads,
+                pconf.num_key_value_heads,
+                attn.head_dim,
+                float(attn.scaling),
+                float(eps),
+                CODE_PREDICTOR_TOP_K,
+                float(CODE_PREDICTOR_TOP_P),
+            )
+            self._weights = []
+            for layer in predictor.layers:
+                a, m = layer.self_attn, layer.mlp
+                self._weights.append(
+                    [
+                        layer.input_layernorm.weight,
+                        self._fused(a)[0],
+                        a.q_norm.weight,
+                        a.k_norm.weight,
+                        a.o_proj.weight,
+                        layer.post_attention_layernorm.weight,
+                        torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(),
+                        m.down_proj.weight,
+                    ]
+                )
+            # the first sub-step's K/V slabs: zeros, one tensor each and inference tensors, as the later
+            # sub-steps' are, so that one compile fits all 16 calls (aliased inputs would make another)
+            slab = (max_batch, pconf.num_key_value_heads, self.groups, phead)
+            with torch.inference_mode():
+                self._kv0 = [torch.zeros(slab, dtype=dtype, device=dev) for _ in range(2 * len(predictor.layers))]
+            self._at = [torch.full((1,), p, dtype=torch.long, device=dev) for p in range(self.groups)]
+        self.stream: Any = None
+        """The high-priority CUDA stream every talker kernel runs on (None: the current stream)."""
+        if cuda and (high_priority is None or high_priority):
+            low, high = torch.cuda.Stream.priority_range()
+            self.stream = torch.cuda.Stream(dev, priority=min(low, high))
 
     # -- the passes (fixed shapes: n slots) ----------------------------------------------------------
 
@@ -289,8 +445,57 @@ class SlabTalker:
         self.history[rows, self.code0[:n]] |= on
         self.lengths[:n] += on.long()
 
+    def _substep(self, *args: Any) -> Any:
+        """`predictor_substep`, compiled unless this talker's mode is "fixed" (or compiling failed here:
+        then it runs eagerly from then on, logged, as the same fixed-shape function)."""
+        if self.substep_mode == "compiled":
+            try:
+                return compiled_substep()(*args)
+            except Exception as exc:  # the eager function computes the same, only slower
+                log.warning("talker: cannot compile the code predictor's sub-step (%s); it runs eagerly", exc)
+                self.substep_mode = "fixed"
+        return predictor_substep(*args)
+
+    def _frames_pass_fixed(self, n: int) -> None:
+        """`_frames_pass` as 16 calls of one fixed-shape sub-step (`predictor_substep`): position 0
+        (the talker's hidden state; its draw is dropped), then positions 1..15, each drawing group
+        g = position - 1 (codes 1-15) with the same hashed noise counters as `_frames_pass`."""
+        import torch
+
+        talker = self.base.talker
+        predictor = talker.code_predictor.model
+        heads = talker.code_predictor.lm_head
+        embeds = predictor.codec_embedding
+        first = talker.get_input_embeddings()(self.code0[:n])
+        positions = torch.arange(self.groups, device=self.device)[None].expand(n, -1)
+        cos_all, sin_all = predictor.rotary_emb(first[:, None], positions)
+        counters = self.lengths[:n] * self.groups  # + position: the decode pass draws at lengths * groups
+        seeds, greedy = self.seeds[:n], self.greedy[:n]
+        layers = len(self._weights)
+        keys, values = [z[:n] for z in self._kv0[:layers]], [z[:n] for z in self._kv0[layers:]]
+        norm = predictor.norm.weight
+        common = (self._weights, norm)
+        _, _, _, keys, values = self._substep(
+            self.hidden[:n, None].clone(), cos_all, sin_all, self._at[0], keys, values, *common,
+            heads[0].weight, embeds[0].weight, first, seeds, counters, greedy, self._dims,
+        )  # fmt: skip
+        x, total, codes = first[:, None], first, [self.code0[:n]]
+        for group in range(self.groups - 1):
+            code, x, total, keys, values = self._substep(
+                x, cos_all, sin_all, self._at[group + 1], keys, values, *common,
+                heads[group].weight, embeds[group].weight, total, seeds, counters, greedy, self._dims,
+            )  # fmt: skip
+            codes.append(code)
+        on = self.active[:n]
+        self.frame[:n] = torch.where(on[:, None], total, self.frame[:n])
+        self.codes[:n] = torch.where(on[:, None], torch.stack(codes, dim=1), self.codes[:n])
+
     def _frames_pass(self, n: int) -> None:
         import torch
+
+        if self.substep_mode != "loop":
+            self._frames_pass_fixed(n)
+            return
 
         talker = self.base.talker
         predictor = talker.code_predictor.model
@@ -486,7 +691,21 @@ class SlabTalker:
         return self._bucket(max(s.index for s in self.slots.values()) + 1)
 
     def advance(self, requests: list[Any]) -> tuple[dict[str, list[list[int]]], bool]:
-        """`Qwen3Talker.advance` semantics: prefills, one frames pass, one decode pass."""
+        """`Qwen3Talker.advance` semantics: prefills, one frames pass, one decode pass (on CUDA on the
+        talker's high-priority stream, ordered after the work queued on the current one before it)."""
+        if self.stream is None:
+            return self._advance(requests)
+        import torch
+
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(self.stream):
+                return self._advance(requests)
+        finally:
+            current.wait_stream(self.stream)
+
+    def _advance(self, requests: list[Any]) -> tuple[dict[str, list[list[int]]], bool]:
         import torch
 
         base = self.base
