@@ -209,7 +209,8 @@ def predictor_substep(
     mask = (torch.arange(width, device=x.device) <= at).view(1, 1, 1, width)
     sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
     new_keys, new_values = [], []
-    for (ln1, qkv, q_norm, k_norm, o, ln2, gate_up, down), k_slab, v_slab in zip(layers, keys, values, strict=True):
+    for index, (ln1, qkv, q_norm, k_norm, o, ln2, gate_up, down) in enumerate(layers):
+        k_slab, v_slab = keys[index], values[index]
         q, k, v = F.linear(rms_weight(ln1, x, eps), qkv).split(sizes, dim=-1)
         q = rms_weight(q_norm, q.view(n, 1, heads, head_dim), eps).transpose(1, 2)
         k = rms_weight(k_norm, k.view(n, 1, kv_heads, head_dim), eps).transpose(1, 2)
