@@ -774,8 +774,8 @@ def main() -> None:
                     f"arrival): {r['parts']}"
                 )
     if args.profile and cuda:
-        for key, talker in talkers.items():
-            profile_passes(talker, max(concurrency), f"talker substep {key[0]}")
+        for talker in talkers.values():
+            profile_passes(talker, max(concurrency), f"talker substep {talker.substep_mode}")
     b = results.get("baseline")
     top_c = max(concurrency)
     for variant in variants:

@@ -116,14 +116,24 @@ def _mix32(x: Any) -> Any:
     return x ^ (x >> 16)
 
 
-def hashed_exponential(seeds: Any, counters: Any, width: int) -> Any:
+def column_keys(width: int, device: Any) -> Any:
+    """The per-column term of `hashed_exponential`'s hash, (column * 0x9E3779B9) mod 2^32, as a tensor."""
+    import torch
+
+    return (torch.arange(width, device=device, dtype=torch.long) * 0x9E3779B9) & _M32
+
+
+def hashed_exponential(seeds: Any, counters: Any, width: int, columns: Any = None) -> Any:
     """Exp(1) draws [B, width] that depend only on (seed [B], counter [B], column): the same on every
-    run, whatever the batch, with no generator state (so they can sit inside a CUDA graph)."""
+    run, whatever the batch, with no generator state (so they can sit inside a CUDA graph). `columns`:
+    `column_keys(width)` made beforehand (inside torch.compile an arange times the 32-bit constant
+    becomes int32 index arithmetic in Triton, which rejects the constant)."""
     import torch
 
     key = _mix32((seeds ^ _mix32(counters & _M32)) & _M32)
-    columns = torch.arange(width, device=seeds.device, dtype=torch.long)
-    bits = _mix32((key[:, None] + columns[None] * 0x9E3779B9) & _M32)
+    if columns is None:
+        columns = column_keys(width, seeds.device)
+    bits = _mix32((key[:, None] + columns[None]) & _M32)
     uniform = (bits >> 8).float() * (1.0 / (1 << 24)) + 1.0 / (1 << 25)  # in (0, 1)
     return -torch.log(uniform)
 
@@ -188,6 +198,7 @@ def predictor_substep(
     seeds: Any,
     counters: Any,
     greedy: Any,
+    columns: Any,
     dims: tuple[int, int, int, float, float, int, float],
 ) -> tuple[Any, Any, Any, list[Any], list[Any]]:
     """One code-predictor sub-step for `x` [n, 1, H] at position `at` (a 1-element long tensor) in fixed
@@ -197,7 +208,7 @@ def predictor_substep(
     1-15: top-k 50 / top-p 0.8 of `sample_rows`, noise hashed from (seed, `counters` + at)), and the
     drawn code's embedding (`embed`), returned with `total` + it. `layers`: per layer [input norm,
     fused qkv, q norm, k norm, o, post-attention norm, fused gate/up, down] weights; `dims`: (heads,
-    kv_heads, head_dim, attention scale, rms epsilon, top-k, top-p)."""
+    kv_heads, head_dim, attention scale, rms epsilon, top-k, top-p); `columns`: `column_keys(top-k)`."""
     import torch
     import torch.nn.functional as F
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
@@ -224,7 +235,7 @@ def predictor_substep(
         new_keys.append(k_slab)
         new_values.append(v_slab)
     logits = F.linear(rms_weight(norm, x[:, -1], eps), head).float()
-    noise = hashed_exponential(seeds, counters + at, min(top_k, logits.shape[-1]))
+    noise = hashed_exponential(seeds, counters + at, min(top_k, logits.shape[-1]), columns)
     ones = torch.ones(n, device=x.device)
     code = sample_rows(logits, ones, ones.long(), ones * top_p, greedy, fixed_k=top_k, noise=noise)
     drawn = F.embedding(code, embed).unsqueeze(1)
@@ -278,6 +289,7 @@ class SlabTalker:
         self.base = base
         self.device = base.device
         self.speakers = base.speakers
+        self.config = base.config  # the engine's self-check reads the model's config
         model = base.talker.model
         text = base.talker.config.text_config
         predictor = base.talker.code_predictor.model
@@ -363,6 +375,9 @@ class SlabTalker:
             with torch.inference_mode():
                 self._kv0 = [torch.zeros(slab, dtype=dtype, device=dev) for _ in range(2 * len(predictor.layers))]
             self._at = [torch.full((1,), p, dtype=torch.long, device=dev) for p in range(self.groups)]
+            width = min(CODE_PREDICTOR_TOP_K, pconf.vocab_size)
+            with torch.inference_mode():
+                self._columns = column_keys(width, dev)
         self.stream: Any = None
         """The high-priority CUDA stream every talker kernel runs on (None: the current stream)."""
         if cuda and (high_priority is None or high_priority):
@@ -478,13 +493,13 @@ class SlabTalker:
         common = (self._weights, norm)
         _, _, _, keys, values = self._substep(
             self.hidden[:n, None].clone(), cos_all, sin_all, self._at[0], keys, values, *common,
-            heads[0].weight, embeds[0].weight, first, seeds, counters, greedy, self._dims,
+            heads[0].weight, embeds[0].weight, first, seeds, counters, greedy, self._columns, self._dims,
         )  # fmt: skip
         x, total, codes = first[:, None], first, [self.code0[:n]]
         for group in range(self.groups - 1):
             code, x, total, keys, values = self._substep(
                 x, cos_all, sin_all, self._at[group + 1], keys, values, *common,
-                heads[group].weight, embeds[group].weight, total, seeds, counters, greedy, self._dims,
+                heads[group].weight, embeds[group].weight, total, seeds, counters, greedy, self._columns, self._dims,
             )  # fmt: skip
             codes.append(code)
         on = self.active[:n]
