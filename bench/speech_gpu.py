@@ -27,7 +27,9 @@ per request; all requests of a round arrive at once.
   arrival order: the previous run's path), `ours-fw4` (code2wav CUDA graphs per (batch, frames) bucket,
   first windows decoded in a call of their own ahead of longer ones, first window 4) and `ours`
   (the same with `--first-window`, default 2); `-normal` (ours-normal): windows with left context at the
-  default stream priority, first windows at the highest. `--code2wav` (or `:KIND` on a variant) picks the
+  default stream priority, first windows at the highest; `-cc`: the talker's code predictor sub-steps
+  compiled (slab_talker "compiled", the engines' default on CUDA; else the loop); `-hi`: the talker on a
+  highest-priority stream (and `-normal`). `--profile`: the top kernels of a c=max step per talker. `--code2wav` (or `:KIND` on a variant) picks the
   code2wav: bf16, mixed (bf16 decoder, fp32 code embedding and pre-transformer: the one over the 30 dB
   SNR bar at bf16 cost) or fp32, each optionally `-fused` (one compiled kernel per SnakeBeta); the run
   prints each kind's SNR against fp32 and checks it with the targets. Each line also prints where the median TTFP goes
@@ -673,7 +675,7 @@ def main() -> None:
     flags = ("-normal", "-hi", "-cc")
     for spec in args.variants.split(","):
         name, _, kind = spec.partition(":")
-        seen = []
+        seen: list[str] = []
         while any(name.endswith(f) for f in flags):
             flag = next(f for f in flags if name.endswith(f))
             seen.insert(0, flag)

@@ -14,10 +14,8 @@ c * 1920 - tail on, and the first window keeps everything: the concatenation has
 of a one-shot decode, aligned sample for sample. Sample values differ from the one-shot decode by
 the context the window did not see (the decoder's attention reaches 72 frames back).
 
-On a GPU the decodes run on CUDA streams of their own: first windows (a request's first audio waits on
-them) at the highest priority, later windows (2 s of audio of slack each) at the default one, so a
-colocated talker, whose steps are the critical path and run at the highest priority (slab_talker), is
-not held back by them; shapes met often are CUDA graphs: batch
+On a GPU the decodes run on a high-priority CUDA stream of their own (a window colocated with a
+talker is scheduled ahead of the talker's kernels), and shapes met often are CUDA graphs: batch
 buckets (1, 2, 4, 8, 16, 32) x frame buckets: the exact window lengths of the talker -> code2wav
 edge (first window; window plus the context it can have: a 25-frame window after 25 frames of
 context is 50 frames, not padded to 64), and 4, 8, 16, 32, 64 below the longest for shorter tails
@@ -447,11 +445,8 @@ class Code2WavEngine(Engine):
             jobs = first or waiting
             waiting = [job for job in waiting if job not in jobs] if first else []
             assert self.model is not None
-            # first windows at the highest priority (a request's first audio waits on them); later ones
-            # at the default, so a colocated talker (high priority: slab_talker) is not held back by them
-            urgent = bool(first)
             try:
-                outputs = await asyncio.to_thread(self.model.decode, [(j.codes, j.context) for j in jobs], urgent)
+                outputs = await asyncio.to_thread(self.model.decode, [(j.codes, j.context) for j in jobs])
             except Exception as exc:  # a decode fault fails the windows in that call, not the stage
                 log.exception("code2wav decode failed")
                 for job in jobs:
