@@ -29,7 +29,8 @@ per request; all requests of a round arrive at once.
   (the same with `--first-window`, default 2); `-normal` (ours-normal): windows with left context at the
   default stream priority, first windows at the highest; `-cc`: the talker's code predictor sub-steps
   compiled (slab_talker "compiled", the engines' default on CUDA; else the loop); `-hi`: the talker on a
-  highest-priority stream (and `-normal`). `--profile`: the top kernels of a c=max step per talker. `--code2wav` (or `:KIND` on a variant) picks the
+  highest-priority stream (and `-normal`). `--profile`: the top kernels of a c=max step per talker.
+  `--code2wav` (or `:KIND` on a variant) picks the
   code2wav: bf16, mixed (bf16 decoder, fp32 code embedding and pre-transformer: the one over the 30 dB
   SNR bar at bf16 cost) or fp32, each optionally `-fused` (one compiled kernel per SnakeBeta); the run
   prints each kind's SNR against fp32 and checks it with the targets. Each line also prints where the median TTFP goes
