@@ -49,6 +49,7 @@ MODES: dict[str, dict[str, Any]] = {
     "eager": {"enforce_eager": True, "attention_backend": "native"},
     "compile": {},
     "compile+fp8": {"quantization": "fp8"},
+    "compile+fp8+nograph": {"quantization": "fp8", "cuda_graphs": False},
     "compile+cache": {"step_cache_threshold": None},
     "compile+fp8+cache": {"quantization": "fp8", "step_cache_threshold": None},
     # The schedule-based step cache (diffusers' TaylorSeer, lite): --ts-interval / --ts-warmup / --ts-order.
@@ -247,7 +248,8 @@ def profile(engine: DiffusionEngine, args: argparse.Namespace, steps: int = 2) -
             wall = time.perf_counter() - t0
     events = prof.key_averages()
     own = (lambda e: e.self_device_time_total) if gpu else (lambda e: e.self_cpu_time_total)
-    kernels = [e for e in events if own(e) > 0]  # on a GPU only kernels have self device time
+    # On a GPU only the kernels themselves (the ops that launch them carry their time too: counted once).
+    kernels = [e for e in events if own(e) > 0 and (not gpu or "CUDA" in str(getattr(e, "device_type", "")))]
     total = sum(own(e) for e in kernels) / 1e6
     print(
         f"profile: {steps} steps {wall * 1e3:.1f} ms wall (profiled), kernels {total * 1e3:.1f} ms, "
@@ -289,6 +291,10 @@ def report(name: str, res: dict[str, Any], ref: dict[str, Any], engine: Diffusio
     line += f"  attention={engine.accel.attention_backend} compile={engine.accel.compile_seconds:.1f}s"
     if engine.accel.fp8_layers:
         line += f" fp8_layers={engine.accel.fp8_layers}"
+    if engine.accel.fused_attentions:
+        line += f" fused_qkv={engine.accel.fused_attentions}"
+    if engine.accel._graphed:
+        line += f" graph_replays={engine.accel.graph_replays}"
     if res["cached"][1]:
         line += f"  steps from cache {res['cached'][0]}/{res['cached'][1]}"
     if ref:

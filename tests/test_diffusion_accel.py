@@ -75,6 +75,9 @@ def test_bad_speed_settings_are_refused_with_what_is_allowed(args: dict, message
             {"step_cache": TAYLORSEER, "step_cache_threshold": 0.1},
             r"step_cache \(taylorseer\) and step_cache_threshold \(0\.1\) are two step caches; keep one",
         ),
+        ({"cuda_graphs": True, "step_cache": TAYLORSEER}, r"cuda_graphs=true cannot apply with a step cache"),
+        ({"cuda_graphs": True, "enforce_eager": True}, r"cuda_graphs=true cannot apply with enforce_eager"),
+        ({"cuda_graphs": "sometimes"}, r"cuda_graphs='sometimes' is not allowed.*cuda_graphs \(bool or unset\)"),
     ],
 )
 def test_bad_step_cache_settings_are_refused_with_what_is_allowed(args: dict, message: str) -> None:
@@ -129,6 +132,31 @@ async def test_fp8_is_refused_on_a_cpu_before_loading_anything() -> None:
     with pytest.raises(EngineError, match=r"fp8 needs an NVIDIA GPU of compute capability 8\.9.*runs on cpu"):
         await engine.start()
     assert engine.pipe is None
+    engine = _engine("/nonexistent/model", cuda_graphs=True, device="cpu")
+    with pytest.raises(EngineError, match=r"cuda_graphs=true needs an NVIDIA GPU; this stage runs on cpu"):
+        await engine.start()
+    assert engine.pipe is None
+
+
+def test_the_cuda_graph_wrapper_runs_what_it_cannot_capture_as_is() -> None:
+    """The denoiser step's CUDA-graph wrapper (captured on GPUs only, measured by bench/diffusion_speed.py)
+    passes every call it cannot key straight to the forward: CPU tensors, outside inference mode,
+    return_dict=True; nothing is captured or replayed then."""
+    from omni_runtime.engines.diffusion_accel import _GraphedForward
+
+    linear = torch.nn.Linear(4, 4)
+
+    def forward(hidden_states: torch.Tensor, return_dict: bool = True) -> tuple[torch.Tensor]:
+        return (linear(hidden_states),)
+
+    graphed = _GraphedForward("dit", forward)
+    x = torch.randn(2, 4)
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(graphed(hidden_states=x, return_dict=False)[0], forward(x)[0])
+            assert torch.equal(graphed(hidden_states=x)[0], forward(x)[0])
+    assert torch.equal(graphed(hidden_states=x, return_dict=False)[0], forward(x)[0])
+    assert graphed.replays == 0 and not graphed.graphs and not graphed.broken
 
 
 def test_fp8_linear_stays_close_to_the_float_layer() -> None:

@@ -21,6 +21,12 @@ Engine args (read from the stage's `engineArgs`, never passed to diffusers' `fro
   cuDNN attention on NVIDIA GPUs of compute capability 9.0+, else PyTorch SDPA (`native`); or one of
   diffusers' backend names (`native`, `_native_cudnn`, `_flash_3`, `flash`, ...).
 
+- `cuda_graphs` (default unset: on where it applies): on a GPU with compilation, no step cache and no sequence
+  parallelism, the denoiser's whole forward (one denoising step) replays a CUDA graph, captured the second time
+  an input signature (batch, resolution, dtypes) is seen; at most 4 graphs are kept (least recently used go).
+  This removes the CPU's kernel-launch gaps between the compiled blocks. `false` never captures; `true` refuses
+  a stage where it cannot apply (CPU, `enforce_eager`, a step cache).
+
 On a GPU (unless `enforce_eager`), and wherever `quantization: fp8` is set, a Flux denoiser's q/k/v projections
 are fused into one matmul per attention (diffusers' `fuse_projections`): with FP8 that is one activation
 quantization and one FP8 matmul instead of three.
@@ -30,6 +36,7 @@ Each choice is logged at start. The CPU path is unchanged unless a stage asks fo
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import importlib.util
@@ -78,6 +85,9 @@ class AccelSettings(BaseModel):
     step_cache: StepCacheSettings | None = Field(
         None, description="A schedule-based step cache, e.g. {policy: taylorseer, interval: 3, warmup: 4}; unset: off."
     )
+    cuda_graphs: bool | None = Field(
+        None, description="Replay the compiled denoiser step as CUDA graphs (GPU); unset: where it applies."
+    )
     attention_backend: str = Field("auto", min_length=1, description="auto, or a diffusers attention backend name.")
 
 
@@ -96,8 +106,14 @@ def _settings(stage: str, engine_args: dict[str, Any]) -> AccelSettings:
             f"stage {stage!r}: engine arg {field}={first.get('input')!r} is not allowed ({first['msg']}); "
             "see enforce_eager (bool), quantization (fp8 or unset), step_cache_threshold (0 to 1), "
             "step_cache ({policy: taylorseer, interval: 2-50, warmup: 1-1000, order: 0-3} or unset), "
-            "attention_backend (auto or a diffusers backend name)"
+            "cuda_graphs (bool or unset), attention_backend (auto or a diffusers backend name)"
         ) from None
+    if settings.cuda_graphs and (settings.enforce_eager or settings.step_cache or settings.step_cache_threshold):
+        why = "enforce_eager" if settings.enforce_eager else "a step cache (its per-step decision runs in Python)"
+        raise EngineError(
+            f"stage {stage!r}: engine arg cuda_graphs=true cannot apply with {why}; remove cuda_graphs (it then "
+            "applies wherever it can) or the other engine arg"
+        )
     if settings.step_cache is not None and settings.step_cache_threshold > 0:
         raise EngineError(
             f"stage {stage!r}: engine args step_cache ({settings.step_cache.policy}) and step_cache_threshold "
@@ -197,6 +213,7 @@ class Accel:
         self._taylor_hooks: list[Any] = []
         """TaylorSeer: every hook (blocks and proj_out); each counts the steps itself."""
         self.fused_attentions = 0
+        self._graphed: list[_GraphedForward] = []
         """Attentions whose q/k/v projections run as one matmul."""
         self._cached_model: Any = None
         self.cache_checks = 0
@@ -223,6 +240,11 @@ class Accel:
                     f"newer (Ada, Hopper, Blackwell); this stage runs on {where}. Remove quantization from "
                     "engineArgs, or give the stage accelerator type nvidia.com/gpu on such GPUs"
                 )
+        if self.settings.cuda_graphs and not (device.startswith("cuda") and torch.cuda.is_available()):
+            raise EngineError(
+                f"stage {self.stage!r}: engine arg cuda_graphs=true needs an NVIDIA GPU; this stage runs on {device}. "
+                "Remove cuda_graphs from engineArgs"
+            )
         if self.step_cache and self.settings.step_cache_threshold >= 1.0:
             raise EngineError(f"stage {self.stage!r}: step_cache_threshold must be below 1")
 
@@ -269,9 +291,26 @@ class Accel:
 
             # Every block class compiles once; dynamic shapes keep resolution and batch changes from recompiling.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            # Tune each generated Triton kernel's block sizes on its first run (the elementwise/reduction work
+            # between the matmuls was a quarter of a compiled FP8 Flux step on the H200, run 6).
+            torch._inductor.config.coordinate_descent_tuning = True
             for block in blocks:
                 block.forward = torch.compile(block.forward, dynamic=True)
             self.compiled = True
+            if self.settings.cuda_graphs is not False:
+                if self.step_cache or parallel is not None:
+                    if self.settings.cuda_graphs:  # refused before loading for the step cache; here: parallel
+                        raise EngineError(
+                            f"stage {self.stage!r}: engine arg cuda_graphs=true cannot apply with sequence "
+                            "parallelism (the ranks' collectives); remove cuda_graphs or sequence_parallel"
+                        )
+                    log.info("stage %s: no CUDA graphs (a step cache or sequence parallelism)", self.stage)
+                else:
+                    for denoiser in {id(m): m for m in (model, second) if m is not None}.values():
+                        graphed = _GraphedForward(self.stage, denoiser.forward)
+                        denoiser.forward = graphed
+                        self._graphed.append(graphed)
+                    log.info("stage %s: the denoiser's step replays CUDA graphs (one per input shape)", self.stage)
         if self.step_cache and type(model).__name__ in _NO_STEP_CACHE:
             raise EngineError(
                 f"stage {self.stage!r}: step caching does not apply to {type(model).__name__} (diffusers' "
@@ -353,11 +392,21 @@ class Accel:
 
         return counted
 
+    @property
+    def graph_replays(self) -> int:
+        """Denoiser steps that ran as a CUDA graph replay."""
+        return sum(g.replays for g in self._graphed)
+
     def stats(self) -> dict[str, float]:
-        """For the engine's stats: `step_cache_checks_total`, `step_cache_hits_total` (steps served by the cache)."""
-        if not self._cache_hooks and not self._taylor_hooks:
-            return {}
-        return {"step_cache_checks_total": float(self.cache_checks), "step_cache_hits_total": float(self.cached_steps)}
+        """For the engine's stats: `step_cache_checks_total`, `step_cache_hits_total` (steps served by the cache),
+        `cuda_graph_replays_total` (denoiser steps replayed from a CUDA graph)."""
+        out = {}
+        if self._graphed:
+            out["cuda_graph_replays_total"] = float(self.graph_replays)
+        if self._cache_hooks or self._taylor_hooks:
+            out["step_cache_checks_total"] = float(self.cache_checks)
+            out["step_cache_hits_total"] = float(self.cached_steps)
+        return out
 
     def _attention(self, model: Any, device: str) -> None:
         name = self.settings.attention_backend
@@ -489,6 +538,101 @@ def _head_hooks(model: Any) -> list[Any]:
     if not hooks:
         raise EngineError("step cache: diffusers registered no first-block hook; its hook layout changed")
     return hooks
+
+
+class _GraphedForward:
+    """A denoiser's `forward` that replays a CUDA graph per input signature (keyword tensors' shapes, dtypes and
+    devices, and the other arguments' values). The first call of a signature runs as is (compiling, tuning);
+    the second captures (after one warm-up run on a side stream) and every later one copies its tensors into the
+    graph's static inputs and replays: no Python and no launches per kernel. Outputs are cloned, so a caller may
+    hold one step's output across the next (CFG calls the denoiser twice per step). Anything it cannot key
+    (positional tensors, nested containers, tensors off the GPU, `return_dict=True`) runs as is; a failed capture
+    turns the graphs off for good (logged), and the stage keeps running compiled."""
+
+    MAX_GRAPHS = 4
+
+    def __init__(self, stage: str, forward: Callable[..., Any]) -> None:
+        self.stage = stage
+        self.forward = forward
+        self.graphs: collections.OrderedDict[tuple[Any, ...], tuple[Any, dict[str, Any], tuple[Any, ...]]] = (
+            collections.OrderedDict()
+        )
+        self.seen: set[tuple[Any, ...]] = set()
+        self.broken = False
+        self.replays = 0
+
+    @staticmethod
+    def _key(kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+        import torch
+
+        if kwargs.get("return_dict", True) is not False:
+            return None
+        key: list[Any] = []
+        for name in sorted(kwargs):
+            value = kwargs[name]
+            if isinstance(value, torch.Tensor):
+                if value.device.type != "cuda":
+                    return None
+                key.append((name, tuple(value.shape), value.dtype, value.device))
+            elif value is None or isinstance(value, (bool, int, float, str)):
+                key.append((name, value))
+            elif isinstance(value, dict) and not value:
+                key.append((name, "{}"))
+            else:
+                return None
+        return tuple(key)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        key = None if self.broken or args or not torch.is_inference_mode_enabled() else self._key(kwargs)
+        if key is None:
+            return self.forward(*args, **kwargs)
+        entry = self.graphs.get(key)
+        if entry is None:
+            if key not in self.seen:
+                if len(self.seen) > 4096:  # bounded: a long-lived stage sees many request shapes
+                    self.seen.clear()
+                self.seen.add(key)
+                return self.forward(**kwargs)
+            entry = self._capture(key, kwargs)
+            if entry is None:
+                return self.forward(**kwargs)
+        self.graphs.move_to_end(key)
+        graph, static, outputs = entry
+        for name, tensor in static.items():
+            tensor.copy_(kwargs[name])
+        graph.replay()
+        self.replays += 1
+        return tuple(o.clone() for o in outputs)
+
+    def _capture(self, key: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        import torch
+
+        static = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        plain = {k: v for k, v in kwargs.items() if k not in static}
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.forward(**static, **plain)  # allocations and library handles on the capture's side
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                outputs = self.forward(**static, **plain)
+        except Exception as err:  # capture is best effort: the compiled forward still runs
+            self.broken = True
+            log.warning("stage %s: CUDA graph capture failed, running without graphs: %s", self.stage, err)
+            return None
+        if not isinstance(outputs, tuple) or not all(isinstance(o, torch.Tensor) for o in outputs):
+            self.broken = True
+            log.warning("stage %s: the denoiser returned %s, not tensors: no CUDA graphs", self.stage, type(outputs))
+            return None
+        while len(self.graphs) >= self.MAX_GRAPHS:
+            self.graphs.popitem(last=False)  # its memory pool goes with it
+        self.graphs[key] = (graph, static, outputs)
+        log.info("stage %s: captured a CUDA graph of the denoiser step (%d kept)", self.stage, len(self.graphs))
+        return self.graphs[key]
 
 
 def _taylor_hooks(model: Any) -> list[tuple[str, Any]]:
