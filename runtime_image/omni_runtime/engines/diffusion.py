@@ -239,6 +239,9 @@ class DiffusionEngine(Engine):
         if self.sequence_parallel > 1 and self.accel.step_cache and self._sp_arg in (None, "auto"):
             log.info("stage %s: one GPU: the step cache is on, and it cannot run split", self.stage.name)
             self.sequence_parallel = 1
+        if self.sequence_parallel > 1 and self.accel.settings.cuda_graphs and self._sp_arg in (None, "auto"):
+            log.info("stage %s: one GPU: cuda_graphs is on, and it cannot run split", self.stage.name)
+            self.sequence_parallel = 1  # an explicit sequence_parallel with cuda_graphs fails in Accel.apply
         if self.sequence_parallel > 1 and self.accel.step_cache:
             raise EngineError(
                 f"stage {self.stage.name!r}: a step cache (step_cache_threshold or step_cache) and "

@@ -21,11 +21,13 @@ Engine args (read from the stage's `engineArgs`, never passed to diffusers' `fro
   cuDNN attention on NVIDIA GPUs of compute capability 9.0+, else PyTorch SDPA (`native`); or one of
   diffusers' backend names (`native`, `_native_cudnn`, `_flash_3`, `flash`, ...).
 
-- `cuda_graphs` (default unset: on where it applies): on a GPU with compilation, no step cache and no sequence
-  parallelism, the denoiser's whole forward (one denoising step) replays a CUDA graph, captured the second time
-  an input signature (batch, resolution, dtypes) is seen; at most 4 graphs are kept (least recently used go).
-  This removes the CPU's kernel-launch gaps between the compiled blocks. `false` never captures; `true` refuses
-  a stage where it cannot apply (CPU, `enforce_eager`, a step cache).
+- `cuda_graphs` (default false): true replays the compiled denoiser's whole forward (one denoising step) as a
+  CUDA graph, captured the second time an input signature (batch, resolution, dtypes) is seen; at most 4 graphs
+  are kept (least recently used go), each holding one step's activations in its own memory pool. It removes the
+  CPU's launch gaps between the compiled blocks; on the H200 a FLUX-sized 1024x1024 FP8 image took 3.14 s with it
+  (and inductor's coordinate-descent tuning, since dropped) against 3.16-3.19 s without (bench/
+  results-h200-diffusion-speed.txt, runs 6 and 7): too little to pay for its memory by default. Refused
+  where it cannot apply: on a CPU, with `enforce_eager`, a step cache or sequence parallelism.
 
 On a GPU (unless `enforce_eager`), and wherever `quantization: fp8` is set, a Flux denoiser's q/k/v projections
 are fused into one matmul per attention (diffusers' `fuse_projections`): with FP8 that is one activation
@@ -85,8 +87,8 @@ class AccelSettings(BaseModel):
     step_cache: StepCacheSettings | None = Field(
         None, description="A schedule-based step cache, e.g. {policy: taylorseer, interval: 3, warmup: 4}; unset: off."
     )
-    cuda_graphs: bool | None = Field(
-        None, description="Replay the compiled denoiser step as CUDA graphs (GPU); unset: where it applies."
+    cuda_graphs: bool = Field(
+        False, description="Replay the compiled denoiser step as CUDA graphs (GPU; one graph per input shape)."
     )
     attention_backend: str = Field("auto", min_length=1, description="auto, or a diffusers attention backend name.")
 
@@ -106,13 +108,12 @@ def _settings(stage: str, engine_args: dict[str, Any]) -> AccelSettings:
             f"stage {stage!r}: engine arg {field}={first.get('input')!r} is not allowed ({first['msg']}); "
             "see enforce_eager (bool), quantization (fp8 or unset), step_cache_threshold (0 to 1), "
             "step_cache ({policy: taylorseer, interval: 2-50, warmup: 1-1000, order: 0-3} or unset), "
-            "cuda_graphs (bool or unset), attention_backend (auto or a diffusers backend name)"
+            "cuda_graphs (bool), attention_backend (auto or a diffusers backend name)"
         ) from None
     if settings.cuda_graphs and (settings.enforce_eager or settings.step_cache or settings.step_cache_threshold):
         why = "enforce_eager" if settings.enforce_eager else "a step cache (its per-step decision runs in Python)"
         raise EngineError(
-            f"stage {stage!r}: engine arg cuda_graphs=true cannot apply with {why}; remove cuda_graphs (it then "
-            "applies wherever it can) or the other engine arg"
+            f"stage {stage!r}: engine arg cuda_graphs=true cannot apply with {why}; remove one of them from engineArgs"
         )
     if settings.step_cache is not None and settings.step_cache_threshold > 0:
         raise EngineError(
@@ -260,10 +261,10 @@ class Accel:
         """
         model = _denoiser(pipe)
         if model is None:
-            if self.settings.quantization or self.step_cache:
+            if self.settings.quantization or self.step_cache or self.settings.cuda_graphs:
                 raise EngineError(
-                    f"stage {self.stage!r}: {type(pipe).__name__} has no transformer or unet, so quantization "
-                    "and step_cache_threshold cannot apply; remove them from engineArgs"
+                    f"stage {self.stage!r}: {type(pipe).__name__} has no transformer or unet, so quantization, "
+                    "step_cache_threshold, step_cache and cuda_graphs cannot apply; remove them from engineArgs"
                 )
             if parallel is not None:
                 parallel(pipe)  # refuses: nothing to split
@@ -291,26 +292,21 @@ class Accel:
 
             # Every block class compiles once; dynamic shapes keep resolution and batch changes from recompiling.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            # Tune each generated Triton kernel's block sizes on its first run (the elementwise/reduction work
-            # between the matmuls was a quarter of a compiled FP8 Flux step on the H200, run 6).
-            torch._inductor.config.coordinate_descent_tuning = True
             for block in blocks:
                 block.forward = torch.compile(block.forward, dynamic=True)
             self.compiled = True
-            if self.settings.cuda_graphs is not False:
-                if self.step_cache or parallel is not None:
-                    if self.settings.cuda_graphs:  # refused before loading for the step cache; here: parallel
-                        raise EngineError(
-                            f"stage {self.stage!r}: engine arg cuda_graphs=true cannot apply with sequence "
-                            "parallelism (the ranks' collectives); remove cuda_graphs or sequence_parallel"
-                        )
-                    log.info("stage %s: no CUDA graphs (a step cache or sequence parallelism)", self.stage)
-                else:
-                    for denoiser in {id(m): m for m in (model, second) if m is not None}.values():
-                        graphed = _GraphedForward(self.stage, denoiser.forward)
-                        denoiser.forward = graphed
-                        self._graphed.append(graphed)
-                    log.info("stage %s: the denoiser's step replays CUDA graphs (one per input shape)", self.stage)
+        if self.settings.cuda_graphs:
+            if parallel is not None or not self.compiled:
+                why = "sequence parallelism (the ranks' collectives)" if parallel else "an uncompiled denoiser"
+                raise EngineError(
+                    f"stage {self.stage!r}: engine arg cuda_graphs=true cannot apply with {why}; remove cuda_graphs "
+                    "from engineArgs"
+                )
+            for denoiser in {id(m): m for m in (model, second) if m is not None}.values():
+                graphed = _GraphedForward(self.stage, denoiser.forward)
+                denoiser.forward = graphed
+                self._graphed.append(graphed)
+            log.info("stage %s: the denoiser's step replays CUDA graphs (one per input shape)", self.stage)
         if self.step_cache and type(model).__name__ in _NO_STEP_CACHE:
             raise EngineError(
                 f"stage {self.stage!r}: step caching does not apply to {type(model).__name__} (diffusers' "
