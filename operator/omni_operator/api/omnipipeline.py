@@ -442,7 +442,8 @@ class PipelineStage(Placement):
         "elsewhere), `step_cache_threshold` (first block cache, e.g. 0.08; 0 or unset: off; a request turns it "
         "off with `step_cache: false`), `step_cache` (a schedule-based step cache instead, e.g. `{policy: "
         "taylorseer, interval: 3, warmup: 4}`: after the warm-up steps one in `interval` runs in full, the others "
-        "extrapolate; a request turns it off the same way) and `attention_backend` (auto: FlashAttention-3, cuDNN "
+        "extrapolate; a request turns it off the same way), `cuda_graphs` (true: the compiled denoiser step replays "
+        "CUDA graphs, one per input shape; GPUs only) and `attention_backend` (auto: FlashAttention-3, cuDNN "
         "or SDPA by GPU).",
     )
     sampling_params: dict[str, Any] = Field(
