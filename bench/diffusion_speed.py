@@ -293,6 +293,8 @@ def report(name: str, res: dict[str, Any], ref: dict[str, Any], engine: Diffusio
         line += f" fp8_layers={engine.accel.fp8_layers}"
     if engine.accel.fused_attentions:
         line += f" fused_qkv={engine.accel.fused_attentions}"
+    if engine.accel.split_proj_out:
+        line += f" split_proj_out={engine.accel.split_proj_out} sigmoid_gelu={engine.accel.fast_gelu}"
     if engine.accel._graphed:
         line += f" graph_replays={engine.accel.graph_replays}"
     if res["cached"][1]:

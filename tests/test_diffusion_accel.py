@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -120,6 +121,8 @@ def test_fused_qkv_with_fp8_stays_close_to_the_float_model_and_the_cpu_path_is_u
     accel = Accel("dit", {"quantization": "fp8", "attention_backend": "native"})
     accel.apply(_Pipe(), "cpu")
     assert accel.fused_attentions == 3  # one double-stream block, two single-stream blocks
+    assert accel.split_proj_out == 2 and accel.fast_gelu == 2  # two single blocks; ff and ff_context
+    assert cpu.split_proj_out == 0 and cpu.fast_gelu == 0
     assert not any(hasattr(m, "to_q") for m in model.modules() if hasattr(m, "to_qkv"))
     with torch.inference_mode():
         got = model(**inputs).sample.float()
@@ -130,6 +133,59 @@ def test_fused_qkv_with_fp8_stays_close_to_the_float_model_and_the_cpu_path_is_u
         Accel("dit", {"cuda_graphs": True}).apply(_Pipe(), "cpu")
     with pytest.raises(EngineError, match="cuda_graphs=true cannot apply with sequence parallelism"):
         Accel("dit", {"cuda_graphs": True}).apply(_Pipe(), "cpu", parallel=lambda pipe: None)
+
+
+def _tiny_flux(dtype: torch.dtype) -> tuple[Any, dict[str, torch.Tensor]]:
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    ).to(dtype)  # fmt: skip
+    inputs = {
+        "hidden_states": torch.randn(1, 64, 16, dtype=dtype),
+        "encoder_hidden_states": torch.randn(1, 8, 32, dtype=dtype),
+        "pooled_projections": torch.randn(1, 32, dtype=dtype),
+        "timestep": torch.tensor([0.5]),
+        "guidance": torch.tensor([3.5]),
+        "img_ids": torch.zeros(64, 3),
+        "txt_ids": torch.zeros(8, 3),
+    }
+    return model, inputs
+
+
+def test_split_single_block_proj_out_computes_the_same_as_the_whole_layer() -> None:
+    """fp8 on Flux: each single block's proj_out(cat(attention, GELU(mlp))) runs as attention @ Wa^T + GELU(mlp) @
+    Wm^T + b (no concatenation; each input quantized on its own rows) and GELU's tanh form as x * sigmoid(2z). In
+    float that is the same function up to rounding; with FP8 (CPU `_scaled_mm`, as on the GPU) it stays as close
+    to the float model as the whole FP8 layer does."""
+    import copy
+
+    from omni_runtime.engines import diffusion_accel
+
+    model, inputs = _tiny_flux(torch.float32)
+    split = copy.deepcopy(model)
+    blocks = [*split.transformer_blocks, *split.single_transformer_blocks]
+    assert diffusion_accel._split_single_proj_out(blocks) == 2
+    assert diffusion_accel._fast_gelu(blocks) == 2  # the double block: ff and ff_context
+    assert type(split.single_transformer_blocks[0]).__name__ == "FluxSingleTransformerBlock"  # name lists still match
+    with torch.inference_mode():
+        want, got = model(**inputs).sample, split(**inputs).sample
+    assert float((got - want).norm() / want.norm()) < 1e-5  # float rounding only
+
+    bf16, bf16_inputs = _tiny_flux(torch.bfloat16)
+    whole = copy.deepcopy(bf16)
+    Accel._fp8([*whole.transformer_blocks, *whole.single_transformer_blocks])  # FP8 with proj_out in one piece
+    accel = Accel("dit", {"quantization": "fp8", "attention_backend": "native"})
+    accel.apply(type("P", (), {"transformer": bf16})(), "cpu")
+    assert accel.split_proj_out == 2
+    with torch.inference_mode():
+        ref = want  # the float32 model (the same seed, so the same weights before rounding to bfloat16)
+        split_err = float((bf16(**bf16_inputs).sample.float() - ref).norm() / ref.norm())
+        whole_err = float((whole(**bf16_inputs).sample.float() - ref).norm() / ref.norm())
+    assert split_err < 0.06 and split_err < 1.2 * whole_err, (split_err, whole_err)
 
 
 async def test_fp8_is_refused_on_a_cpu_before_loading_anything() -> None:

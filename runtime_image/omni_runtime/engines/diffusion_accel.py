@@ -31,7 +31,11 @@ Engine args (read from the stage's `engineArgs`, never passed to diffusers' `fro
 
 On a GPU (unless `enforce_eager`), and wherever `quantization: fp8` is set, a Flux denoiser's q/k/v projections
 are fused into one matmul per attention (diffusers' `fuse_projections`): with FP8 that is one activation
-quantization and one FP8 matmul instead of three.
+quantization and one FP8 matmul instead of three. With `quantization: fp8` on a Flux denoiser, each single block's
+`proj_out(cat(attention, GELU(mlp)))` runs as two FP8 matmuls, `attention @ Wa^T + GELU(mlp) @ Wm^T + b` (its weight
+split once at load, each part with its own scales), so the concatenation is never built and each input is quantized
+on its own contiguous rows; and GELU's tanh approximation runs as `x * sigmoid(2z)` (the same function, one exp
+instead of a tanh, computed twice by the kernel that takes the rows' amax and casts to FP8).
 
 Each choice is logged at start. The CPU path is unchanged unless a stage asks for the step cache.
 """
@@ -214,6 +218,10 @@ class Accel:
         self._taylor_hooks: list[Any] = []
         """TaylorSeer: every hook (blocks and proj_out); each counts the steps itself."""
         self.fused_attentions = 0
+        self.split_proj_out = 0
+        """Flux single blocks whose proj_out runs as two matmuls (attention part, MLP part) with no cat."""
+        self.fast_gelu = 0
+        """Flux feed-forwards whose GELU (tanh) runs in its sigmoid form."""
         self._graphed: list[_GraphedForward] = []
         """Attentions whose q/k/v projections run as one matmul."""
         self._cached_model: Any = None
@@ -281,6 +289,13 @@ class Accel:
             self.fused_attentions = fused
             log.info("stage %s: fused the q/k/v projections of %d attentions", self.stage, fused)
         if self.settings.quantization == "fp8":
+            if type(model).__name__ in _FUSE_QKV:  # Flux: the single blocks' proj_out without its input's cat
+                self.split_proj_out = _split_single_proj_out(blocks)
+                self.fast_gelu = _fast_gelu(blocks)
+                log.info(
+                    "stage %s: %d single blocks' proj_out split in two (no cat), GELU (tanh) as x*sigmoid in %d "
+                    "feed-forwards", self.stage, self.split_proj_out, self.fast_gelu,
+                )  # fmt: skip
             self.fp8_layers = self._fp8(blocks)
             log.info(
                 "stage %s: fp8 matmuls (torch._scaled_mm, per-row scales) in %d layers", self.stage, self.fp8_layers
@@ -519,6 +534,127 @@ def _fuse_qkv(model: Any) -> int:
             if isinstance(getattr(module, name, None), torch.nn.Linear):
                 delattr(module, name)
         count += 1
+    return count
+
+
+_GELU_K = 2.0 * 0.7978845608028654  # 2 * sqrt(2 / pi)
+
+
+def _gelu_tanh(x: Any) -> Any:
+    """GELU's tanh approximation, 0.5 x (1 + tanh(z)), as x * sigmoid(2 z): the same function (0.5 (1 + tanh z)
+    is sigmoid(2 z)) up to float rounding, with one exp instead of tanh in the compiled kernel that also takes
+    each row's amax and casts it to FP8 (and computes the GELU twice: once for the amax, once for the cast)."""
+    import torch
+
+    xf = x.float()
+    return (xf * torch.sigmoid(_GELU_K * (xf + 0.044715 * xf * xf * xf))).to(x.dtype)
+
+
+@functools.cache
+def _split_classes() -> tuple[Any, Any, Any]:
+    """(the split proj_out module, the single block class using it, diffusers' GELU in its sigmoid form): one class
+    each, made once (torch.compile guards on a module's class: one class per block would compile each anew)."""
+    import torch
+    from diffusers.models.activations import GELU
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    def part(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Linear:
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        linear.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
+        if bias is not None:
+            linear.bias = torch.nn.Parameter(bias, requires_grad=False)
+        return linear
+
+    class SplitProjOut(torch.nn.Module):
+        """proj_out(cat(a, m)) as a @ Wa^T + m @ Wm^T + b: two Linears (each made FP8 with its own per-row
+        scales), so the concatenation is never built and each activation is quantized on its own rows."""
+
+        def __init__(self, src: torch.nn.Linear, attn_features: int) -> None:
+            super().__init__()
+            w = src.weight.detach()
+            b = None if src.bias is None else src.bias.detach()
+            self.attn_part = part(w[:, :attn_features], b)  # the bias once
+            self.mlp_part = part(w[:, attn_features:], None)
+            self.in_features, self.out_features = src.in_features, src.out_features
+
+        def forward(self, attn_output: torch.Tensor, mlp_hidden_states: torch.Tensor) -> torch.Tensor:
+            return self.attn_part(attn_output) + self.mlp_part(mlp_hidden_states)
+
+    class SplitSingleBlock(FluxSingleTransformerBlock):
+        """diffusers 0.42's FluxSingleTransformerBlock.forward, with proj_out taking its two inputs apart."""
+
+        def forward(
+            self,
+            hidden_states: torch.Tensor,
+            encoder_hidden_states: torch.Tensor,
+            temb: torch.Tensor,
+            image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+            joint_attention_kwargs: dict[str, Any] | None = None,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            text_seq_len = encoder_hidden_states.shape[1]
+            hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+            residual = hidden_states
+            norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+            mlp_hidden_states = _gelu_tanh(self.proj_mlp(norm_hidden_states))
+            attn_output = self.attn(
+                hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {})
+            )
+            hidden_states = residual + gate.unsqueeze(1) * self.proj_out(attn_output, mlp_hidden_states)
+            if hidden_states.dtype == torch.float16:
+                hidden_states = hidden_states.clip(-65504, 65504)
+            return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+
+    SplitSingleBlock.__name__ = SplitSingleBlock.__qualname__ = FluxSingleTransformerBlock.__name__  # name lists
+
+    class SigmoidGELU(GELU):
+        """diffusers' GELU (Linear + GELU) with the tanh approximation computed as x * sigmoid(2 z)."""
+
+        def gelu(self, gate: torch.Tensor) -> torch.Tensor:
+            return _gelu_tanh(gate)
+
+    SigmoidGELU.__name__ = SigmoidGELU.__qualname__ = GELU.__name__
+    return SplitProjOut, SplitSingleBlock, SigmoidGELU
+
+
+def _split_single_proj_out(blocks: list[Any]) -> int:
+    """Give each Flux single block (diffusers 0.42's layout: the attention output and GELU(proj_mlp) concatenated
+    into proj_out) a proj_out split into its attention and MLP parts, and the block's forward that feeds each
+    part its own input; returns how many. A block of another layout is left as it is."""
+    import torch
+
+    split_out, split_block, _gelu = _split_classes()
+    count = 0
+    for block in blocks:
+        if type(block).__name__ != "FluxSingleTransformerBlock" or type(block) is split_block:
+            continue
+        proj_out, proj_mlp, act = (getattr(block, n, None) for n in ("proj_out", "proj_mlp", "act_mlp"))
+        if not (
+            isinstance(proj_out, torch.nn.Linear)
+            and isinstance(proj_mlp, torch.nn.Linear)
+            and isinstance(act, torch.nn.GELU)
+            and act.approximate == "tanh"
+            and proj_out.in_features == proj_out.out_features + proj_mlp.out_features
+            and getattr(getattr(block, "attn", None), "pre_only", False)
+        ):
+            log.warning("%s has another layout than diffusers 0.42's: its proj_out stays whole", type(block))
+            continue
+        block.proj_out = split_out(proj_out, proj_out.out_features)
+        block.__class__ = split_block
+        count += 1
+    return count
+
+
+def _fast_gelu(blocks: list[Any]) -> int:
+    """diffusers' GELU modules (tanh approximation) in `blocks` switched to the sigmoid form; returns how many."""
+    _split_out, _split_block, sigmoid_gelu = _split_classes()
+    from diffusers.models.activations import GELU
+
+    count = 0
+    for block in blocks:
+        for module in block.modules():
+            if type(module) is GELU and module.approximate == "tanh":
+                module.__class__ = sigmoid_gelu
+                count += 1
     return count
 
 
