@@ -26,7 +26,8 @@ Engine args (read from the stage's `engineArgs`, never passed to diffusers' `fro
   are kept (least recently used go), each holding one step's activations in its own memory pool. It removes the
   CPU's launch gaps between the compiled blocks; on the H200 a FLUX-sized 1024x1024 FP8 image took 3.14 s with it
   (and inductor's coordinate-descent tuning, since dropped) against 3.16-3.19 s without (bench/
-  results-h200-diffusion-speed.txt, runs 6 and 7): too little to pay for its memory by default. Refused
+  results-h200-diffusion-speed.txt, runs 6 and 7; run 8: 3.11 s against 3.15 s): too little to pay for its memory
+  by default. Refused
   where it cannot apply: on a CPU, with `enforce_eager`, a step cache or sequence parallelism.
 
 On a GPU (unless `enforce_eager`), and wherever `quantization: fp8` is set, a Flux denoiser's q/k/v projections
