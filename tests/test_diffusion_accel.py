@@ -283,11 +283,16 @@ class _TinyFluxEngine(DiffusionEngine):
         tests' requests (embeddings) exercise the same call path instead."""
 
 
+def _tiny_flux_engine(engine_args: dict[str, object]) -> _TinyFluxEngine:
+    """A tiny-Flux diffusion stage with these engine args (not started)."""
+    stage = StageOverride(name="dit", engine_args=engine_args, sampling_params={**PARAMS, "guidance_scale": 3.5})
+    pipeline = resolve_pipeline(get_pipeline("flux"), name="t", model="/nonexistent/tiny-flux", stages=[stage])
+    return _TinyFluxEngine(pipeline, pipeline.topology.stage("dit"))
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cached():
-    stage = StageOverride(name="dit", engine_args=CACHE_ARGS, sampling_params={**PARAMS, "guidance_scale": 3.5})
-    pipeline = resolve_pipeline(get_pipeline("flux"), name="t", model="/nonexistent/tiny-flux", stages=[stage])
-    engine = _TinyFluxEngine(pipeline, pipeline.topology.stage("dit"))
+    engine = _tiny_flux_engine(CACHE_ARGS)
     await engine.start()
     yield engine
     await engine.stop()
@@ -330,10 +335,7 @@ async def test_step_cache_skips_steps_within_a_psnr_bound_and_a_request_can_turn
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def taylorseer():
-    args = {"torch_dtype": "float32", "batch_window_ms": 200, "step_cache": TAYLORSEER}
-    stage = StageOverride(name="dit", engine_args=args, sampling_params={**PARAMS, "guidance_scale": 3.5})
-    pipeline = resolve_pipeline(get_pipeline("flux"), name="t", model="/nonexistent/tiny-flux", stages=[stage])
-    engine = _TinyFluxEngine(pipeline, pipeline.topology.stage("dit"))
+    engine = _tiny_flux_engine({"torch_dtype": "float32", "batch_window_ms": 200, "step_cache": TAYLORSEER})
     await engine.start()
     yield engine
     await engine.stop()
