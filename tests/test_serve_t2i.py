@@ -15,15 +15,20 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import random
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
+import yaml
 from PIL import Image
-from servelib import Serve, busy_shm_segments, http_get, metric_values, pid_alive, process_tree, shm_segments
+from servelib import REPO, Serve, busy_shm_segments, http_get, metric_values, pid_alive, process_tree, shm_segments
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 
@@ -144,6 +149,35 @@ def test_a_stage_that_would_fail_every_request_never_becomes_ready(tiny_sd3_mode
     text = str(err.value)
     assert "self-check" in text and "every request would fail" in text
     assert "accepts 1 to 0 (max_inference_steps)" in text and "engine_args or sampling_params" in text
+
+
+def test_ctrl_c_while_the_stages_load_stops_everything_and_exits_0(tiny_sd3_model, tmp_path) -> None:
+    """Ctrl-C (SIGINT) as soon as the stage processes exist, long before they are ready: `omnikube serve`
+    stops them in order and exits 0, leaving no process behind. The launcher's signal handler only sets a
+    flag; it once raised from wherever the main thread was, and a signal landing in an import (numpy's, while
+    a dead stage was swept) made the orderly stop fail with exit 1."""
+    spec = {"model": str(tiny_sd3_model), "name": "stopped-early", "stages": [{"name": "dit"}]}
+    (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(spec))
+    run_dir, log = tmp_path / "run", tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "omni_runtime.cli", "serve", str(tmp_path / "pipeline.yaml"), "--run-dir",
+             str(run_dir)], stdout=out, stderr=subprocess.STDOUT, cwd=REPO)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120  # a hang guard, not a timing assertion
+            while not (run_dir / "processes.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            pids = [p["pid"] for p in json.loads((run_dir / "processes.json").read_text())]
+            assert "OpenAI endpoint" not in log.read_text()  # still loading
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert "omnikube serve: stopping" in text and "omnikube serve: stopped" in text
+    assert [pid for pid in pids if pid_alive(pid)] == [], "processes left behind after serve stopped"
 
 
 @pytest.fixture(scope="module")

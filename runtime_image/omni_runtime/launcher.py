@@ -52,7 +52,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -399,8 +399,9 @@ class LocalRun:
         )
         return procs
 
-    def start(self, *, ready_timeout_s: float = 600.0) -> None:
-        """Start every process and wait until all are ready; on failure stop what started and raise."""
+    def start(self, *, ready_timeout_s: float = 600.0, stop_requested: Callable[[], bool] | None = None) -> None:
+        """Start every process and wait until all are ready; on failure stop what started and raise.
+        `stop_requested` is polled while waiting: when it turns true, stop and raise KeyboardInterrupt."""
         try:
             if any(
                 self.resolved.topology.edge_connector(e) is ConnectorKind.MOONCAKE for e in self.resolved.topology.edges
@@ -418,7 +419,7 @@ class LocalRun:
             for proc in self.procs:
                 self._spawn(proc)
             self._write_processes()
-            self.wait_ready(ready_timeout_s)
+            self.wait_ready(ready_timeout_s, stop_requested)
         except BaseException:
             self.stop()
             raise
@@ -447,11 +448,14 @@ class LocalRun:
             )
         (self.run_dir / "processes.json").write_text(json.dumps(info, indent=2))
 
-    def wait_ready(self, timeout_s: float) -> None:
-        """Until every stage answers /readyz and the router's /health lists every replica as ready."""
+    def wait_ready(self, timeout_s: float, stop_requested: Callable[[], bool] | None = None) -> None:
+        """Until every stage answers /readyz and the router's /health lists every replica as ready
+        (KeyboardInterrupt as soon as `stop_requested()` is true)."""
         deadline = time.monotonic() + timeout_s
         waiting = list(self.procs)
         while waiting or not self._router_sees_all():
+            if stop_requested is not None and stop_requested():
+                raise KeyboardInterrupt
             for proc in list(waiting):
                 self._check_alive(proc)
                 if _probe(proc.probe):
@@ -666,28 +670,34 @@ def serve_from_args(args: argparse.Namespace) -> int:
     except SpecError as err:
         print(f"omnikube serve: {err}", file=sys.stderr)
         return 2
-    stop = {"signal": None}
+    stop: dict[str, int | None] = {"signal": None}
 
-    def on_signal(signum, _frame):
+    def on_signal(signum: int, _frame: object) -> None:
+        # Only a flag, polled at safe points: raising from here could cut an import in half (numpy's,
+        # in `sweep`), and the orderly stop that follows would then fail to import it again
         stop["signal"] = signum
-        raise KeyboardInterrupt
+
+    def stop_requested() -> bool:
+        return stop["signal"] is not None
 
     # SIGINT too, explicitly: a process started in the background by a non-interactive shell (nohup, `&` in
-    # a script or CI job) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt for it
+    # a script or CI job) inherits SIGINT ignored, and Python then never calls a handler for it
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     topology = run.resolved.topology
     stages = " -> ".join(topology.topological_order())
     print(f"omnikube serve: pipeline {topology.name} ({stages}); run folder {run.run_dir}", flush=True)
     try:
-        run.start(ready_timeout_s=args.ready_timeout)
+        run.start(ready_timeout_s=args.ready_timeout, stop_requested=stop_requested)
         print(f"OpenAI endpoint: {run.endpoint}", flush=True)
         print(f"model: {run.resolved.served_model_name}; press Ctrl-C to stop", flush=True)
-        while True:
+        while not stop_requested():
             for name in run.restart_dead():
                 print(f"omnikube serve: {name} exited; restarted it (logs in {run.run_dir})", file=sys.stderr)
-            time.sleep(0.5)
-    except KeyboardInterrupt:
+            time.sleep(0.5)  # a signal cuts it short (PEP 475 resumes it, so at most 0.5 s late)
+        print("omnikube serve: stopping", flush=True)
+        return 0
+    except KeyboardInterrupt:  # from `start`, which polls `stop_requested`
         print("omnikube serve: stopping", flush=True)
         return 0
     except (RuntimeError, TimeoutError) as err:
