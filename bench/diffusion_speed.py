@@ -35,6 +35,8 @@ from diffusion_batching import FLUX_TEXT_TOKENS as TEXT_TOKENS  # noqa: E402
 from diffusion_batching import FLUX_TRANSFORMER as FLUX  # noqa: E402
 from diffusion_batching import FLUX_VAE  # noqa: E402
 
+from omni_runtime.engines import diffusion as engine_module  # noqa: E402
+from omni_runtime.engines import png  # noqa: E402
 from omni_runtime.engines.base import EngineError, EngineInput  # noqa: E402
 from omni_runtime.engines.diffusion import DiffusionEngine  # noqa: E402
 from omni_runtime.spec import Modality, ResolvedPipeline, StageKind, StageSpec  # noqa: E402
@@ -200,6 +202,8 @@ async def run_mode(name: str, args: argparse.Namespace, ref: dict[str, Any]) -> 
                 profile(engine, args)
             except Exception:  # the profile is extra: the mode's figures above stand
                 traceback.print_exc()
+        if name in args.vae_modes:
+            vae_formats(engine, args)
         if "taylorseer" in name:  # the request's switch: the mode without its cache, same engine
             report(f"{name}(off)", await measure(engine, args, step_cache=False), ref, engine, args)
         if "cache" in name:  # the request's switch: every step in full, i.e. the mode without its cache
@@ -225,6 +229,42 @@ async def run_mode(name: str, args: argparse.Namespace, ref: dict[str, Any]) -> 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return res
+
+
+def vae_formats(engine: DiffusionEngine, args: argparse.Namespace, runs: int = 3) -> None:
+    """The VAE decode of one image's latents in the default (NCHW) and channels-last memory formats, and how far
+    their images differ (a lever the engine does not pull yet: measured here first)."""
+    import torch
+
+    vae = engine.pipe.vae
+    gpu = engine.device.startswith("cuda")
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    g = torch.Generator("cpu").manual_seed(0)
+    shape = (1, vae.config.latent_channels, args.size // 8, args.size // 8)
+    z = torch.randn(shape, generator=g).to(engine.device, vae.dtype)
+
+    def timed() -> tuple[float, Any]:
+        with torch.inference_mode():
+            vae.decode(z)  # warm: this format's kernels and plans
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(runs):
+                out = vae.decode(z).sample
+            sync()
+        return (time.perf_counter() - t0) / runs, out.float()
+
+    default, a = timed()
+    vae.to(memory_format=torch.channels_last)
+    try:
+        last, b = timed()
+    finally:
+        vae.to(memory_format=torch.contiguous_format)
+    diff = float((a - b).abs().max())
+    print(
+        f"vae decode {args.size}x{args.size}: NCHW {1e3 * default:.1f} ms, channels_last {1e3 * last:.1f} ms "
+        f"(x{default / last:.2f}), max abs pixel difference {diff:.4f} (of 2)",
+        flush=True,
+    )
 
 
 def profile(engine: DiffusionEngine, args: argparse.Namespace, steps: int = 2) -> None:
@@ -271,16 +311,64 @@ def profile(engine: DiffusionEngine, args: argparse.Namespace, steps: int = 2) -
         print(f"profile:   {own(e) / 1e3:8.2f} ms  {e.count:5d}x  {e.key[:110]}", flush=True)
 
 
+class Breakdown:
+    """Where one request's time goes: the denoising loop (request start to the VAE decode), the VAE decode (the
+    GPU synchronised at both ends: the waits only move, the decode's output is copied to the CPU right after), the
+    PNG encode, and the rest (postprocess to PIL, the engine's own work). Installed for `measure`'s requests."""
+
+    def __init__(self, engine: DiffusionEngine) -> None:
+        self.engine, self.marks, self.png = engine, {}, 0.0
+
+    def __enter__(self) -> Breakdown:
+        import torch
+
+        vae, encode = self.engine.pipe.vae, png.encode
+        sync = torch.cuda.synchronize if self.engine.device.startswith("cuda") else (lambda: None)
+        decode = vae.decode
+
+        def timed_decode(*a: Any, **kw: Any) -> Any:
+            sync()
+            self.marks["decode"] = time.perf_counter()
+            out = decode(*a, **kw)
+            sync()
+            self.marks["decoded"] = time.perf_counter()
+            return out
+
+        async def timed_encode(*a: Any, **kw: Any) -> bytes:
+            t0 = time.perf_counter()
+            data = await encode(*a, **kw)
+            self.png += time.perf_counter() - t0  # one image per request here
+            return data
+
+        self._restore = lambda: (setattr(png, "encode", encode), vae.__dict__.pop("decode", None))
+        vae.decode, png.encode = timed_decode, timed_encode
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+    def split(self, t0: float, t1: float) -> dict[str, float]:
+        """Seconds of one request that ran from t0 to t1."""
+        denoise = self.marks["decode"] - t0
+        vae = self.marks["decoded"] - self.marks["decode"]
+        return {"denoise": denoise, "vae": vae, "png": self.png, "other": t1 - t0 - denoise - vae - self.png}
+
+
 async def measure(engine: DiffusionEngine, args: argparse.Namespace, step_cache: bool = True) -> dict[str, Any]:
     pipe = engine.pipe
     checks, hits = engine.accel.cache_checks, engine.accel.cached_steps
-    times, image = [], b""
+    times, image, splits = [], b"", []
     for _ in range(args.repeats):
-        t0 = time.perf_counter()
         extra = {} if step_cache else {"step_cache": False}
-        image = await one(engine, request(pipe, 0, args, engine.device, **extra))
-        times.append(time.perf_counter() - t0)
+        req = request(pipe, 0, args, engine.device, **extra)  # the client's input, before the clock starts
+        with Breakdown(engine) as parts:
+            t0 = time.perf_counter()
+            image = await one(engine, req)
+            t1 = time.perf_counter()
+        times.append(t1 - t0)
+        splits.append(parts.split(t0, t1))
     res: dict[str, Any] = {"latency": statistics.median(times), "times": times, "image": image}
+    res["split"] = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
     res["cached"] = (engine.accel.cached_steps - hits, engine.accel.cache_checks - checks)
     res["latents"] = latents(engine, args, step_cache)
     return res
@@ -299,11 +387,43 @@ def report(name: str, res: dict[str, Any], ref: dict[str, Any], engine: Diffusio
         line += f" graph_replays={engine.accel.graph_replays}"
     if res["cached"][1]:
         line += f"  steps from cache {res['cached'][0]}/{res['cached'][1]}"
+    split = res["split"]
+    line += (
+        f"  [denoise {split['denoise']:.3f} s = {1e3 * split['denoise'] / args.steps:.1f} ms/step, vae decode "
+        f"{1e3 * split['vae']:.0f} ms, png {1e3 * split['png']:.0f} ms, other {1e3 * split['other']:.0f} ms]"
+    )
     if ref:
         rel = float((res["latents"] - ref["latents"]).norm() / ref["latents"].norm())
         line += f"  x{ref['latency'] / res['latency']:.2f} vs eager  latents rel err {rel:.4f}"
         line += f"  PSNR {psnr(res['image'], ref['image']):.1f} dB"
     print(line, flush=True)
+
+
+async def png_levels(data: bytes, workers: int) -> None:
+    """This image's PNG encode: Pillow (one core) at its default zlib level and at the engine's, and the engine's
+    own encoder (`png`: pieces deflated on `workers` threads)."""
+    import concurrent.futures
+
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    level = engine_module.PNG_COMPRESS_LEVEL
+    line = "png encode of the eager image:"
+    for pillow_level in (6, level):
+        t0 = time.perf_counter()
+        size = len(png.encode_pillow(image, pillow_level))
+        line += f"  Pillow level {pillow_level} {1e3 * (time.perf_counter() - t0):.0f} ms {size // 1024} KiB"
+
+    async def ours() -> tuple[float, int]:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            await png.encode(image, pool, level)  # threads started
+            t0 = time.perf_counter()
+            size = len(await png.encode(image, pool, level))
+            return time.perf_counter() - t0, size
+
+    seconds, size = await ours()
+    print(f"{line}  engine's ({workers} threads, level {level}) {1e3 * seconds:.0f} ms {size // 1024} KiB", flush=True)
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -330,6 +450,7 @@ async def main_async(args: argparse.Namespace) -> int:
         results[name] = res
         if name == "eager":
             ref = res
+            await png_levels(res["image"], max(1, min(len(os.sched_getaffinity(0)), 16)))
     if "eager" in results and "rps" in results["eager"]:
         base = results["eager"]["rps"]
         for name, res in results.items():
@@ -339,7 +460,14 @@ async def main_async(args: argparse.Namespace) -> int:
                     f"concurrency {args.concurrency}: {label} {res['rps']:.3f} req/s = x{res['rps'] / base:.2f} eager"
                 )
     if not args.tiny:
-        targets = (("compile+fp8", 3.0), ("compile", 3.0), ("compile+fp8+cache", 2.0), ("compile+fp8+taylorseer", 2.0))
+        targets = (
+            ("compile+fp8", 3.0),
+            ("compile+fp8+mk", 3.0),
+            ("compile+fp8+mk+graphs", 3.0),
+            ("compile", 3.0),
+            ("compile+fp8+cache", 2.0),
+            ("compile+fp8+taylorseer", 2.0),
+        )
         for name, target in targets:
             if name in results:
                 ok = "met" if results[name]["latency"] <= target else "NOT met"
@@ -504,6 +632,7 @@ def main() -> int:
     parser.add_argument("--ts-order", type=int, default=1, help="taylorseer modes: Taylor order")
     parser.add_argument("--profile-modes", nargs="*", default=[], help="profile 2 steps of these modes")
     parser.add_argument("--profile-top", type=int, default=15)
+    parser.add_argument("--vae-modes", nargs="*", default=[], help="time these modes' VAE decode NCHW vs NHWC")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--concurrency-modes", nargs="*", default=["eager", "compile+fp8"])

@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_runtime.engines import diffusion_parallel as P
+from omni_runtime.engines import png as PNG
 from omni_runtime.engines import video as V
 from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
 from omni_runtime.engines.diffusion_accel import ACCEL_ENGINE_ARGS, Accel
@@ -310,8 +311,9 @@ class DiffusionEngine(Engine):
                 P.enable_context_parallel(self.stage.name, pipe, world, device)
 
         await asyncio.to_thread(self.accel.apply, self.pipe, self.device, parallel)
-        # PNG encoding (zlib) releases the GIL: a batch's images encode in parallel, one per core.
-        workers = max(1, min(self.max_batch_size, os.cpu_count() or 1, 16))
+        # PNG and MP4 encoding release the GIL: a batch's images, and the pieces of each, encode on every core
+        # but one, which stays with the thread that drives the device (the next batch runs while this one encodes).
+        workers = max(1, min(len(os.sched_getaffinity(0)) - 1, 16))
         self._encoder = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="omnikube-png")
         params = inspect.signature(self.pipe.__call__).parameters
         self._embed_params = frozenset(
@@ -367,7 +369,7 @@ class DiffusionEngine(Engine):
         if self._takes_image and Modality.IMAGE in self.stage.input_modalities:
             from PIL import Image
 
-            data["image"] = _png(Image.new("RGB", (edge, edge), "gray"))
+            data["image"] = PNG.encode_pillow(Image.new("RGB", (edge, edge), "gray"), PNG_COMPRESS_LEVEL)
         job = self._parse(EngineInput("omnikube-self-check", data, params))
         started = time.monotonic()
         results = await asyncio.to_thread(self._call, [job])
@@ -885,9 +887,15 @@ def device_dtype(
 
 
 async def _encode_results(results: list[dict[str, Any]], pool: concurrent.futures.Executor) -> list[dict[str, Any]]:
-    """PIL images -> PNG bytes, every image of the batch in parallel in `pool` (latent results pass through)."""
+    """PIL images -> PNG bytes, every image of the batch at once, each on several of `pool`'s threads (see
+    `png`); latent results pass through."""
     loop = asyncio.get_running_loop()
-    pngs = [[loop.run_in_executor(pool, _png, img) for img in r["images"]] if "images" in r else None for r in results]
+    pngs = [  # tasks: every image starts now, not when its result's turn comes below
+        [asyncio.ensure_future(PNG.encode(img, pool, PNG_COMPRESS_LEVEL)) for img in r["images"]]
+        if "images" in r
+        else None
+        for r in results
+    ]
     mp4s = [
         [loop.run_in_executor(pool, V.encode_mp4, f, r["fps"]) for f in r["frames"]] if "frames" in r else None
         for r in results
@@ -902,10 +910,9 @@ async def _encode_results(results: list[dict[str, Any]], pool: concurrent.future
     return out
 
 
-def _png(image: Any) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
+PNG_COMPRESS_LEVEL = 1
+"""zlib level of the PNGs a stage returns (the encode is on every image's critical path; with the run-length
+strategy `png` uses, a higher level buys almost nothing)."""
 
 
 def _int(value: Any, label: str) -> int:
