@@ -4,7 +4,9 @@ the real engine (self-check, text prompts, PNG); settings that cannot run are re
 and a denoiser diffusers cannot split is refused from its folder before any worker starts. A worker rank that
 dies (SIGKILL, as the out-of-memory killer sends it) mid-call or between calls fails the requests at once with
 an error naming the rank and its exit code and leaves the engine dead; a worker whose rank 0 dies exits; served,
-the client gets a 500 naming the rank and the stage process exits 1. The GPU figures (NCCL, two H200s) are in
+the client gets a 500 naming the rank and the stage process exits 1. One rank's call raising mid-call while the
+other waits in a collective (either side) fails the call at once as out of step and leaves the engine dead; the
+same failure on both ranks fails only its request. The GPU figures (NCCL, two H200s) are in
 bench/results-h200-diffusion-speed.txt; NCCL's abort path has not run here."""
 
 from __future__ import annotations
@@ -179,6 +181,103 @@ async def test_a_worker_rank_that_dies_fails_its_call_at_once_and_the_engine_is_
             logger.removeHandler(handler)
         await asyncio.wait_for(engine.stop(), 120)
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("omnikube-dit-rank")]
+
+
+FAIL_STEPS = 5
+"""A request with this many steps fails on `_FailingRanks.fail_ranks` at its second denoising step."""
+
+
+class _FailingRanks(DiffusionEngine):
+    """The real engine whose denoiser raises on the ranks in `fail_ranks` at the second step of a FAIL_STEPS-step
+    call, as a GPU out of memory on one rank does (a test double: a CUDA OOM cannot happen on a CPU; the rank's
+    call raises and the process lives on, which is all the engine sees of it). Worker ranks get `fail_ranks` too."""
+
+    worker_state = ("fail_ranks",)
+    fail_ranks: tuple[int, ...] = ()
+
+    def _load(self, dtype: object) -> object:
+        import torch.distributed as dist
+
+        pipe = super()._load(dtype)
+        forward, scheduler = pipe.transformer.forward, pipe.scheduler
+
+        def failing(*args: object, **kwargs: object) -> object:
+            if (
+                len(scheduler.timesteps) == FAIL_STEPS
+                and scheduler.step_index == 1
+                and dist.get_rank() in self.fail_ranks
+            ):
+                raise RuntimeError(f"CUDA out of memory (simulated on rank {dist.get_rank()})")
+            return forward(*args, **kwargs)
+
+        pipe.transformer.forward = failing
+        return pipe
+
+
+def _failing_engine(model: Path, fail_ranks: tuple[int, ...]) -> _FailingRanks:
+    stage = StageOverride(
+        name="dit", engine_args={"torch_dtype": "float32", "sequence_parallel": 2}, sampling_params=PARAMS
+    )
+    pipeline = resolve_pipeline(get_pipeline("flux"), name="t", model=str(model), stages=[stage])
+    engine = _FailingRanks(pipeline, pipeline.topology.stage("dit"))
+    engine.fail_ranks = fail_ranks
+    return engine
+
+
+async def _failing_image(engine: DiffusionEngine) -> bytes:
+    request = EngineInput("r", {"prompt": "a red cube"}, {"seed": 5, "num_inference_steps": FAIL_STEPS})
+    async for out in engine.generate(request):
+        if out.finished:
+            return out.data["images"][0]
+    raise AssertionError("no final output")
+
+
+@pytest.mark.models
+@pytest.mark.timeout(600)
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("fail_ranks", "behind"), [((1,), "rank 1's call failed"), ((0,), "rank(s) [1] went on")])
+async def test_one_ranks_call_failing_puts_the_ranks_out_of_step_and_fails_the_call_at_once(
+    tiny_flux_model: Path, fail_ranks: tuple[int, ...], behind: str
+) -> None:
+    """One rank's call raises mid-call while the other waits for it in a collective: the request fails within
+    seconds (not after gloo's 30 or NCCL's 10 minutes: the wait_for bounds only guard against a hang) with an error
+    naming the rank and its failure, the engine is dead (the stage restarts), and it stops without waiting."""
+    engine = _failing_engine(tiny_flux_model, fail_ranks)
+    await engine.start()
+    try:
+        with pytest.raises(P.RanksOutOfStep) as failed:
+            await asyncio.wait_for(_failing_image(engine), 120)
+        assert behind in str(failed.value) and "CUDA out of memory (simulated on rank" in str(failed.value)
+        assert "out of step" in str(failed.value) and "the stage stops and restarts" in str(failed.value)
+        failure = await asyncio.wait_for(engine.failed(), 60)
+        assert isinstance(failure, P.RanksOutOfStep)
+        with pytest.raises(P.RankDied):
+            await asyncio.wait_for(_image(engine), 10)
+    finally:
+        await asyncio.wait_for(engine.stop(), 120)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("omnikube-dit-rank")]
+
+
+@pytest.mark.models
+@pytest.mark.timeout(600)
+@pytest.mark.asyncio
+async def test_the_same_failure_on_every_rank_fails_only_that_request(tiny_flux_model: Path) -> None:
+    """Every rank's call raises at the same step (as a bad input does): the ranks stay in step, so the request
+    fails with its own error (no rank blamed), the engine lives, and the next request gets its image from the
+    same two ranks."""
+    engine = _failing_engine(tiny_flux_model, (0, 1))
+    await engine.start()
+    try:
+        worker = _worker(engine)
+        with pytest.raises(EngineError) as failed:
+            await asyncio.wait_for(_failing_image(engine), 120)
+        assert not isinstance(failed.value, P.RankDied), failed.value
+        assert "the diffusion pipeline failed: CUDA out of memory (simulated on rank 0)" in str(failed.value)
+        image = await asyncio.wait_for(_image(engine), 120)
+        assert image.startswith(b"\x89PNG") and engine.failure is None
+        assert _worker(engine).pid == worker.pid
+    finally:
+        await asyncio.wait_for(engine.stop(), 120)
 
 
 class _KillOnStart(logging.Handler):

@@ -255,7 +255,7 @@ class DiffusionEngine(Engine):
             group = P.ParallelGroup(self.stage.name, self.sequence_parallel, self.device)
             loop = asyncio.get_running_loop()
 
-            def on_death(error: P.RankDied) -> None:  # the group's watcher thread
+            def on_death(error: P.RankDied) -> None:  # a thread of the group (or the call's, out of step)
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to tell
                     loop.call_soon_threadsafe(self._rank_died, error)
 

@@ -34,6 +34,13 @@ dies between calls is seen the same way, before the next call. While starting, r
 rendezvous only once every worker says it is joining, so a worker that fails or dies before then fails the
 start at once instead of after `START_TIMEOUT`. A worker whose rank 0 dies exits at once (a thread waits on its
 parent's sentinel), so no orphan holds a GPU's memory, whether it waited for a call or sat in a collective.
+
+A rank whose call fails while it lives (a GPU out of memory on one rank) is handled the same way once it is
+clear the ranks fell out of step: each worker reports the end of every call to rank 0 (done, or failed and why).
+A failure every rank reports for the same call (a bad input) fails only that call. When one rank's call failed
+and another's has not ended `DEATH_WAIT_S` later, the other waits in a collective that will never complete:
+the call fails with `RanksOutOfStep` naming the rank and its error, the groups are aborted, the workers ended,
+and the engine is told, as for a death.
 """
 
 from __future__ import annotations
@@ -55,7 +62,15 @@ from typing import Any
 
 from omni_runtime.engines.base import EngineError
 
-__all__ = ["ARG", "ParallelGroup", "ParallelPipe", "RankDied", "enable_context_parallel", "resolve_degree"]
+__all__ = [
+    "ARG",
+    "ParallelGroup",
+    "ParallelPipe",
+    "RankDied",
+    "RanksOutOfStep",
+    "enable_context_parallel",
+    "resolve_degree",
+]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +94,11 @@ class _Stopped(Exception):
 
 class RankDied(EngineError):
     """A sequence-parallel worker rank died: the stage cannot run another call and must restart."""
+
+
+class RanksOutOfStep(RankDied):
+    """One rank's call failed while another went on (a GPU out of memory on one rank): the others wait in a
+    collective for it, so the process groups are aborted and the stage must restart, as for a death."""
 
 
 def _exit_detail(code: int | None) -> str:
@@ -305,6 +325,11 @@ class ParallelGroup:
         """Called once, from the watcher thread, when a worker dies after the ranks joined."""
         self._died = threading.Event()
         self._closing = False
+        self._calls = threading.Condition()
+        """Guards the call counters: how many calls rank 0 started and ended, and each worker reported."""
+        self._started = 0
+        self._ended = 0
+        self._reported: list[int] = []
 
     def start(self, engine: Any, dtype_name: str) -> None:
         """Start ranks 1..N-1 (each loads the pipeline) and join the process group (blocking: call in a thread)."""
@@ -364,6 +389,40 @@ class ParallelGroup:
         """Block until every worker has loaded its pipeline; raises EngineError with a worker's failure."""
         for rank in range(1, self.world):
             self._expect(rank, "ready")
+        self._reported = [0] * (self.world - 1)
+        threading.Thread(target=self._read_reports, name=f"omnikube-{self.stage}-reports", daemon=True).start()
+
+    def _read_reports(self) -> None:
+        """Rank 0's thread reading the workers' end-of-call reports (`("done" | "failed", call, detail)`). A worker
+        whose call failed while rank 0's goes on leaves rank 0 waiting in a collective: after `DEATH_WAIT_S` the
+        ranks are out of step, and the groups are aborted (the same failure on every rank ends rank 0's call too)."""
+        ranks: dict[Any, int] = {conn: rank for rank, conn in enumerate(self._conns, start=1)}
+        while ranks and not self._closing:
+            for ready in multiprocessing.connection.wait(list(ranks)):
+                conn: multiprocessing.connection.Connection = ready  # type: ignore[assignment]
+                rank = ranks[conn]
+                try:
+                    kind, call, detail = conn.recv()
+                except (EOFError, OSError):  # the worker exited: the sentinel watcher reports it
+                    del ranks[conn]
+                    continue
+
+                def rank0_ended(call: int = call) -> bool:
+                    return self._ended >= call or self.death is not None
+
+                with self._calls:
+                    self._reported[rank - 1] = call
+                    self._calls.notify_all()
+                    if kind != "failed":
+                        continue
+                    log.warning("stage %s: rank %d: call %d failed: %s", self.stage, rank, call, detail)
+                    if self._calls.wait_for(rank0_ended, DEATH_WAIT_S):
+                        continue  # rank 0's call ended as well (in practice: failed the same way), or a rank died
+                self._out_of_step(
+                    f"sequence-parallel rank {rank}'s call failed ({detail}) while rank 0's went on, so the ranks "
+                    "are out of step"
+                )
+                return
 
     def _watch(self) -> None:
         """Rank 0's watcher thread: on a worker's death, abort the process groups and report it."""
@@ -374,16 +433,39 @@ class ParallelGroup:
         rank = by_sentinel[ended[0]]
         proc = self._procs[rank - 1]
         proc.join(1)
-        self.death = RankDied(
-            f"stage {self.stage!r}: sequence-parallel rank {rank} (pid {proc.pid}) died "
-            f"({_exit_detail(proc.exitcode)}); the call it was part of failed and the stage stops and restarts "
-            f"(its log and its GPU's memory say why; {ARG}: 1 runs on one GPU)"
+        self._fail(
+            RankDied(
+                f"stage {self.stage!r}: sequence-parallel rank {rank} (pid {proc.pid}) died "
+                f"({_exit_detail(proc.exitcode)}); the call it was part of failed and the stage stops and restarts "
+                f"(its log and its GPU's memory say why; {ARG}: 1 runs on one GPU)"
+            )
         )
-        log.error("%s", self.death)
+
+    def _out_of_step(self, what: str) -> None:
+        """The ranks fell out of step: fail the group, and end the workers, so that a rank waiting for them in a
+        collective returns now on any backend (gloo: their sockets close; NCCL: the abort), and their GPUs free."""
+        self._fail(
+            RanksOutOfStep(
+                f"stage {self.stage!r}: {what}; the call failed and the stage stops and restarts (the rank's log "
+                f"and its GPU's memory say why; {ARG}: 1 runs on one GPU)"
+            )
+        )
+        for proc in self._procs:
+            with contextlib.suppress(OSError, ValueError):
+                proc.kill()
+
+    def _fail(self, error: RankDied) -> None:
+        """The group is dead: record why (the first reason stands), abort the process groups, tell the engine."""
+        with self._calls:
+            if self.death is not None:
+                return
+            self.death = error
+            self._calls.notify_all()
+        log.error("%s", error)
         self._died.set()
         self._abort()
         if self.on_death is not None:
-            self.on_death(self.death)
+            self.on_death(error)
 
     def _abort(self) -> None:
         """Abort every process group so a collective blocked on the dead rank returns with an error now."""
@@ -411,6 +493,9 @@ class ParallelGroup:
             raise self.death
         packed = _pack(kwargs)
         agreed: list[BaseException] = []
+        with self._calls:
+            self._started += 1
+            call = self._started
         try:
             for conn in self._conns:
                 conn.send(packed)
@@ -419,10 +504,32 @@ class ParallelGroup:
                 kwargs = {**kwargs, "callback_on_step_end": self._agreeing(given, agreed)}
             return pipe(**kwargs)
         except Exception as exc:
-            if exc in agreed or (self.death is None and not self._died.wait(DEATH_WAIT_S)):
-                raise  # a stop every rank agreed on, or the call's own failure
+            if exc in agreed:
+                raise  # a stop every rank agreed on
+
+            def settled() -> bool:
+                return self.death is not None or min(self._reported, default=call) >= call
+
+            # Rank 0's call failed: every worker ends it too (the same failure: a bad input), or one died (a dead
+            # peer's sockets close a moment before its death is seen), or one waits for rank 0 in a collective.
+            with self._calls:
+                self._ended = call
+                self._calls.notify_all()
+                every_rank_ended = self._calls.wait_for(settled, DEATH_WAIT_S)
+            if self.death is None and every_rank_ended:
+                raise  # the call's own failure
+            if self.death is None:
+                behind = [r for r, n in enumerate(self._reported, start=1) if n < call]
+                self._out_of_step(
+                    f"rank 0's call failed ({type(exc).__name__}: {exc}) while rank(s) {behind} went on, so the "
+                    "ranks are out of step"
+                )
             assert self.death is not None
             raise self.death from exc
+        finally:
+            with self._calls:
+                self._ended = call
+                self._calls.notify_all()
 
     def _agreeing(self, given: Callable[..., Any], agreed: list[BaseException]) -> Callable[..., Any]:
         def on_step(p: Any, index: int, timestep: Any, tensors: dict[str, Any]) -> Any:
@@ -518,6 +625,7 @@ def _worker_main(
             raise _Stopped
         return {}
 
+    call = 0
     while True:
         try:
             packed = conn.recv()
@@ -525,13 +633,20 @@ def _worker_main(
             break
         if packed is None:
             break
+        call += 1
+        report: tuple[str, int, str] = ("done", call, "")
         try:
             with torch.inference_mode():
                 pipe(**_unpack(packed, device, on_step))
         except _Stopped:
             pass
-        except Exception:  # rank 0 ran the same call with the same inputs and reports its own failure
+        except Exception as exc:  # rank 0 decides: the same failure there (a bad input), or the ranks out of step
             log.exception("rank %d: pipeline call failed", rank)
+            report = ("failed", call, f"{type(exc).__name__}: {exc}")
+        try:
+            conn.send(report)
+        except OSError:
+            break
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
 
