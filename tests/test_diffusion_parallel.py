@@ -40,10 +40,12 @@ from omni_runtime.spec.resolved import resolve_pipeline
 PARAMS = {"num_inference_steps": 3, "height": 64, "width": 64, "guidance_scale": 3.5}
 
 
-def _engine(topology: str, model: Path | str, **engine_args: object) -> DiffusionEngine:
+def _engine(
+    topology: str, model: Path | str, engine_class: type[DiffusionEngine] = DiffusionEngine, **engine_args: object
+) -> DiffusionEngine:
     stage = StageOverride(name="dit", engine_args={"torch_dtype": "float32", **engine_args}, sampling_params=PARAMS)
     pipeline = resolve_pipeline(get_pipeline(topology), name="t", model=str(model), stages=[stage])
-    return DiffusionEngine(pipeline, pipeline.topology.stage("dit"))
+    return engine_class(pipeline, pipeline.topology.stage("dit"))
 
 
 async def _image(engine: DiffusionEngine) -> bytes:
@@ -214,12 +216,9 @@ class _FailingRanks(DiffusionEngine):
         return pipe
 
 
-def _failing_engine(model: Path, fail_ranks: tuple[int, ...]) -> _FailingRanks:
-    stage = StageOverride(
-        name="dit", engine_args={"torch_dtype": "float32", "sequence_parallel": 2}, sampling_params=PARAMS
-    )
-    pipeline = resolve_pipeline(get_pipeline("flux"), name="t", model=str(model), stages=[stage])
-    engine = _FailingRanks(pipeline, pipeline.topology.stage("dit"))
+def _failing_engine(model: Path, fail_ranks: tuple[int, ...]) -> DiffusionEngine:
+    engine = _engine("flux", model, _FailingRanks, sequence_parallel=2)
+    assert isinstance(engine, _FailingRanks)
     engine.fail_ranks = fail_ranks
     return engine
 

@@ -311,10 +311,7 @@ class DiffusionEngine(Engine):
                 P.enable_context_parallel(self.stage.name, pipe, world, device)
 
         await asyncio.to_thread(self.accel.apply, self.pipe, self.device, parallel)
-        # PNG and MP4 encoding release the GIL: a batch's images, and the pieces of each, encode on every core
-        # but one, which stays with the thread that drives the device (the next batch runs while this one encodes).
-        workers = max(1, min(len(os.sched_getaffinity(0)) - 1, 16))
-        self._encoder = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="omnikube-png")
+        self._encoder = concurrent.futures.ThreadPoolExecutor(encode_workers(), thread_name_prefix="omnikube-png")
         params = inspect.signature(self.pipe.__call__).parameters
         self._embed_params = frozenset(
             p for p in params if ("embeds" in p or p.endswith("_mask")) and not p.startswith("ip_adapter")
@@ -884,6 +881,13 @@ def device_dtype(
     if str(device).startswith("cuda") and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         return torch.float16, "this GPU has no bfloat16 (it needs compute capability 8.0 or newer)"
     return dtype, ""
+
+
+def encode_workers() -> int:
+    """Threads that encode a stage's PNGs and MP4s (both release the GIL): a batch's images, and the pieces of
+    each, encode on every core this process may use but one, which stays with the thread that drives the device
+    (the next batch runs while this one encodes)."""
+    return max(1, min(len(os.sched_getaffinity(0)) - 1, 16))
 
 
 async def _encode_results(results: list[dict[str, Any]], pool: concurrent.futures.Executor) -> list[dict[str, Any]]:
