@@ -24,10 +24,10 @@ Engine args (read from the stage's `engineArgs`, never passed to diffusers' `fro
 - `cuda_graphs` (default false): true replays the compiled denoiser's whole forward (one denoising step) as a
   CUDA graph, captured the second time an input signature (batch, resolution, dtypes) is seen; at most 4 graphs
   are kept (least recently used go), each holding one step's activations in its own memory pool. It removes the
-  CPU's launch gaps between the compiled blocks; on the H200 a FLUX-sized 1024x1024 FP8 image took 3.14 s with it
-  (and inductor's coordinate-descent tuning, since dropped) against 3.16-3.19 s without (bench/
-  results-h200-diffusion-speed.txt, runs 6 and 7; run 8: 3.11 s against 3.15 s): too little to pay for its memory
-  by default. Refused
+  CPU's launch work: a compiled FP8 Flux step costs ~42 ms of CPU on the H200 machine. Where the GPU's work per
+  step is smaller than that, it pays: a FLUX-sized 256x256 FP8 image took 0.570 s with it against 1.201 s without
+  (bench/results-h200-diffusion-speed.txt, run 11). At 1024x1024 the GPU's ~100 ms per step hides the CPU: 3.11 s
+  against 3.15 s (run 8), too little to hold a memory pool per shape by default. Refused
   where it cannot apply: on a CPU, with `enforce_eager`, a step cache or sequence parallelism.
 
 On a GPU (unless `enforce_eager`), and wherever `quantization: fp8` is set, a Flux denoiser's q/k/v projections
