@@ -317,6 +317,25 @@ async def test_a_worker_rank_that_dies_while_starting_fails_the_start_at_once(ti
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("omnikube-dit-rank")]
 
 
+@pytest.mark.models
+@pytest.mark.timeout(600)
+@pytest.mark.asyncio
+async def test_a_self_check_that_fails_on_every_rank_fails_the_start_and_leaves_no_rank(tiny_flux_model: Path) -> None:
+    """Sampling params the pipeline refuses (Flux takes at most 512 text tokens) fail the self-check on both
+    ranks: the start fails saying so, and the worker rank goes with it (it would hold a GPU's memory)."""
+    stage = StageOverride(
+        name="dit",
+        engine_args={"torch_dtype": "float32", "sequence_parallel": 2},
+        sampling_params={**PARAMS, "max_sequence_length": 600},
+    )
+    pipeline = resolve_pipeline(get_pipeline("flux"), name="t", model=str(tiny_flux_model), stages=[stage])
+    engine = DiffusionEngine(pipeline, pipeline.topology.stage("dit"))
+    with pytest.raises(EngineError, match=r"the self-check .* failed, so every request would fail: .*max_sequence"):
+        await engine.start()
+    assert engine.pipe is None
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("omnikube-dit-rank")]
+
+
 HOLD_RANK0 = """
 import asyncio, json, logging, multiprocessing, sys, time
 from omni_runtime.engines.base import EngineInput

@@ -273,7 +273,9 @@ class DiffusionEngine(Engine):
             await self._self_check()
         except Exception as exc:
             if isinstance(exc, InvalidRequest) or self.device != "cpu" or fitting == torch.float32 or self._group:
-                raise EngineError(self._self_check_failed(exc, fitting)) from exc
+                message = self._self_check_failed(exc, fitting)
+                await self.stop()  # its memory and any worker ranks go with the failed start
+                raise EngineError(message) from exc
             # A half-precision kernel this CPU lacks shows only when it runs: float32 always runs on a CPU.
             log.warning(
                 "stage %s: the self-check failed in %s on the CPU (%s); loading again in float32",
@@ -284,7 +286,9 @@ class DiffusionEngine(Engine):
             try:
                 await self._self_check()
             except Exception as again:
-                raise EngineError(self._self_check_failed(again, torch.float32)) from again
+                message = self._self_check_failed(again, torch.float32)
+                await self.stop()
+                raise EngineError(message) from again
         self.load_seconds = time.monotonic() - started
         log.info(
             "stage %s: diffusers loaded %s (%s, %s, %s) and passed its self-check in %.1fs",

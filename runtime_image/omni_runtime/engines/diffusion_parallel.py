@@ -22,7 +22,10 @@ Measured on two H200s through this engine (run 5 of that file): Flux-sized, 1024
 2.41 s per image vs 3.30 s on one GPU (0.73x).
 
 A call's stop decision (every request of it aborted) is agreed by all ranks after each denoising step (one
-all-reduce of one number), so all ranks stop at the same step.
+all-reduce of one number), so all ranks stop at the same step. It goes over a gloo group on the CPU: an
+all-reduce on the GPU would make each rank's CPU wait for its GPU at every step, and a compiled step's kernel
+launches alone take ~42 ms of CPU on the H200 machine (a 256x256 Flux step, bench/results-h200-diffusion-speed.txt
+run 11), as long as half a 1024x1024 step's GPU work: the GPU would idle while the CPU queues the next step.
 
 A rank that dies (killed, out of memory, crashed) ends the stage, promptly and saying which rank and why: a
 thread of rank 0 waits on the workers' process sentinels, and on a death it aborts the process groups (NCCL: a
@@ -184,7 +187,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _init(rank: int, world: int, port: int, device: str) -> None:
+def _init(rank: int, world: int, port: int, device: str) -> Any:
+    """Join the ranks' process group (NCCL on GPUs, gloo on CPUs); returns the group the per-step stop decision
+    goes over: a gloo group on the CPU (see the module docstring), None for the default group when that is gloo."""
     import torch
     import torch.distributed as dist
 
@@ -198,10 +203,11 @@ def _init(rank: int, world: int, port: int, device: str) -> None:
             timeout=START_TIMEOUT,
             device_id=torch.device("cuda", rank),
         )
-    else:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=START_TIMEOUT
-        )
+        return dist.new_group(backend="gloo", timeout=START_TIMEOUT)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=START_TIMEOUT
+    )
+    return None
 
 
 def _denoisers(pipe: Any) -> list[Any]:
@@ -250,13 +256,13 @@ def _resolve_on_cpu(self: Any, config: Any) -> Any:
     return config
 
 
-def _agree(stop: bool, device: str) -> bool:
-    """All ranks: whether any rank (in practice rank 0) stops the call after this step."""
+def _agree(stop: bool, group: Any) -> bool:
+    """All ranks: whether any rank (in practice rank 0) stops the call after this step (over `group`, on the CPU)."""
     import torch
     import torch.distributed as dist
 
-    flag = torch.tensor([1 if stop else 0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    flag = torch.tensor([1 if stop else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
 
 
@@ -330,6 +336,7 @@ class ParallelGroup:
         self._started = 0
         self._ended = 0
         self._reported: list[int] = []
+        self._stop_group: Any = None
 
     def start(self, engine: Any, dtype_name: str) -> None:
         """Start ranks 1..N-1 (each loads the pipeline) and join the process group (blocking: call in a thread)."""
@@ -363,7 +370,7 @@ class ParallelGroup:
         log.info("stage %s: started %d sequence-parallel worker ranks", self.stage, self.world - 1)
         for rank in range(1, self.world):  # rank 0's rendezvous waits for every rank: only for live ones
             self._expect(rank, "joining")
-        _init(0, self.world, port, self.device)
+        self._stop_group = _init(0, self.world, port, self.device)
         threading.Thread(target=self._watch, name=f"omnikube-{self.stage}-ranks", daemon=True).start()
 
     def _expect(self, rank: int, kind: str) -> None:
@@ -539,7 +546,7 @@ class ParallelGroup:
                 out = given(p, index, timestep, tensors)
             except Exception as exc:  # the engine's stop (or a callback failure): every rank stops here
                 error = exc
-            if _agree(error is not None, self.device):
+            if _agree(error is not None, self._stop_group):
                 agreed.append(error or _Stopped())
                 raise agreed[-1]
             log.debug("stage %s: denoising step %d done on every rank", self.stage, index)
@@ -612,7 +619,7 @@ def _worker_main(
             setattr(engine, key, value)
         engine.device = device
         conn.send(("joining", None))
-        _init(rank, world, port, device)
+        stop_group = _init(rank, world, port, device)
         pipe = engine._load(getattr(torch, dtype_name))
         engine.accel.apply(pipe, device, lambda p: enable_context_parallel(stage.name, p, world, device))
     except BaseException as exc:
@@ -621,7 +628,7 @@ def _worker_main(
     conn.send(("ready", None))
 
     def on_step(_p: Any, _i: int, _t: Any, _tensors: dict[str, Any]) -> dict[str, Any]:
-        if _agree(False, device):
+        if _agree(False, stop_group):
             raise _Stopped
         return {}
 
