@@ -41,11 +41,33 @@ PARAMS = {"num_inference_steps": 3, "height": 64, "width": 64, "guidance_scale":
 
 
 def _engine(
-    topology: str, model: Path | str, engine_class: type[DiffusionEngine] = DiffusionEngine, **engine_args: object
+    topology: str,
+    model: Path | str,
+    engine_class: type[DiffusionEngine] = DiffusionEngine,
+    params: dict[str, object] | None = None,
+    **engine_args: object,
 ) -> DiffusionEngine:
-    stage = StageOverride(name="dit", engine_args={"torch_dtype": "float32", **engine_args}, sampling_params=PARAMS)
+    """The stage `dit` of `topology` on `model`, float32, with `engine_args` and the stage's sampling `params`."""
+    engine_args = {"torch_dtype": "float32", **engine_args}
+    stage = StageOverride(name="dit", engine_args=engine_args, sampling_params=params or PARAMS)
     pipeline = resolve_pipeline(get_pipeline(topology), name="t", model=str(model), stages=[stage])
     return engine_class(pipeline, pipeline.topology.stage("dit"))
+
+
+class _Messages(logging.Handler):
+    """Counts the log records whose message contains `text`."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.text, self.seen = text, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.seen += 1
+
+
+async def _outputs(engine: DiffusionEngine, request: EngineInput) -> list:
+    return [out async for out in engine.generate(request)]
 
 
 async def _image(engine: DiffusionEngine) -> bytes:
@@ -81,6 +103,26 @@ async def test_two_cpu_ranks_give_the_image_of_one_process(tiny_flux_model: Path
         assert len(workers) == 1 and workers[0].is_alive()
         got = await _image(two)
         assert await _image(two) == got  # the next call runs on both ranks again
+        # A request aborted mid-call stops every rank after the same step (agreed over gloo), so the next call
+        # runs in step and gives the same image again.
+        agreed = _Messages("done on every rank")
+        logger = logging.getLogger(PARALLEL_LOG)
+        level = logger.level
+        logger.addHandler(agreed)
+        logger.setLevel(logging.DEBUG)
+        try:
+            long = EngineInput("long", {"prompt": "a red cube"}, {"seed": 5, "num_inference_steps": 200})
+            running = asyncio.ensure_future(_outputs(two, long))
+            while not agreed.seen:
+                await asyncio.sleep(0.01)
+            await two.abort("long")
+            outs = await running
+        finally:
+            logger.removeHandler(agreed)
+            logger.setLevel(level)
+        assert outs[-1].finish_reason == "abort" and "images" not in outs[-1].data
+        assert 1 <= agreed.seen < 200  # it stopped between two steps, long before its last
+        assert await _image(two) == got
     finally:
         await two.stop()
     assert not workers[0].is_alive()
@@ -323,13 +365,7 @@ async def test_a_worker_rank_that_dies_while_starting_fails_the_start_at_once(ti
 async def test_a_self_check_that_fails_on_every_rank_fails_the_start_and_leaves_no_rank(tiny_flux_model: Path) -> None:
     """Sampling params the pipeline refuses (Flux takes at most 512 text tokens) fail the self-check on both
     ranks: the start fails saying so, and the worker rank goes with it (it would hold a GPU's memory)."""
-    stage = StageOverride(
-        name="dit",
-        engine_args={"torch_dtype": "float32", "sequence_parallel": 2},
-        sampling_params={**PARAMS, "max_sequence_length": 600},
-    )
-    pipeline = resolve_pipeline(get_pipeline("flux"), name="t", model=str(tiny_flux_model), stages=[stage])
-    engine = DiffusionEngine(pipeline, pipeline.topology.stage("dit"))
+    engine = _engine("flux", tiny_flux_model, params={**PARAMS, "max_sequence_length": 600}, sequence_parallel=2)
     with pytest.raises(EngineError, match=r"the self-check .* failed, so every request would fail: .*max_sequence"):
         await engine.start()
     assert engine.pipe is None
