@@ -9,14 +9,17 @@ LINT_PATHS := operator runtime_image tests e2e bench hack
 install:
 	@bash hack/bootstrap.sh
 
-## Lint and type checks first (a lint failure is cheap), then every test: unit, cluster (real control
-## plane) and end to end.
+## Lint and type checks first (a lint failure is cheap), then every test: unit, served, cluster (real control
+## plane) and end to end, as lanes side by side where they do not compete (hack/run_tests.py says which and why),
+## ending with a table of tests and seconds per tier and the 20 slowest tests (junit files in .omnikube/junit/).
 ## The control plane's binaries, Prometheus and KEDA of the e2e tier (Go; cold: minutes, cached after) start
-## building in the background first thing (hack/bootstrap.sh), so the venv install, the lint and the unit tests
-## overlap them; the e2e tier waits for them (each build.sh holds a lock).
+## building in the background first thing (hack/bootstrap.sh), so the venv install and the lint overlap them; the
+## tests start once the control plane is built, and the e2e lane waits for Prometheus and KEDA.
+## `make test LANES=unit,cluster` runs some lanes only.
+LANES ?= all
 test: export OMNIKUBE_CLUSTER_BUILD := background
 test: lint
-	$(PY) -m pytest -q --durations=40
+	$(PY) hack/run_tests.py --lanes $(LANES)
 
 ## Unit tests only (no cluster, no model loads).
 test-fast: install

@@ -1,0 +1,232 @@
+"""`make test`'s test run: the suite's tiers as lanes, side by side where they do not compete, then a summary.
+
+The machine has two cores. What decides the suite's time is CPU-bound work (model loads, requests on tiny
+models) and wait-bound work (the KWOK-only cluster modules: polls on a real API server, operator start-ups,
+liveness windows). So:
+
+    control plane and Prometheus builds (Go)     <- everything below waits for them (cold: minutes, the machine to
+                                                    themselves but for the venv install and the lint); warm: instant
+    lane "unit" then "served"  (tests/)          | side by side: the cluster lane mostly waits, so it costs the
+    lane "cluster"  (e2e/, no model loads)       | unit lane little; each runs its own control plane
+    lane "e2e"  (e2e/, model pods)               <- after both: it is CPU-bound like "served"
+    lane "demo" (e2e/test_demo.py: `make demo`)  <- last and alone: its pod runner owns runner-node-0 of its own cluster
+
+Why the lanes cannot interfere: each pytest process runs its own control plane (e2e/conftest.py `cluster`
+starts one per session in its own folder, on free ports), so no cluster-wide object (CRDs, KEDA's
+ScaledObject CRD, APIServices) is shared between lanes. "cluster" is e2e/ without model loads: the KWOK-only
+modules and the pod runner's own tests (their pods are small processes); the lanes beside it (tests/) start no
+pod runner, and a pod runner takes its bridge's /24 under a host-wide lock, so the host-wide state a pod runner
+changes (bridges, network namespaces, its pods' processes) is never touched by two lanes. "e2e" and "demo" run
+pod runners too, but never beside "cluster". Each lane has its own pytest basetemp and no cache provider.
+
+The KEDA build (only "e2e" needs it) goes on in the background at low priority (nice 10):
+they use the cores the lanes leave idle. Each lane writes its output to `.omnikube/test-logs/<lane>.log`
+and its results to `.omnikube/junit/<lane>.xml`; the first lane also prints to the terminal. A lane that
+fails prints its log at the end, and the run exits non-zero. The summary gives tests and seconds per tier and
+the 20 slowest tests (setup and teardown included, so a fixture's serve start counts in its first test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / ".omnikube"
+PY = sys.executable
+
+
+@dataclass
+class Lane:
+    """One pytest process: a tier of the suite."""
+
+    name: str
+    args: list[str]
+    """pytest arguments selecting the tier's tests."""
+    live: bool = False
+    """Stream its output to the terminal as well as to its log."""
+    needs: tuple[str, ...] = ()
+    """Build scripts (with arguments) whose output it needs; its phase waits for them before any lane starts, so on
+    a cold machine the Go builds have the cores to themselves (each script holds a lock while it builds, and is a
+    no-op once cached)."""
+    returncode: int | None = None
+    seconds: float = 0.0
+
+    @property
+    def log(self) -> Path:
+        return OUT / "test-logs" / f"{self.name}.log"
+
+    @property
+    def junit(self) -> Path:
+        return OUT / "junit" / f"{self.name}.xml"
+
+    def run(self, basetemp: Path, extra: list[str]) -> int:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.junit.parent.mkdir(parents=True, exist_ok=True)
+        self.junit.unlink(missing_ok=True)
+        cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={basetemp / self.name}",
+               f"--junitxml={self.junit}", "-o", "junit_family=xunit2", *self.args, *extra]  # fmt: skip
+        started = time.monotonic()
+        with open(self.log, "wb") as log:
+            log.write(f"$ {' '.join(cmd)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            assert proc.stdout is not None
+            for chunk in iter(lambda: proc.stdout.readline(), b""):
+                log.write(chunk)
+                if self.live:
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.flush()
+            self.returncode = proc.wait()
+        self.seconds = time.monotonic() - started
+        print(f"run_tests: lane {self.name} exited {self.returncode} after {self.seconds:.0f} s", flush=True)
+        return self.returncode
+
+
+@dataclass
+class Phase:
+    """Sequences of lanes that run side by side (the lanes of one sequence one after the other); the next phase
+    starts when all have ended."""
+
+    lanes: list[list[Lane]]
+
+    @property
+    def needs(self) -> list[str]:
+        return list(dict.fromkeys(need for seq in self.lanes for lane in seq for need in lane.needs))
+
+
+def wait_for_build(script: str) -> None:
+    started = time.monotonic()
+    subprocess.run(["bash", str(REPO / script.split()[0]), *script.split()[1:]], check=True,
+                   cwd=REPO, stdout=subprocess.DEVNULL)  # fmt: skip
+    waited = time.monotonic() - started
+    if waited > 1:
+        print(f"run_tests: waited {waited:.0f} s for {script}", flush=True)
+
+
+def lanes_of(selection: str) -> list[Phase]:
+    unit = Lane("unit", ["tests", "-m", "not models"], live=True)
+    served = Lane("served", ["tests", "-m", "models"], live=True)
+    control_plane, prometheus, keda = (
+        "e2e/cluster/build.sh",
+        "e2e/cluster/addons/build.sh prometheus",
+        "e2e/cluster/addons/build.sh keda",
+    )
+    # test_helm_chart ("cluster") runs Prometheus over the chart's alert rules: built before, not inside a test
+    cluster = Lane("cluster", ["e2e", "-m", "not models and not demo"], needs=(control_plane, prometheus))
+    e2e = Lane("e2e", ["e2e", "-m", "models and not demo"], live=True, needs=(control_plane, prometheus, keda))
+    phases = [Phase([[unit, served], [cluster]]), Phase([[e2e]])]
+    if selection == "all":
+        return phases
+    wanted = set(selection.split(","))
+    out = []
+    for phase in phases:
+        kept = [[lane for lane in seq if lane.name in wanted] for seq in phase.lanes]
+        kept = [seq for seq in kept if seq]
+        if kept:
+            out.append(Phase(kept))
+    return out
+
+
+def run_sequence(seq: list[Lane], basetemp: Path, extra: list[str]) -> None:
+    for lane in seq:
+        lane.run(basetemp, extra)
+
+
+# -- the summary -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    tests: int = 0
+    failed: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+
+
+def read_junit(path: Path) -> list[tuple[str, float, str]]:
+    """(test id, seconds, outcome) of every test case in a junit file."""
+    if not path.exists():
+        return []
+    out = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = "failed"
+            elif child.tag == "skipped":
+                outcome = "skipped"
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        out.append((name, float(case.get("time") or 0), outcome))
+    return out
+
+
+def summary(lanes: list[Lane], wall: float) -> str:
+    """The per-tier table, the slowest tests, and a closing `total: N passed, N failed, N skipped` line."""
+    rows, cases = [], []
+    total = Tally()
+    for lane in lanes:
+        tally = Tally(seconds=lane.seconds)
+        for name, seconds, outcome in read_junit(lane.junit):
+            tally.tests += 1
+            tally.failed += outcome == "failed"
+            tally.skipped += outcome == "skipped"
+            cases.append((seconds, lane.name, name))
+        total.tests, total.failed, total.skipped = (total.tests + tally.tests, total.failed + tally.failed,
+                                                    total.skipped + tally.skipped)  # fmt: skip
+        if lane.returncode not in (0, None) and tally.failed == 0:
+            tally.failed = 1  # the lane failed outside any test (collection, a fixture's teardown, a crash)
+        state = "not run" if lane.returncode is None else ("ok" if lane.returncode == 0 else f"exit {lane.returncode}")
+        rows.append(
+            f"  {lane.name:<8} {tally.tests:>6} {tally.failed:>7} {tally.skipped:>8} {tally.seconds:>9.0f}  {state}"
+        )
+    lines = ["", "== test tiers (wall seconds per lane; lanes in one phase ran side by side)",
+             f"  {'tier':<8} {'tests':>6} {'failed':>7} {'skipped':>8} {'seconds':>9}", *rows,
+             f"  all: {wall:.0f} s wall ({wall / 60:.1f} min)",
+             "", "== 20 slowest tests (setup + call + teardown)"]  # fmt: skip
+    for seconds, lane_name, name in sorted(cases, reverse=True)[:20]:
+        lines.append(f"  {seconds:8.1f} s  {lane_name:<8} {name}")
+    passed = total.tests - total.failed - total.skipped
+    lines += ["", f"total: {passed} passed, {total.failed} failed, {total.skipped} skipped"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lanes", default="all", help="comma-separated lanes (unit,served,cluster,e2e,demo) or all")
+    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments for every lane (after --)")
+    args = parser.parse_args(argv)
+    phases = lanes_of(args.lanes)
+    started = time.monotonic()
+    basetemp = Path(tempfile.mkdtemp(prefix="omnikube-tests-"))
+    every: list[Lane] = []
+    for phase in phases:
+        for script in phase.needs:
+            wait_for_build(script)
+        threads = [threading.Thread(target=run_sequence, args=(seq, basetemp, args.pytest_args)) for seq in phase.lanes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        every += [lane for seq in phase.lanes for lane in seq]
+    failed = [lane for lane in every if lane.returncode not in (0,)]
+    for lane in failed:
+        if not lane.live:
+            print(f"\n== output of lane {lane.name} (exit {lane.returncode}), {lane.log}", flush=True)
+            sys.stdout.write(lane.log.read_text(errors="replace"))
+    print(summary(every, time.monotonic() - started), flush=True)
+    if failed:
+        print(f"run_tests: FAILED lanes: {', '.join(lane.name for lane in failed)}", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
