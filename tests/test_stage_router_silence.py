@@ -3,9 +3,11 @@ neither side takes a stall of its own machine for the other's silence.
 
 Real stage servers (EchoEngine, see its docstring for why), real ZeroMQ, the real router app on uvicorn.
 In the stage tests the test speaks the stage protocol itself over a DEALER socket with the pipeline's key,
-as a router does, so it decides when the "router" is silent. Silence limits are lowered to a second or
-so for the tests (the stage's `peer_timeout_s` attribute, the router pool's `ping_timeout_s`). A stall of
-the machine is a blocking sleep on the one event loop that runs stage, router and client here.
+as a router does, so it decides when the "router" is silent. Silence limits are lowered for the tests (the
+stage's `peer_timeout_s` attribute, the router pool's `ping_timeout_s`) to `SILENCE_S`, twice the longest
+stall that neither side recognises as one (see there): a real stall of this loaded machine, which comes
+at any moment, then either stays well inside the limit or is taken for what it is. A stall injected by a
+test is a blocking sleep on the one event loop that runs stage, router and client here.
 
 A work stopped without the router asking used to end silently: the router, which still waited for it,
 answered its client only when the request timeout hit (a 504 after two minutes). After a stall longer
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -25,13 +28,27 @@ import zmq
 import zmq.asyncio
 from servelib import echo_cluster, echo_pipeline
 
+from omni_runtime.router import client as router_client
 from omni_runtime.spec import PipelineSpec, StageSpec
 from omni_runtime.stage import protocol as P
+from omni_runtime.stage import server as stage_server
 from omni_runtime.stage.auth import Channel
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
 
-SILENCE_S = 1.0
+PING_PERIOD_S = 0.2
+"""How often this test's routers ping (the echo cluster's router pool pings every 0.1 s)."""
+UNNOTICED_STALL_S = max(
+    stage_server.HOUSEKEEPING_S + stage_server.STALL_S,  # a housekeeping tick up to this late is on time
+    router_client.STALL_S + PING_PERIOD_S,  # a ping-loop wake-up up to this late is on time
+)
+"""The longest stall of the machine that neither side recognises as one: silence up to this long is
+counted as the other side's."""
+SILENCE_S = 2 * UNNOTICED_STALL_S
+"""The silence limit of these tests: a real stall of this machine shorter than UNNOTICED_STALL_S cannot
+reach it, and a longer one is recognised as a stall, so only the tests' own silences and stalls count."""
+MACHINE_STALL_S = 1.5 * SILENCE_S
+"""An injected stall: longer than the silence limit, so taking it for silence stops the work."""
 
 
 def one_stage() -> PipelineSpec:
@@ -89,11 +106,16 @@ async def router_to(cluster, stage) -> AsyncIterator[FakeRouter]:
 
 
 def long_work(work_id: str) -> tuple[P.Submit, dict]:
-    """A work of 40 words at 0.25 s each: about ten seconds, far beyond the silence limit."""
+    """A work of words at 0.25 s each, four silence limits long: it outlasts every phase of these tests
+    (it cannot end sooner, only later on a loaded machine), so a work gone before the end was stopped."""
     submit = P.Submit(
         id=work_id, request_id=work_id, stage="llm", role="primary", data=True, final=True, params={"delay": 0.25}
     )  # fmt: skip
-    return submit, {"prompt": " ".join(f"w{i}" for i in range(40))}
+    return submit, {"prompt": " ".join(f"w{i}" for i in range(int(4 * SILENCE_S / 0.25)))}
+
+
+def pongs(router: FakeRouter) -> int:
+    return sum(isinstance(m, P.Pong) for m in router.received)
 
 
 async def until(predicate, what: str, timeout: float = 15.0) -> None:
@@ -111,8 +133,8 @@ async def test_a_work_stopped_because_its_router_went_silent_is_reported_to_that
             submit, payload = long_work("silent-1")
             await router.send(submit, payload)
             await until(lambda: submit.id in stage.works, "the stage never ran the work")
-            # The router now sends nothing, not even a ping.
-            await until(lambda: submit.id not in stage.works, "the work of a silent router kept running")
+            # The router now sends nothing, not even a ping. (A real stall meanwhile only postpones the stop.)
+            await until(lambda: submit.id not in stage.works, "the work of a silent router kept running", 3 * SILENCE_S)
             await until(lambda: router.failures(submit.id), "the stage stopped the work without telling its router")
             (failed,) = router.failures(submit.id)
             assert failed.kind == "unavailable"  # the router answers a retriable 503 at once
@@ -120,11 +142,17 @@ async def test_a_work_stopped_because_its_router_went_silent_is_reported_to_that
             assert [i for i in cluster.engines["llm"][0].aborted if i == submit.id], "the engine kept generating"
 
 
-async def test_a_stall_of_the_whole_machine_longer_than_the_silence_limit_stops_no_work() -> None:
+async def test_a_stall_of_the_whole_machine_longer_than_the_silence_limit_stops_no_work(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The stall is a blocking sleep on the event loop that runs both the stage and this test's router, as
     when a loaded machine runs neither for a while: the router sends no ping during it, and after it the
     stage's housekeeping is due at the same moment the router's next ping is. A stage that took that
-    silence for the router's used to stop every work of every router then."""
+    silence for the router's used to stop every work of every router then.
+
+    The stage's first housekeeping tick after the stall is the one that decides: it logs that it ran late
+    (the stage noticed the stall) and, in the same step, would mark the work stopped and cancel it."""
+    caplog.set_level(logging.INFO, logger=stage_server.__name__)
     async with echo_cluster(echo_pipeline(one_stage(), name="stalled-stage")) as cluster:
         stage = cluster.servers["llm"][0]
         stage.peer_timeout_s = SILENCE_S
@@ -132,16 +160,24 @@ async def test_a_stall_of_the_whole_machine_longer_than_the_silence_limit_stops_
             submit, payload = long_work("stalled-1")
             await router.send(submit, payload)
             await until(lambda: submit.id in stage.works, "the stage never ran the work")
-            pinger = asyncio.create_task(ping_every(router, 0.2))
-            await asyncio.sleep(2 * SILENCE_S)  # pinging steadily
-            time.sleep(5 * SILENCE_S)
-            await asyncio.sleep(3 * SILENCE_S)  # the pings resume; the stage's housekeeping ticks again
+            pinger = asyncio.create_task(ping_every(router, PING_PERIOD_S))
+            await until(lambda: pongs(router) >= 3, "the stage does not answer pings")  # pinging steadily
+            caplog.clear()  # from here, a "ran late" record is from a tick after the injected stall
+            time.sleep(MACHINE_STALL_S)
+            await until(
+                lambda: any("housekeeping ran" in r.getMessage() and "late" in r.getMessage() for r in caplog.records),
+                "the stage did not notice the stall of its machine",
+            )
+            work = stage.works.get(submit.id)
+            assert work is not None and work.stopped_because is None, "the stall was taken for the router's silence"
+            after = pongs(router)
+            await until(lambda: pongs(router) >= after + 3, "the pings did not resume after the stall")
             pinger.cancel()
             await asyncio.gather(pinger, return_exceptions=True)
             assert router.failures(submit.id) == [], router.failures(submit.id)
-            assert submit.id in stage.works or any(
-                isinstance(m, P.Output) and m.id == submit.id and m.finished for m in router.received
-            ), "the work of a router that kept pinging was stopped"
+            assert submit.id in stage.works and stage.works[submit.id].stopped_because is None, (
+                "the work of a router that kept pinging was stopped"
+            )
 
 
 async def ping_every(router: FakeRouter, period: float) -> None:
@@ -162,9 +198,10 @@ async def test_a_stall_of_the_whole_machine_longer_than_the_ping_timeout_fails_n
                 "sampling_params_list": [{"delay": 0.25}],
             }
             request = asyncio.create_task(http.post("/v1/chat/completions", json=body))
+            # The router's pool was ready (its replica answered pings) and the stage runs the request now,
+            # four seconds of words at the least: the stall lands mid-request.
             await until(lambda: len(stage.works) == 1, "the stage never ran the request")
-            await asyncio.sleep(2 * SILENCE_S)  # pinging steadily
-            time.sleep(4 * SILENCE_S)
+            time.sleep(MACHINE_STALL_S)
             reply = await request
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"].split() == words.split()
