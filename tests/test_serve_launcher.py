@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from collections.abc import Callable
 
 import pytest
 import yaml
@@ -207,18 +209,29 @@ def _replica_series(pipeline: str, address: str) -> dict[str, float | None]:
     return {name: REGISTRY.get_sample_value(name, labels) for name in names}
 
 
+async def until(predicate: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
 async def test_pool_follows_discovery_and_drains_removed_replicas(t2i_folder, tmp_path) -> None:
     """Discovery adds and removes replicas; a removed one drains, then goes, and so do its series on the
-    router's /metrics (a gone pod IP exported forever would add a frozen series per pod ever seen)."""
+    router's /metrics (a gone pod IP exported forever would add a frozen series per pod ever seen).
+
+    "Kept while its work runs" needs a pass of the pool's reaper to have looked at the busy replica: an
+    idle replica removed together with it is reaped by such a pass, and a replica added only after that is
+    reaped by a later one, so once both are gone a whole pass has gone by over the busy one."""
     run = LocalRun.prepare(load_local_spec(t2i_folder), run_dir=tmp_path / "run")
     name = run.resolved.name
     found = {"enhancer": ListedDiscovery(), "dit": ListedDiscovery()}
     pool = StagePool(run.resolved, key=PipelineKey.from_file(run.key_path), discoveries=found)
     await pool.start()
     try:
-        await asyncio.sleep(0)
-        found["dit"].on_change({"127.0.0.1:1", "127.0.0.1:2"})
-        assert sorted(pool["dit"].replicas) == ["127.0.0.1:1", "127.0.0.1:2"]
+        await until(lambda: found["dit"].on_change is not None, "the pool did not start its discovery")
+        found["dit"].on_change({"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"})
+        assert sorted(pool["dit"].replicas) == ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
         assert _replica_series(name, "127.0.0.1:2") == {
             "omnikube_stage_replica_up": 0.0, "omnikube_stage_outstanding_requests": 0.0,
         }  # fmt: skip
@@ -226,15 +239,19 @@ async def test_pool_follows_discovery_and_drains_removed_replicas(t2i_folder, tm
         client.outstanding = 1  # a work still runs there
         found["dit"].on_change({"127.0.0.1:1"})
         assert client.draining and not client.usable
-        await asyncio.sleep(1.2)
-        assert "127.0.0.1:2" in pool["dit"].replicas  # kept while its work runs
+        await until(lambda: "127.0.0.1:3" not in pool["dit"].replicas, "an idle removed replica was kept")
+        found["dit"].on_change({"127.0.0.1:1", "127.0.0.1:4"})  # one more, listed after that reaper pass began
+        found["dit"].on_change({"127.0.0.1:1"})  # and removed again at once
+        await until(lambda: "127.0.0.1:4" not in pool["dit"].replicas, "the reaper stopped")
+        assert "127.0.0.1:2" in pool["dit"].replicas and client.draining  # kept while its work runs
         client.outstanding = 0
-        await asyncio.sleep(1.2)
+        await until(lambda: "127.0.0.1:2" not in pool["dit"].replicas, "a drained replica was kept")
         assert sorted(pool["dit"].replicas) == ["127.0.0.1:1"]
         assert pool.ready() == {"enhancer": 0, "dit": 0}  # nothing answers on those ports
-        assert _replica_series(name, "127.0.0.1:2") == {
-            "omnikube_stage_replica_up": None, "omnikube_stage_outstanding_requests": None,
-        }  # fmt: skip
+        for gone in ("127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4"):
+            assert _replica_series(name, gone) == {
+                "omnikube_stage_replica_up": None, "omnikube_stage_outstanding_requests": None,
+            }, gone  # fmt: skip
         assert _replica_series(name, "127.0.0.1:1")["omnikube_stage_replica_up"] == 0.0  # still listed: kept
     finally:
         await pool.stop()
