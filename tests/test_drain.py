@@ -20,6 +20,7 @@ import pytest
 from servelib import echo_cluster, echo_pipeline
 
 from omni_runtime.engines.base import EngineError
+from omni_runtime.router.client import ReplicaClient
 from omni_runtime.router.discovery import ready_addresses
 from omni_runtime.spec import EdgeSpec, PipelineSpec, StageSpec
 from omni_runtime.stage import protocol as P
@@ -202,7 +203,12 @@ async def test_an_upstream_stage_that_drains_mid_request_still_feeds_its_consume
 
 async def test_while_a_stage_is_between_replicas_a_request_waits_for_the_new_one() -> None:
     """A roll: the old replica drains before discovery lists the new one (the SIGTERM of the old pod and
-    the EndpointSlice update race). The request waits for the new replica instead of failing."""
+    the EndpointSlice update race). The request waits for the new replica instead of failing.
+
+    "Waits" is read from the router's own call for a replica: `pool.pick` is wrapped (it still does the
+    real work) so the test sees the request ask for a replica and not be answered yet. A pick that failed
+    or returned at once would have ended in the same step (it does not yield before raising). This wait
+    has no metric of its own (the scale-from-zero wait has omnikube_stage_requests_waiting_for_replica)."""
     async with echo_cluster(echo_pipeline(chat_topology()), {"llm": 2}) as cluster, client(cluster.base) as api:
         pool = cluster.pool
         old, new = (f"127.0.0.1:{s.port}" for s in cluster.servers["llm"])
@@ -210,9 +216,22 @@ async def test_while_a_stage_is_between_replicas_a_request_waits_for_the_new_one
         await until(lambda: new not in pool["llm"].replicas)  # dropped (idle): as if never seen
         drain = asyncio.create_task(cluster.servers["llm"][0].drain(20))
         await until(lambda: pool["llm"].replicas[old].stage_draining)
+        asked: list[str] = []
+        answered: list[str] = []
+        real_pick = pool.pick
+
+        async def pick(stage: str) -> ReplicaClient:
+            asked.append(stage)
+            try:
+                return await real_pick(stage)
+            finally:
+                answered.append(stage)
+
+        pool.pick = pick
         call = asyncio.create_task(api.chat.completions.create(model="echo", messages=user("during the roll")))
-        await asyncio.sleep(0.3)
-        assert not call.done(), "the request waits for a usable replica"
+        await until(lambda: asked)  # the router asked for a replica of the stage
+        assert answered == [], "the router did not wait for a usable replica"
+        assert not call.done() and cluster.engines["llm"][1].seen == [], "the request waits for a usable replica"
         pool._update("llm", {old, new})  # the new replica's EndpointSlice update arrives
         reply = await asyncio.wait_for(call, 10)
         assert reply.choices[0].message.content == "during the roll "
