@@ -8,6 +8,7 @@ transfer engines (mode `p2p`, the default).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import multiprocessing
 import os
@@ -570,7 +571,14 @@ async def test_mooncake_p2p_between_two_processes(mooncake_p2p_pair, mooncake_ma
     assert producer.stats()["busy"] == 0  # the child's release reached the producer's block before it exited
 
 
-async def test_mooncake_p2p_stale_release_does_not_free_a_reused_block(mooncake_p2p_pair):
+async def test_mooncake_p2p_stale_release_does_not_free_a_reused_block(
+    mooncake_master, mooncake_p2p_pair, caplog: pytest.LogCaptureFixture
+):
+    """A consumer's release of a remote block is a write its worker threads make later (nobody waits for
+    it); closing the consumer waits for them. So once the consumer is closed, the stale release has
+    reached the producer's block (and no "releasing ... failed" was logged: the write went through), and
+    the producer's count is the one the stale release leaves. Another consumer then reads the blocks."""
+    caplog.set_level(logging.INFO, logger="omni_runtime.connectors.mooncake_p2p")
     producer, consumer = mooncake_p2p_pair
     first = await producer.put("a", "b", "one", {"x": torch.arange(100)})
     await consumer.release(first)
@@ -578,14 +586,19 @@ async def test_mooncake_p2p_stale_release_does_not_free_a_reused_block(mooncake_
     second = await producer.put("a", "b", "two", {"x": torch.arange(100) * 2})
     assert (second.address, second.generation) == (first.address, first.generation + 1)
     await consumer.release(first)  # stale: must not free `second`
-    await asyncio.sleep(0.2)
+    consumer.close()  # waits for its release writes
+    assert [r.getMessage() for r in caplog.records if "releasing" in r.getMessage()] == []
     assert producer.stats()["busy"] == 1
-    with pytest.raises(PayloadGone, match="already released"):
-        await consumer.get(first)
-    got = await consumer.get(second)
-    assert torch.equal(got["x"], torch.arange(100) * 2)
-    await consumer.release(second)
-    assert (await p2p_settled(producer))["busy"] == 0
+    reader = make_connector("mooncake", ConnectorsSpec.model_validate(MOONCAKE_SPEC), **p2p_info(mooncake_master))
+    try:
+        with pytest.raises(PayloadGone, match="already released"):
+            await reader.get(first)
+        got = await reader.get(second)
+        assert torch.equal(got["x"], torch.arange(100) * 2)
+        await reader.release(second)
+        assert (await p2p_settled(producer))["busy"] == 0
+    finally:
+        reader.close()
 
 
 async def test_mooncake_p2p_full_is_an_error_not_an_eviction(mooncake_p2p_pair):
