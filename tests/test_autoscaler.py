@@ -1,7 +1,7 @@
 """A stage's autoscaler, offline: the KEDA ScaledObject or HPA `omnikube render` prints for it.
 
 No cluster: `render_pipeline` runs the same builders the reconcile does. Against a real apiserver (KEDA
-CRDs installed or absent): e2e/test_autoscaler_cluster.py.
+CRDs installed or absent): e2e/test_autoscale_cluster.py.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 made here with the real encoders (PIL, wave, OpenCV); MP3 frames are built by hand (no MP3 encoder is
 installed), with valid MPEG-1 layer III headers.
 
-What is not covered: a real thinker reading the media. The tiny Qwen3-Omni thinker runs on CPU with
-media limits of 0 (research/speech-pipeline.md §1), so these tests stop at the stage boundary and check
-that the entry stage receives the parts as data URLs.
+These tests stop at the stage boundary and check that the entry stage receives the parts as data URLs.
+Real thinkers reading media: test_serve_speech.py (an image and a WAV `input_audio` part into the tiny
+Qwen3-Omni thinker) and test_serve_qwen25_speech.py (image and audio compared with transformers, and a
+`video_url` part).
 """
 
 from __future__ import annotations
