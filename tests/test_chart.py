@@ -1,6 +1,6 @@
 """The Helm chart without a cluster: CRDs in step with crds/, values against their schema, RBAC in step
-with the code. Rendering, install, upgrade and the RBAC proof against a real apiserver are in
-e2e/test_helm_chart.py."""
+with the code, and the operator arguments the real `helm template` renders parsed by the real `omnikube`
+parser. Install, upgrade and the RBAC proof against a real apiserver are in e2e/test_helm_chart.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import copy
 import importlib.metadata
 import importlib.util
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +19,14 @@ import kopf
 import pytest
 import yaml
 
-from omni_operator import handlers  # noqa: F401 - registers the kopf watches read below
+from omni_operator import (
+    handlers,  # noqa: F401 - registers the kopf watches read below
+    runner,
+)
 from omni_operator.kube import RESOURCES
 from omni_operator.render import render_pipeline
+from omni_operator.runner import OperatorConfig
+from omni_runtime.cli import build_parser
 from omni_runtime.registry import load_registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,21 +90,6 @@ def test_default_values_match_the_schema():
     assert not errors, errors
 
 
-def test_defaults_are_the_documented_ones():
-    values = _values()
-    assert values["image"]["repository"] == "ghcr.io/omnikube/operator"
-    assert values["image"]["tag"] == ""  # the appVersion, 0.1.0
-    assert values["replicas"] == 2 and values["leaderElection"]["enabled"] is True
-    assert values["watchNamespaces"] == []
-    assert values["liveness"]["port"] == 8080 and values["metrics"]["port"] == 9090
-    assert values["serviceMonitor"]["enabled"] is False
-    assert values["crds"] == {"install": True, "keep": True}
-    assert values["podSecurityContext"]["runAsNonRoot"] is True
-    assert values["podSecurityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-    assert values["securityContext"]["readOnlyRootFilesystem"] is True
-    assert values["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-
-
 def _with(values: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
     out = copy.deepcopy(values)
     *parents, leaf = dotted.split(".")
@@ -148,6 +140,181 @@ def test_templates_only_read_values_that_exist():
                     break
                 node = node[key]
     assert not missing, missing
+
+
+# --- the rendered chart: `helm template`, and the operator's arguments through the real parser ------
+
+RELEASE_NAMESPACE = "omnikube-system"
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    """The helm binary of the local control plane (e2e/cluster/build.sh builds it or reuses the cached one,
+    waiting for a build already running, and prints its folder)."""
+    out = subprocess.run(
+        ["bash", str(ROOT / "e2e" / "cluster" / "build.sh")], capture_output=True, text=True, timeout=3600
+    )
+    assert out.returncode == 0, f"e2e/cluster/build.sh exited {out.returncode}:\n{out.stderr[-3000:]}"
+    return str(Path(out.stdout.strip().splitlines()[-1]) / "helm")
+
+
+def _template(helm: str, workdir: Path, values: dict[str, Any]) -> list[dict[str, Any]]:
+    """The objects `helm template` renders for the chart with `values` over values.yaml."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    values_file = workdir / "values.yaml"
+    values_file.write_text(yaml.safe_dump(values))
+    home = {f"HELM_{d}_HOME": str(workdir / d.lower()) for d in ("CACHE", "CONFIG", "DATA")}  # not ~/.config
+    out = subprocess.run(
+        [helm, "template", "rel", str(CHART), "--namespace", RELEASE_NAMESPACE, "-f", str(values_file)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **home},
+    )  # fmt: skip
+    assert out.returncode == 0, f"helm template exited {out.returncode}:\n{out.stderr}"
+    return [o for o in yaml.safe_load_all(out.stdout) if o]
+
+
+def _operator_container(objects: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the operator Deployment, its `operator` container)."""
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
+    (container,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "operator"]
+    return deployment, container
+
+
+def _operator_config(
+    container: dict[str, Any], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> OperatorConfig:
+    """The OperatorConfig the container's command line gives: parsed by the real `omnikube` parser and
+    turned into a config by the real `omnikube operator` command. Only the operator's run is replaced (it
+    needs an apiserver): it records the config it is given."""
+    assert container["command"] == ["omnikube", "operator"]
+    (script,) = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "omnikube"]
+    assert script.value == "omni_runtime.cli:main"  # the parser below is the one that command runs
+    argv = [*container["command"][1:], *container["args"]]
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"omnikube refuses the chart's operator arguments {argv}:\n{capsys.readouterr().err}")
+    recorded: list[OperatorConfig] = []
+
+    async def run_operator(config: OperatorConfig) -> None:
+        recorded.append(config)
+
+    monkeypatch.setattr(runner, "run_operator", run_operator)
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)  # the Lease's namespace must come from the arguments
+    assert args.func(args) == 0
+    (config,) = recorded
+    return config
+
+
+def _default_config() -> dict[str, Any]:
+    """What the operator is given with values.yaml as it is."""
+    values = _values()
+    return {
+        "namespaces": values["watchNamespaces"],
+        "workers": values["operator"]["workers"],
+        "resync_seconds": float(values["operator"]["resyncSeconds"]),
+        "leader_election": values["leaderElection"]["enabled"],
+        "lease_namespace": RELEASE_NAMESPACE,
+        "lease_name": OperatorConfig().lease_name,
+        "liveness_port": values["liveness"]["port"],
+        "metrics_port": values["metrics"]["port"],
+        "pipelines_dirs": [],
+        "model_root": None,
+        "kubeconfig": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        pytest.param({}, {}, id="defaults"),
+        pytest.param(
+            {"replicas": 1, "leaderElection": {"enabled": False}},
+            {"leader_election": False, "lease_namespace": "default"},  # no flag: OperatorConfig's own default
+            id="no-leader-election",
+        ),
+        pytest.param(
+            {"watchNamespaces": ["team-a", "team-b"]}, {"namespaces": ["team-a", "team-b"]}, id="two-namespaces"
+        ),
+        pytest.param(
+            {"operator": {"extraArgs": ["--pipelines-dir", "/etc/omnikube/pipelines", "--model-cache=/models"]}},
+            {"pipelines_dirs": [Path("/etc/omnikube/pipelines")], "model_root": Path("/models")},
+            id="extra-args",  # the first two are values.yaml's own example
+        ),
+        pytest.param(
+            {"operator": {"workers": 3, "resyncSeconds": 45}, "liveness": {"port": 8181}, "metrics": {"port": 9191}},
+            {"workers": 3, "resync_seconds": 45.0, "liveness_port": 8181, "metrics_port": 9191},
+            id="workers-resync-ports",
+        ),
+    ],
+)
+def test_the_operator_runs_with_the_values_the_chart_was_given(
+    helm: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    values: dict[str, Any],
+    expected: dict[str, Any],
+) -> None:
+    """The chart's operator arguments through the real parser: a flag renamed in omni_operator/cli.py (and
+    every installed operator crash-looping on it) fails here; so does a value that does not arrive."""
+    _, container = _operator_container(_template(helm, tmp_path, values))
+    config = _operator_config(container, monkeypatch, capsys)
+    want = {**_default_config(), **expected}
+    assert {name: getattr(config, name) for name in want} == want, container["args"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"healthz": want["liveness_port"], "metrics": want["metrics_port"]}  # what the probe reads
+
+
+def test_defaults_are_the_documented_ones(
+    helm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What the chart's README and values.yaml comments promise a default install, read from the real
+    render of the default values: a default changed without its words (or words without the default) fails."""
+    readme = (CHART / "README.md").read_text()
+    objects = _template(helm, tmp_path, {})
+    kinds = [o["kind"] for o in objects]
+    deployment, container = _operator_container(objects)
+    pod = deployment["spec"]["template"]["spec"]
+    config = _operator_config(container, monkeypatch, capsys)
+
+    # README: "kopf's `/healthz` on `liveness.port` (8080), Prometheus `/metrics` on `metrics.port` (9090, ..."
+    documented = {name: int(port) for name, port in re.findall(r"`(liveness|metrics)\.port` \((\d+)", readme)}
+    assert sorted(documented) == ["liveness", "metrics"], "the README no longer names the two ports"
+    assert (config.liveness_port, config.metrics_port) == (documented["liveness"], documented["metrics"])
+    probe = container["livenessProbe"]["httpGet"]
+    assert probe["path"] == "/healthz" and probe["port"] == "healthz"
+
+    # README: "leader elected on a Lease, so extra replicas only stand by" and "a Role on the
+    # `omnikube-operator` Lease in the release namespace".
+    lease = re.search(r"a Role on the `([a-z0-9-]+)` Lease in the release namespace", readme)
+    assert lease, "the README no longer names the Lease"
+    assert deployment["spec"]["replicas"] > 1 and config.leader_election
+    assert (config.lease_name, config.lease_namespace) == (lease.group(1), RELEASE_NAMESPACE)
+
+    # values.yaml: "Namespaces whose OmniPipelines the operator serves. Empty: all namespaces, with a ClusterRole."
+    assert config.namespaces == [] and "ClusterRole" in kinds
+
+    # values.yaml: "Image tag; empty means the chart's appVersion."
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert container["image"].endswith(f":{app_version}")
+
+    # README: "With `crds.keep` (the default) `helm uninstall` leaves them".
+    crds = [o for o in objects if o["kind"] == "CustomResourceDefinition"]
+    assert len(crds) == 2
+    assert all(c["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep" for c in crds)
+
+    # README: "optionally, a Prometheus Operator ServiceMonitor"; the pipelines' monitoring: "each off by default".
+    assert not {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"} & set(kinds)
+
+    # values.yaml: "non-root (the image's user is uid 1000), RuntimeDefault seccomp" and "read-only root
+    # filesystem (/tmp is an emptyDir), no capabilities".
+    security = pod["securityContext"]
+    assert security["runAsNonRoot"] is True and security["runAsUser"] == 1000
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    (tmp,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/tmp"]
+    assert [v for v in pod["volumes"] if v["name"] == tmp["name"]][0].get("emptyDir") is not None
 
 
 # --- RBAC in step with the code --------------------------------------------------------------------
