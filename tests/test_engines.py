@@ -337,7 +337,6 @@ async def ar(model_dir: Path, children_before_vllm: set[int]):
     pipeline = _prompt_enhanced(str(model_dir), enhancer={"engine_args": AR_ARGS})
     engine = AREngine(pipeline, pipeline.topology.stage("enhancer"))
     await engine.start()
-    print(f"\nvLLM load: {engine.load_seconds:.1f}s")
     yield engine
     await engine.stop()
 
@@ -350,10 +349,7 @@ def _greedy(max_tokens: int, **more) -> dict:
 @in_module_loop
 async def test_ar_stream_deltas_join_to_the_whole_text(ar: AREngine, hf_tokenizer) -> None:
     request = EngineInput("s1", {"prompt": "A photograph of a lighthouse"}, _greedy(24))
-    started = time.monotonic()
     outs = await _collect(ar, request)
-    seconds = time.monotonic() - started
-    print(f"\nvLLM decode: {24 / seconds:.1f} tokens/s (one request, 24 tokens)")
     assert len(outs) > 1 and all(not o.finished for o in outs[:-1]) and outs[-1].finished
     text = "".join(o.data["text"] for o in outs)
     ids = [t for o in outs for t in o.data["token_ids"]]
@@ -424,8 +420,11 @@ async def test_ar_abort_stops_a_running_request(ar: AREngine) -> None:
     gen = ar.generate(EngineInput("a2", request.data, request.params))
     await gen.__anext__()
     await gen.aclose()
-    await asyncio.sleep(0.1)
-    assert ar.llm.get_num_unfinished_requests() == 0
+    # The close starts vLLM's abort; its output processor forgets the request once the abort is handled.
+    deadline = time.monotonic() + 30
+    while ar.llm.get_num_unfinished_requests():
+        assert time.monotonic() < deadline, "closing the stream left the request running in vLLM"
+        await asyncio.sleep(0.02)
 
 
 @models
@@ -562,9 +561,7 @@ async def _image(engine: DiffusionEngine, rid: str, prompt: str, **params) -> by
 async def test_diffusion_gives_a_png_of_the_requested_size(dit: DiffusionEngine) -> None:
     from PIL import Image
 
-    started = time.monotonic()
     png = await _image(dit, "d1", "a red apple on a table", seed=1)
-    print(f"\ndiffusion alone: {time.monotonic() - started:.2f}s per image (64x64, 2 steps)")
     image = Image.open(io.BytesIO(png))
     assert image.format == "PNG" and image.size == (64, 64)
     wide = Image.open(io.BytesIO(await _image(dit, "d2", "a red apple", seed=1, width=96, height=32)))
@@ -586,10 +583,7 @@ async def test_diffusion_seed_decides_the_image(dit: DiffusionEngine) -> None:
 async def test_diffusion_batches_compatible_requests_without_changing_them(dit: DiffusionEngine) -> None:
     prompts = ["a lighthouse", "a white horse", "a bowl of soup", "a sailing ship"]
     alone = [await _image(dit, f"alone{i}", p, seed=100 + i) for i, p in enumerate(prompts)]
-    started = time.monotonic()
     batched = await asyncio.gather(*(_image(dit, f"b{i}", p, seed=100 + i) for i, p in enumerate(prompts)))
-    seconds = time.monotonic() - started
-    print(f"\ndiffusion batch of 4: {seconds / 4:.2f}s per image ({seconds:.2f}s per call)")
     assert sorted(dit.batch_log[-1]) == ["b0", "b1", "b2", "b3"]
     assert dit.stats()["last_batch_size"] == 4 and dit.stats()["queue_depth"] == 0
     for a, b in zip(alone, batched, strict=True):
