@@ -471,8 +471,14 @@ async def test_mixed_load_with_cancellations_leaves_nothing_held(t2i) -> None:
                                 break
                             assert '"error"' not in line, f"{line}\n{stage_states(t2i)}"
                 outcomes[kind] = outcomes.get(kind, 0) + 1
-            except httpx.TimeoutException:
-                outcomes["timed out"] = outcomes.get("timed out", 0) + 1
+            except httpx.TimeoutException as err:
+                # only the intended cancels (dropped by their 0.3 s client timeout) may time out: any other
+                # request that runs past its 120 s was lost in the protocol, the bug class this test is for
+                if kind != "cancel":
+                    raise AssertionError(
+                        f"a {kind!r} request (#{i}) timed out: lost in the protocol?\n{stage_states(t2i)}"
+                    ) from err
+                outcomes["cancel timed out"] = outcomes.get("cancel timed out", 0) + 1
 
     async with httpx.AsyncClient(base_url=t2i.base, trust_env=False) as http:
         await asyncio.gather(*(one(i, kind, http) for i, kind in enumerate(kinds)))
