@@ -7,7 +7,11 @@ an error naming the rank and its exit code and leaves the engine dead; a worker 
 the client gets a 500 naming the rank and the stage process exits 1. One rank's call raising mid-call while the
 other waits in a collective (either side) fails the call at once as out of step and leaves the engine dead; the
 same failure on both ranks fails only its request. The GPU figures (NCCL, two H200s) are in
-bench/results-h200-diffusion-speed.txt; NCCL's abort path has not run here."""
+bench/results-h200-diffusion-speed.txt; NCCL's abort path has not run here.
+
+Each two-rank start spawns and loads a worker process, so the tests that leave the engine alive and in step
+share one (TestTwoRanksInStep); the tests that kill a rank or put the ranks out of step come after it, each
+with an engine of its own."""
 
 from __future__ import annotations
 
@@ -23,11 +27,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
+import pytest_asyncio
 from servelib import REPO, Serve, http_get, pid_alive, process_tree
 
 from omni_runtime.engines import diffusion_parallel as P
@@ -85,51 +91,6 @@ def _psnr(a: bytes, b: bytes) -> float:
     return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
-@pytest.mark.models
-@pytest.mark.timeout(600)
-@pytest.mark.asyncio
-async def test_two_cpu_ranks_give_the_image_of_one_process(tiny_flux_model: Path) -> None:
-    one = _engine("flux", tiny_flux_model, sequence_parallel=1)
-    await one.start()
-    try:
-        want = await _image(one)
-    finally:
-        await one.stop()
-    two = _engine("flux", tiny_flux_model, sequence_parallel=2)
-    await two.start()
-    try:
-        assert two.sequence_parallel == 2
-        workers = [p for p in multiprocessing.active_children() if p.name == "omnikube-dit-rank1"]
-        assert len(workers) == 1 and workers[0].is_alive()
-        got = await _image(two)
-        assert await _image(two) == got  # the next call runs on both ranks again
-        # A request aborted mid-call stops every rank after the same step (agreed over gloo), so the next call
-        # runs in step and gives the same image again.
-        agreed = _Messages("done on every rank")
-        logger = logging.getLogger(PARALLEL_LOG)
-        level = logger.level
-        logger.addHandler(agreed)
-        logger.setLevel(logging.DEBUG)
-        try:
-            long = EngineInput("long", {"prompt": "a red cube"}, {"seed": 5, "num_inference_steps": 200})
-            running = asyncio.ensure_future(_outputs(two, long))
-            while not agreed.seen:
-                await asyncio.sleep(0.01)
-            await two.abort("long")
-            outs = await running
-        finally:
-            logger.removeHandler(agreed)
-            logger.setLevel(level)
-        assert outs[-1].finish_reason == "abort" and "images" not in outs[-1].data
-        assert 1 <= agreed.seen < 200  # it stopped between two steps, long before its last
-        assert await _image(two) == got
-    finally:
-        await two.stop()
-    assert not workers[0].is_alive()
-    # Ulysses only reorders the attention's work: measured 6.7e-8 latents relative error on this model.
-    assert _psnr(got, want) >= 45.0
-
-
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("args", "message"),
@@ -152,6 +113,147 @@ async def test_settings_that_cannot_run_are_refused_before_loading(args: dict, m
     assert engine.pipe is None and not [p for p in multiprocessing.active_children() if "rank" in p.name]
 
 
+DIED = r"stage 'dit': sequence-parallel rank 1 \(pid {pid}\) died \(exit code -9: killed by SIGKILL"
+PARALLEL_LOG = "omni_runtime.engines.diffusion_parallel"
+
+
+def _worker(engine: DiffusionEngine) -> multiprocessing.Process:
+    workers = [p for p in multiprocessing.active_children() if p.name == "omnikube-dit-rank1"]
+    assert len(workers) == 1 and workers[0].is_alive() and engine.sequence_parallel == 2
+    return workers[0]
+
+
+FAIL_STEPS = 5
+"""A request with this many steps fails on `_FailingRanks.fail_ranks` at its second denoising step."""
+
+
+class _FailingRanks(DiffusionEngine):
+    """The real engine whose denoiser raises on the ranks in `fail_ranks` at the second step of a FAIL_STEPS-step
+    call, as a GPU out of memory on one rank does (a test double: a CUDA OOM cannot happen on a CPU; the rank's
+    call raises and the process lives on, which is all the engine sees of it). Worker ranks get `fail_ranks` too."""
+
+    worker_state = ("fail_ranks",)
+    fail_ranks: tuple[int, ...] = ()
+
+    def _load(self, dtype: object) -> object:
+        import torch.distributed as dist
+
+        pipe = super()._load(dtype)
+        forward, scheduler = pipe.transformer.forward, pipe.scheduler
+
+        def failing(*args: object, **kwargs: object) -> object:
+            if (
+                len(scheduler.timesteps) == FAIL_STEPS
+                and scheduler.step_index == 1
+                and dist.get_rank() in self.fail_ranks
+            ):
+                raise RuntimeError(f"CUDA out of memory (simulated on rank {dist.get_rank()})")
+            return forward(*args, **kwargs)
+
+        pipe.transformer.forward = failing
+        return pipe
+
+
+def _failing_engine(model: Path, fail_ranks: tuple[int, ...]) -> DiffusionEngine:
+    engine = _engine("flux", model, _FailingRanks, sequence_parallel=2)
+    assert isinstance(engine, _FailingRanks)
+    engine.fail_ranks = fail_ranks
+    return engine
+
+
+async def _failing_image(engine: DiffusionEngine) -> bytes:
+    request = EngineInput("r", {"prompt": "a red cube"}, {"seed": 5, "num_inference_steps": FAIL_STEPS})
+    async for out in engine.generate(request):
+        if out.finished:
+            return out.data["images"][0]
+    raise AssertionError("no final output")
+
+
+# -- one two-rank engine for the tests that leave it alive and in step ------------------------------------
+# Class-scoped (not module-scoped) so that it is stopped, and its worker rank gone, before the tests below
+# start their own engines: those count the `omnikube-dit-rank1` processes alive. The tests that kill a rank
+# or put the ranks out of step come after it, each on a fresh engine.
+
+
+@pytest_asyncio.fixture(scope="class", loop_scope="class")
+async def two_ranks(tiny_flux_model: Path) -> AsyncIterator[DiffusionEngine]:
+    """A started two-rank engine, shared by the tests of TestTwoRanksInStep; stopping it stops its worker.
+
+    It is a `_FailingRanks` failing on both ranks, so that the same-failure test needs no engine of its own:
+    only a call of exactly FAIL_STEPS steps reaches the failing denoiser; every other call (the image
+    checks use PARAMS' 3 steps, the abort 200) runs the real denoiser unchanged."""
+    engine = _failing_engine(tiny_flux_model, (0, 1))
+    await engine.start()
+    worker = _worker(engine)
+    try:
+        yield engine
+    finally:
+        await asyncio.wait_for(engine.stop(), 120)
+    assert not worker.is_alive(), "the worker rank outlived its engine's stop"
+
+
+@pytest.mark.models
+@pytest.mark.timeout(600)
+@pytest.mark.asyncio(loop_scope="class")
+class TestTwoRanksInStep:
+    """The tests that leave the shared two-rank engine alive and in step (their order does not matter)."""
+
+    async def test_two_cpu_ranks_give_the_image_of_one_process(
+        self, two_ranks: DiffusionEngine, tiny_flux_model: Path
+    ) -> None:
+        one = _engine("flux", tiny_flux_model, sequence_parallel=1)
+        await one.start()
+        try:
+            assert one.sequence_parallel == 1
+            want = await _image(one)
+        finally:
+            await one.stop()
+        assert two_ranks.sequence_parallel == 2
+        worker = _worker(two_ranks)  # the one worker rank, alive
+        got = await _image(two_ranks)
+        assert await _image(two_ranks) == got  # the next call runs on both ranks again
+        assert _worker(two_ranks).pid == worker.pid
+        # Ulysses only reorders the attention's work: measured 6.7e-8 latents relative error on this model.
+        assert _psnr(got, want) >= 45.0
+
+    async def test_an_aborted_call_stops_every_rank_after_the_same_step(self, two_ranks: DiffusionEngine) -> None:
+        """A request aborted mid-call stops every rank after the same step (agreed over gloo), so the next
+        call runs in step and gives the image it gave before the abort."""
+        before = await _image(two_ranks)
+        agreed = _Messages("done on every rank")
+        logger = logging.getLogger(PARALLEL_LOG)
+        level = logger.level
+        logger.addHandler(agreed)
+        logger.setLevel(logging.DEBUG)
+        try:
+            long = EngineInput("long", {"prompt": "a red cube"}, {"seed": 5, "num_inference_steps": 200})
+            running = asyncio.ensure_future(_outputs(two_ranks, long))
+            while not agreed.seen:
+                await asyncio.sleep(0.01)
+            await two_ranks.abort("long")
+            outs = await running
+        finally:
+            logger.removeHandler(agreed)
+            logger.setLevel(level)
+        assert outs[-1].finish_reason == "abort" and "images" not in outs[-1].data
+        assert 1 <= agreed.seen < 200  # it stopped between two steps, long before its last
+        assert await _image(two_ranks) == before
+        assert two_ranks.failure is None
+
+    async def test_the_same_failure_on_every_rank_fails_only_that_request(self, two_ranks: DiffusionEngine) -> None:
+        """Every rank's call raises at the same step (as a bad input does): the ranks stay in step, so the
+        request fails with its own error (no rank blamed), the engine lives, and the next request gets its
+        image from the same two ranks."""
+        worker = _worker(two_ranks)
+        with pytest.raises(EngineError) as failed:
+            await asyncio.wait_for(_failing_image(two_ranks), 120)
+        assert not isinstance(failed.value, P.RankDied), failed.value
+        assert "the diffusion pipeline failed: CUDA out of memory (simulated on rank 0)" in str(failed.value)
+        image = await asyncio.wait_for(_image(two_ranks), 120)
+        assert image.startswith(b"\x89PNG") and two_ranks.failure is None
+        assert _worker(two_ranks).pid == worker.pid
+
+
 @pytest.mark.models
 @pytest.mark.timeout(600)
 @pytest.mark.asyncio
@@ -161,16 +263,6 @@ async def test_a_denoiser_without_a_parallel_plan_is_refused_before_any_rank_sta
         await engine.start()
     assert engine.pipe is None
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("omnikube-dit-rank")]
-
-
-DIED = r"stage 'dit': sequence-parallel rank 1 \(pid {pid}\) died \(exit code -9: killed by SIGKILL"
-PARALLEL_LOG = "omni_runtime.engines.diffusion_parallel"
-
-
-def _worker(engine: DiffusionEngine) -> multiprocessing.Process:
-    workers = [p for p in multiprocessing.active_children() if p.name == "omnikube-dit-rank1"]
-    assert len(workers) == 1 and workers[0].is_alive() and engine.sequence_parallel == 2
-    return workers[0]
 
 
 class _KillAfterFirstStep(logging.Handler):
@@ -227,52 +319,6 @@ async def test_a_worker_rank_that_dies_fails_its_call_at_once_and_the_engine_is_
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("omnikube-dit-rank")]
 
 
-FAIL_STEPS = 5
-"""A request with this many steps fails on `_FailingRanks.fail_ranks` at its second denoising step."""
-
-
-class _FailingRanks(DiffusionEngine):
-    """The real engine whose denoiser raises on the ranks in `fail_ranks` at the second step of a FAIL_STEPS-step
-    call, as a GPU out of memory on one rank does (a test double: a CUDA OOM cannot happen on a CPU; the rank's
-    call raises and the process lives on, which is all the engine sees of it). Worker ranks get `fail_ranks` too."""
-
-    worker_state = ("fail_ranks",)
-    fail_ranks: tuple[int, ...] = ()
-
-    def _load(self, dtype: object) -> object:
-        import torch.distributed as dist
-
-        pipe = super()._load(dtype)
-        forward, scheduler = pipe.transformer.forward, pipe.scheduler
-
-        def failing(*args: object, **kwargs: object) -> object:
-            if (
-                len(scheduler.timesteps) == FAIL_STEPS
-                and scheduler.step_index == 1
-                and dist.get_rank() in self.fail_ranks
-            ):
-                raise RuntimeError(f"CUDA out of memory (simulated on rank {dist.get_rank()})")
-            return forward(*args, **kwargs)
-
-        pipe.transformer.forward = failing
-        return pipe
-
-
-def _failing_engine(model: Path, fail_ranks: tuple[int, ...]) -> DiffusionEngine:
-    engine = _engine("flux", model, _FailingRanks, sequence_parallel=2)
-    assert isinstance(engine, _FailingRanks)
-    engine.fail_ranks = fail_ranks
-    return engine
-
-
-async def _failing_image(engine: DiffusionEngine) -> bytes:
-    request = EngineInput("r", {"prompt": "a red cube"}, {"seed": 5, "num_inference_steps": FAIL_STEPS})
-    async for out in engine.generate(request):
-        if out.finished:
-            return out.data["images"][0]
-    raise AssertionError("no final output")
-
-
 @pytest.mark.models
 @pytest.mark.timeout(600)
 @pytest.mark.asyncio
@@ -297,28 +343,6 @@ async def test_one_ranks_call_failing_puts_the_ranks_out_of_step_and_fails_the_c
     finally:
         await asyncio.wait_for(engine.stop(), 120)
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("omnikube-dit-rank")]
-
-
-@pytest.mark.models
-@pytest.mark.timeout(600)
-@pytest.mark.asyncio
-async def test_the_same_failure_on_every_rank_fails_only_that_request(tiny_flux_model: Path) -> None:
-    """Every rank's call raises at the same step (as a bad input does): the ranks stay in step, so the request
-    fails with its own error (no rank blamed), the engine lives, and the next request gets its image from the
-    same two ranks."""
-    engine = _failing_engine(tiny_flux_model, (0, 1))
-    await engine.start()
-    try:
-        worker = _worker(engine)
-        with pytest.raises(EngineError) as failed:
-            await asyncio.wait_for(_failing_image(engine), 120)
-        assert not isinstance(failed.value, P.RankDied), failed.value
-        assert "the diffusion pipeline failed: CUDA out of memory (simulated on rank 0)" in str(failed.value)
-        image = await asyncio.wait_for(_image(engine), 120)
-        assert image.startswith(b"\x89PNG") and engine.failure is None
-        assert _worker(engine).pid == worker.pid
-    finally:
-        await asyncio.wait_for(engine.stop(), 120)
 
 
 class _KillOnStart(logging.Handler):
