@@ -1,12 +1,15 @@
 """The diffusion engine's speed options on the CPU: settings refused with clear errors, FP8 refused where it
-cannot run (and its matmul's error against the float layer), and the step cache on the real tiny SD3 pipeline
-(it skips steps, stays within a PSNR bound of the full run, and a request can turn it off). Compilation and
+cannot run (and its matmul's error against the float layer), and both step caches (first block cache,
+TaylorSeer) on the real tiny-flux folder, loaded, self-checked and prompted with text as a stage does (they
+skip steps, stay within a PSNR bound of the full run, and a request can turn them off; SD3, whose blocks
+diffusers' cache does not wrap, is refused at start). Compilation and
 the GPU attention backends only run on a GPU: bench/diffusion_speed.py measures them there."""
 
 from __future__ import annotations
 
 import asyncio
 import io
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +29,11 @@ PARAMS = {"num_inference_steps": 6, "height": 64, "width": 64}
 CACHE_ARGS = {"torch_dtype": "float32", "batch_window_ms": 200, "step_cache_threshold": 0.9}
 """float32 not to make a CPU run work: PSNR_BOUND_DB was measured in float32 (cached vs full run)."""
 PSNR_BOUND_DB = 25.0
-"""Tiny random Flux, 6 steps, threshold 0.9 (10 of 12 steps from the cache): measured 51 dB against the full run."""
+"""tiny-flux, 6 steps, threshold 0.9 (5 of 6 steps from the cache): measured 52.1 dB against the full run."""
 TAYLORSEER = {"policy": "taylorseer", "interval": 2, "warmup": 2, "order": 1}
 """6 steps: 0 and 1 in full (warm-up), then 3 and 5 in full, 2 and 4 extrapolated."""
 TAYLORSEER_PSNR_BOUND_DB = 25.0
-"""Tiny random Flux, 6 steps, TAYLORSEER (2 of 6 steps extrapolated): measured 50.1 dB against the full run."""
+"""tiny-flux, 6 steps, TAYLORSEER (2 of 6 steps extrapolated): measured 50.7 dB against the full run."""
 
 
 def _engine(model: Path | str, **engine_args: object) -> DiffusionEngine:
@@ -256,55 +259,29 @@ def test_both_wan_experts_get_the_attention_backend_and_fp8(tiny_wan_t2v_model: 
         assert backends == {"native"}
 
 
-class _TinyFluxEngine(DiffusionEngine):
-    """The real engine on a tiny random-weight FluxPipeline built in memory (no text encoders: requests carry
-    embeddings). Flux, since diffusers' first block cache does not wrap SD3's blocks (refused, tested below)."""
-
-    def _load(self, dtype: torch.dtype) -> object:
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-
-        torch.manual_seed(0)
-        transformer = FluxTransformer2DModel(
-            patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-            axes_dims_rope=(4, 6, 6),
-        )  # fmt: skip
-        vae = AutoencoderKL(
-            latent_channels=4, block_out_channels=(16, 16), norm_num_groups=8, layers_per_block=1,
-            down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-            use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159,
-        )  # fmt: skip
-        pipe = FluxPipeline(FlowMatchEulerDiscreteScheduler(), vae.to(dtype), None, None, None, None, transformer)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe.to(dtype)
-
-    async def _self_check(self) -> None:
-        """The engine's self-check sends a text prompt, which this tokenizer-less pipeline cannot take; the
-        tests' requests (embeddings) exercise the same call path instead."""
-
-
-def _tiny_flux_engine(engine_args: dict[str, object]) -> _TinyFluxEngine:
-    """A tiny-Flux diffusion stage with these engine args (not started)."""
+def _flux_engine(model: Path, engine_args: dict[str, object]) -> DiffusionEngine:
+    """The `dit` stage of the flux topology on the real tiny-flux folder (CLIP + T5 text encoders, loaded by
+    the engine's own `_load`, then its self-check), with these engine args; not started. Flux, since
+    diffusers' first block cache does not wrap SD3's blocks (refused, tested below)."""
     stage = StageOverride(name="dit", engine_args=engine_args, sampling_params={**PARAMS, "guidance_scale": 3.5})
-    pipeline = resolve_pipeline(get_pipeline("flux"), name="t", model="/nonexistent/tiny-flux", stages=[stage])
-    return _TinyFluxEngine(pipeline, pipeline.topology.stage("dit"))
+    pipeline = resolve_pipeline(get_pipeline("flux"), name="t", model=str(model), stages=[stage])
+    return DiffusionEngine(pipeline, pipeline.topology.stage("dit"))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def cached():
-    engine = _tiny_flux_engine(CACHE_ARGS)
+async def cached(tiny_flux_model: Path) -> AsyncIterator[DiffusionEngine]:
+    """One first-block-cache engine for the module; its start runs the self-check through the step cache."""
+    engine = _flux_engine(tiny_flux_model, CACHE_ARGS)
     await engine.start()
-    yield engine
-    await engine.stop()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
 
 
 async def _image(engine: DiffusionEngine, rid: str, **params: object) -> bytes:
-    g = torch.Generator().manual_seed(7)
-    data = {
-        "prompt_embeds": torch.randn(1, 16, 32, generator=g),
-        "pooled_prompt_embeds": torch.randn(1, 32, generator=g),
-    }
-    async for out in engine.generate(EngineInput(rid, data, {"seed": 3, **params})):
+    request = EngineInput(rid, {"prompt": "a lighthouse at dusk"}, {"seed": 3, **params})
+    async for out in engine.generate(request):
         if out.finished:
             return out.data["images"][0]
     raise AssertionError("no final output")
@@ -334,11 +311,14 @@ async def test_step_cache_skips_steps_within_a_psnr_bound_and_a_request_can_turn
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def taylorseer():
-    engine = _tiny_flux_engine({"torch_dtype": "float32", "batch_window_ms": 200, "step_cache": TAYLORSEER})
+async def taylorseer(tiny_flux_model: Path) -> AsyncIterator[DiffusionEngine]:
+    """One TaylorSeer engine for the module (a step cache is an engine arg: one engine per policy)."""
+    engine = _flux_engine(tiny_flux_model, {"torch_dtype": "float32", "batch_window_ms": 200, "step_cache": TAYLORSEER})
     await engine.start()
-    yield engine
-    await engine.stop()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
 
 
 @pytest.mark.models
