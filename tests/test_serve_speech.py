@@ -1,9 +1,16 @@
 """`omnikube serve` of the tiny Qwen3-Omni (thinker on vLLM -> talker -> code2wav), through the real
-OpenAI client, once per connector of its two edges (`inline`, `shm`, `mooncake`): text and speech in
-one reply, audio streamed while the thinker still writes, `modalities: ["text"]` running the thinker
-alone, an image reaching the thinker, and a client that disconnects mid-audio stopping every stage
-and leaving no payload behind. One connector takes about a minute on an idle 2-core machine, and up
-to 14 on a loaded one (vLLM then needs about 6 to load the thinker).
+OpenAI client, on one serve whose two edges take different connectors, as e2e/test_speech_cluster.py
+deploys it: thinker -> talker `mooncake` (p2p), talker -> code2wav `shm`. Text and speech in one reply
+(over both edges, each counted under its connector), audio streamed while the thinker still writes,
+`modalities: ["text"]` running the thinker alone, an image and an audio part reaching the thinker, and a
+client that disconnects mid-audio stopping every stage and leaving no payload behind on either side
+(no mooncake block lent out by the thinker, no shm segment held or left by the talker).
+
+One serve, not one per connector: a serve takes about a minute on an idle 2-core machine and up to 14 on
+a loaded one (vLLM then needs about 6 to load the thinker). `inline` between served stage processes is
+tested by tests/test_serve_t2i.py (`t2i[inline]`, enhancer -> dit), on the speech edges with echo stages
+by tests/test_speech_api.py::test_text_and_audio_in_one_message[inline], and across pods by
+e2e/test_end_to_end.py's `enhanced` pipeline.
 """
 
 from __future__ import annotations
@@ -35,26 +42,30 @@ def tiny_qwen3_omni_model():
     return tiny_model("tiny-qwen3-omni")
 
 
-@pytest.fixture(scope="module", params=["inline", "shm", "mooncake"])
-def omni(request, tiny_qwen3_omni_model, tmp_path_factory) -> Iterator[Serve]:
-    connector = request.param
+EDGE_CONNECTORS = {"talker": "mooncake", "code2wav": "shm"}
+"""The connector of the edge into each downstream stage: the thinker's rows go over Mooncake p2p, the
+talker's codec frames over shm."""
+
+
+@pytest.fixture(scope="module")
+def omni(tiny_qwen3_omni_model, tmp_path_factory) -> Iterator[Serve]:
     spec = {
         "model": str(tiny_qwen3_omni_model),
-        "name": f"omni-{connector}",
+        "name": "omni-mixed",
         "stages": [
             {"name": "thinker", "engine_args": THINKER_ARGS},
             # random weights rarely say codec-eos: bound the frames (a request may ask for more)
             {"name": "talker", "sampling_params": {"max_tokens": TALKER_FRAMES}},
         ],
         "connectors": {
-            "default": connector,
-            "mooncake": {"global_segment_size": 64 * 1024**2, "local_buffer_size": 16 * 1024**2},
+            "default": "mooncake",
+            "edges": [{"from": "talker", "to": "code2wav", "connector": "shm"}],
+            "mooncake": {"mode": "p2p", "global_segment_size": 64 * 1024**2, "local_buffer_size": 16 * 1024**2},
         },
         "limits": {"max_concurrent_requests": 8, "request_timeout_s": 300, "media": {"max_parts": 1}},
     }
-    args = ("--shm-pool-bytes", "0") if connector == "shm" else ()
-    run = Serve(spec, tmp_path_factory.mktemp(f"serve-omni-{connector}"), args=args, ready_timeout=900)
-    run.connector = connector
+    # shm: idle segments are unlinked as soon as they are released, so "no segment left" is checkable live
+    run = Serve(spec, tmp_path_factory.mktemp("serve-omni-mixed"), args=("--shm-pool-bytes", "0"), ready_timeout=900)
     tree: set[int] = set()
     try:
         yield run
@@ -81,19 +92,37 @@ def stage_total(run: Serve, stage: str, name: str, **labels: str) -> float:
     return sum(sum(metric_values(text, name, **labels)) for text in run.stage_metrics(stage))
 
 
+def unreleased(run: Serve, kind: str) -> list[float]:
+    """What each stage process that puts payloads over `kind` reports as not released yet (one value per
+    process; empty if none reports the kind, so a renamed or missing gauge cannot read as "nothing held")."""
+    return [v for s in STAGES for text in run.stage_metrics(s)
+            for v in metric_values(text, "omnikube_connector_payloads_unreleased", kind=kind)]  # fmt: skip
+
+
 def assert_nothing_held(run: Serve) -> None:
+    """No stage runs a work, and on both sides nothing is held: no Mooncake p2p block the thinker lent out
+    (the talker reports its own mooncake side too), no shm segment the talker lent out (its gauge and the
+    segments' own state words), and no shm segment left at all (pool 0: released ones are unlinked)."""
     run.wait_idle(list(STAGES), timeout=60)
     deadline = time.monotonic() + 15
     while True:
-        unreleased = sum(stage_total(run, s, "omnikube_connector_payloads_unreleased") for s in STAGES)
-        busy = busy_shm_segments(run.name)
-        if unreleased == 0 and not busy:
+        mooncake, shm = unreleased(run, "mooncake"), unreleased(run, "shm")
+        assert mooncake and shm, f"a side reports no omnikube_connector_payloads_unreleased: {mooncake} {shm}"
+        held = {"mooncake": sum(mooncake), "shm": sum(shm), "busy segments": busy_shm_segments(run.name),
+                "segments": shm_segments(run.name)}  # fmt: skip
+        if not any(held.values()):
             return
-        assert time.monotonic() < deadline, (unreleased, busy)
+        assert time.monotonic() < deadline, held
         time.sleep(0.2)
 
 
+def chunks_over(run: Serve, source: str, target: str) -> float:
+    """Handles `source` put on its edge to `target` under that edge's connector (EDGE_CONNECTORS)."""
+    return stage_total(run, source, "omnikube_edge_chunks_total", target=target, connector=EDGE_CONNECTORS[target])
+
+
 def test_text_and_speech_in_one_reply(omni: Serve) -> None:
+    before = {"talker": chunks_over(omni, "thinker", "talker"), "code2wav": chunks_over(omni, "talker", "code2wav")}
     with api_of(omni) as api:
         voices = http_get(f"{omni.base}/v1/audio/voices")[1]
         assert '"voices":["aiden","chelsie","ethan"]' in voices.replace(" ", "")
@@ -105,6 +134,9 @@ def test_text_and_speech_in_one_reply(omni: Serve) -> None:
         assert message.content and reply.usage.completion_tokens == 16  # the thinker's tokens
         with wave.open(io.BytesIO(base64.b64decode(message.audio.data))) as w:
             assert w.getframerate() == 24000 and w.getnframes() > 0
+    # the reply crossed both edges, each over its own connector
+    assert chunks_over(omni, "thinker", "talker") > before["talker"]
+    assert chunks_over(omni, "talker", "code2wav") > before["code2wav"]
     assert_nothing_held(omni)
 
 
@@ -146,8 +178,7 @@ def test_streamed_audio_starts_before_the_text_is_finished(omni: Serve) -> None:
         last_text = len(order) - 1 - order[::-1].index("text")
         assert order.index("audio") < last_text, "no audio arrived before the thinker finished"
     # every thinker output went to the talker as it came (vLLM merges the steps a slow reader missed)
-    chunks = stage_total(omni, "thinker", "omnikube_edge_chunks_total", target="talker")
-    assert chunks > 1
+    assert chunks_over(omni, "thinker", "talker") > 1
     assert_nothing_held(omni)
 
 
@@ -163,7 +194,7 @@ def test_text_only_runs_the_thinker_alone(omni: Serve) -> None:
 
 def test_an_image_reaches_the_thinker_and_is_spoken_about(omni: Serve) -> None:
     """vLLM's Qwen3-Omni thinker reads images on CPU and sends its rows at the image positions to the talker
-    with the first chunk, over this connector: text and audio come back."""
+    with the first chunk, over Mooncake: text and audio come back."""
     from PIL import Image
 
     buf = io.BytesIO()
@@ -195,7 +226,7 @@ def test_an_image_reaches_the_thinker_and_is_spoken_about(omni: Serve) -> None:
 
 def test_an_audio_part_reaches_the_thinker_and_is_spoken_about(omni: Serve) -> None:
     """An `input_audio` part (a WAV, decoded by vLLM with PyAV) reaches the thinker, whose rows at the audio
-    positions go to the talker over this connector: text and audio come back."""
+    positions go to the talker over Mooncake: text and audio come back."""
     buf = io.BytesIO()
     with wave.open(buf, "wb") as w:
         w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
