@@ -10,19 +10,58 @@ for a request without `seed`). Two deviations, on purpose:
   forward, which restores that path; our talker does the same. For text prompts the rope delta is 0.
 - with an image, 5.19's `generate` passes `pixel_values` on to the talker's `generate`, which refuses
   it; it goes in as `thinker_pixel_values` (the thinker's alone), the grid stays shared as there.
+
+Each result is kept on disk beside the tiny models (`<model cache>/.qwen25-reference/`), keyed by the
+model's build stamp, this file's source, the torch and transformers versions and the call's arguments, so
+a later session (or the other module) reads it instead of running transformers' generate() again; a
+rebuilt model, a changed reference or another library version computes it afresh.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from servelib import tiny_model
 
+from omni_runtime.tiny_models import read_stamp
+
 __all__ = ["MEDIA_KINDS", "generate_media_reference", "generate_reference", "media_parts"]
 
 MEDIA_KINDS = ("image", "audio")
+
+
+MODEL = "tiny-qwen2-5-omni"
+
+
+def _cached(call: str, args: Any, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`compute()`, or what it returned for the same key before (see the module docstring)."""
+    import torch
+    import transformers
+
+    folder = tiny_model(MODEL)
+    key = {
+        "stamp": read_stamp(folder),
+        "source": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+        "libraries": [torch.__version__, transformers.__version__],
+        "call": call,
+        "args": args,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=repr).encode()).hexdigest()[:32]
+    file = folder.parent / ".qwen25-reference" / f"{call}-{digest}.pt"
+    if file.is_file():
+        return torch.load(file, weights_only=True)
+    result = compute()
+    file.parent.mkdir(exist_ok=True)
+    partial = file.with_name(f"{file.name}.{os.getpid()}.partial")
+    torch.save(result, partial)
+    os.replace(partial, file)  # atomic: a concurrent reader sees a whole file or none
+    return result
 
 
 @functools.cache
@@ -52,45 +91,45 @@ def _model() -> tuple[Any, Any]:
 def generate_reference(cases: list[tuple[str, int, int]]) -> list[dict[str, Any]]:
     """Per (user prompt, thinker max tokens, talker max codes): prompt ids, generated ids, codec codes,
     waveform, and the thinker's rows over prompt + generated tokens but the last (`embeds` = layer 0,
-    `hidden` = last layer before the final norm, as vLLM's hidden-state route sends them)."""
+    `hidden` = last layer before the final norm, as vLLM's hidden-state route sends them). Each case is
+    cached on disk on its own (see the module docstring)."""
+    return [_cached("text", list(case), functools.partial(_generate_one, *case)) for case in cases]
+
+
+def _generate_one(text: str, tokens: int, frames: int) -> dict[str, Any]:
     import torch
 
     processor, model = _model()
     tokenizer = processor.tokenizer
     codes: list[list[int]] = []
     hook = model.token2wav.register_forward_pre_hook(lambda module, args: codes.append(args[0][0].tolist()) and None)
-    out = []
     try:
-        for text, tokens, frames in cases:
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-            )["input_ids"]
-            sequences, wav = model.generate(
-                ids,
-                speaker="Ethan",
-                thinker_max_new_tokens=tokens,
-                talker_max_new_tokens=frames,
-                talker_do_sample=False,
-            )
-            pre: dict[str, Any] = {}
-            norm = model.thinker.model.norm.register_forward_hook(lambda m, i, o, pre=pre: pre.__setitem__("x", i[0]))
-            with torch.inference_mode():
-                rows = model.thinker(input_ids=sequences[:, :-1], output_hidden_states=True)
-            norm.remove()
-            out.append(
-                {
-                    "prompt": ids[0].tolist(),
-                    "tokens": sequences[0, ids.shape[1] :].tolist(),
-                    "codes": codes[-1],
-                    "wav": wav.reshape(-1),
-                    "embeds": rows.hidden_states[0][0],
-                    "hidden": pre["x"][0],
-                    "frames": frames,
-                }
-            )
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        sequences, wav = model.generate(
+            ids,
+            speaker="Ethan",
+            thinker_max_new_tokens=tokens,
+            talker_max_new_tokens=frames,
+            talker_do_sample=False,
+        )
+        pre: dict[str, Any] = {}
+        norm = model.thinker.model.norm.register_forward_hook(lambda m, i, o, pre=pre: pre.__setitem__("x", i[0]))
+        with torch.inference_mode():
+            rows = model.thinker(input_ids=sequences[:, :-1], output_hidden_states=True)
+        norm.remove()
     finally:
         hook.remove()
-    return out
+    return {
+        "prompt": ids[0].tolist(),
+        "tokens": sequences[0, ids.shape[1] :].tolist(),
+        "codes": codes[-1],
+        "wav": wav.reshape(-1),
+        "embeds": rows.hidden_states[0][0],
+        "hidden": pre["x"][0],
+        "frames": frames,
+    }
 
 
 def media_parts() -> dict[str, Any]:
@@ -111,7 +150,12 @@ def generate_media_reference(
     """`generate_reference` for one user turn of `kinds` media parts (in that order, from `media_parts`)
     then `text`; also `grids`, the media shapes as the thinker stage sends them (`media_grids`), and
     `logits`, the talker's codec logits of each step ([vocab] each). Without `waveform` token2wav (the
-    slow part on CPU) is skipped and `wav` is None."""
+    slow part on CPU) is skipped and `wav` is None. Cached on disk (see the module docstring)."""
+    args = [list(kinds), text, tokens, frames, waveform]
+    return _cached("media", args, functools.partial(_generate_media, kinds, text, tokens, frames, waveform))
+
+
+def _generate_media(kinds: tuple[str, ...], text: str, tokens: int, frames: int, waveform: bool) -> dict[str, Any]:
     import torch
 
     processor, model = _model()
