@@ -129,80 +129,14 @@ def test_ensure_reuses_the_finished_build(built: dict[str, Path], model_cache: P
         assert (path / STAMP_FILE).stat().st_mtime_ns == before
 
 
-DIGESTS = Path(__file__).with_name("tiny_model_digests")
-"""One JSON per tiny model: the sha256 of every file of a fresh build, with the builder VERSION and the
-library versions it was built with. Regenerate after a VERSION bump or a library upgrade with
-
-    .venv/bin/python tests/test_tiny_models.py --write-digests
-
-which builds every model twice, in two processes with different hash seeds, into temporary folders, and
-writes the digests only if the two builds are identical file by file (so a builder that is not
-deterministic cannot be blessed)."""
-DIGEST_LIBRARIES = ("torch", "numpy", "safetensors", "tokenizers", "transformers", "diffusers")
-"""Libraries whose version changes the files: the configs record transformers' and diffusers' version, and
-the weights come from torch's generator, the tokenizers from a local training run."""
-
-
-def _libraries() -> dict[str, str]:
-    from importlib.metadata import version
-
-    return {lib: version(lib) for lib in DIGEST_LIBRARIES}
-
-
 @pytest.mark.models
-def test_builds_are_deterministic(built: dict[str, Path]) -> None:
-    """The cached build of every model has the committed digests of its builder version: a builder changed
-    without a VERSION bump (or a build that is not reproducible) shows as the file that differs. Checked
-    against digests of a fresh build (see DIGESTS) instead of building every model a second time."""
-    libraries = _libraries()
+def test_builds_are_deterministic(built: dict[str, Path], tmp_path: Path) -> None:
+    fresh = build_all(tmp_path)
     for name, path in built.items():
-        file = DIGESTS / f"{name}.json"
-        assert file.is_file(), f"no committed digests for {name} ({file}): write them (see DIGESTS)"
-        committed = json.loads(file.read_text())
-        key = {"version": MODELS[name].version, "libraries": libraries}
-        assert {k: committed[k] for k in key} == key, (
-            f"{file} holds the digests of {name} version {committed['version']} built with "
-            f"{committed['libraries']}; this run builds version {key['version']} with {libraries}: "
-            f"write them again (see DIGESTS)"
+        assert _tree_digest(fresh[name]) == _tree_digest(path), (
+            f"a fresh build of {name} differs from the cached one at {path}: the builder changed "
+            f"without a VERSION bump, or it is not deterministic"
         )
-        got, want = _tree_digest(path), committed["files"]
-        changed = sorted(f for f in got.keys() & want.keys() if got[f] != want[f])
-        new, missing = sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys())
-        assert not (changed or new or missing), (
-            f"the cached build of {name} at {path} differs from {file}: changed {changed}, not in the digests "
-            f"{new}, missing {missing}; the builder changed without a VERSION bump, or its build is not reproducible"
-        )
-
-
-def write_digests() -> int:
-    """Build every tiny model twice in two processes and, if the builds are identical, write DIGESTS."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="tiny-digests-") as tmp:
-        procs, trees = [], []
-        for i, seed in enumerate(("1", "2")):  # side by side: each process builds every model from nothing
-            out = Path(tmp) / f"build{i}"
-            env = {**os.environ, "PYTHONHASHSEED": seed, "HF_HUB_OFFLINE": "1"}
-            cmd = [sys.executable, "-m", "omni_runtime.tiny_models", "--out", str(out)]
-            procs.append((out, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)))
-        for out, proc in procs:
-            if proc.wait() != 0:
-                print(f"the build into {out} failed", file=sys.stderr)
-                return 1
-            trees.append({name: _tree_digest(out / name) for name in MODELS})
-        first, second = trees
-        differ = {n: sorted(f for f in first[n].keys() | second[n].keys() if first[n].get(f) != second[n].get(f))
-                  for n in MODELS}  # fmt: skip
-        if any(differ.values()):
-            print(f"two builds differ, so nothing was written: {differ}", file=sys.stderr)
-            return 1
-        DIGESTS.mkdir(exist_ok=True)
-        libraries = _libraries()
-        for name in MODELS:
-            data = {"name": name, "version": MODELS[name].version, "libraries": libraries, "files": trees[0][name]}
-            (DIGESTS / f"{name}.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-            print(f"{name}: {len(trees[0][name])} files, identical in both builds")
-    return 0
 
 
 @pytest.mark.models
@@ -451,9 +385,3 @@ def test_sd3_img2img_is_the_sd3_build_as_image_to_image(built: dict[str, Path]) 
     topology = resolve_model_pipeline(root)
     assert topology.name == "stable-diffusion-3-img2img"
     assert "image" in [m.value for m in topology.stages[0].input_modalities]
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] != ["--write-digests"]:
-        sys.exit("usage: .venv/bin/python tests/test_tiny_models.py --write-digests")
-    sys.exit(write_digests())
