@@ -20,6 +20,7 @@ import textwrap
 import time
 import urllib.request
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -501,3 +502,116 @@ def run_vllm_script(script: str, model: Path, tmp_path: Path, **env: str) -> dic
         f"--- stderr tail ---\n{proc.stderr[-6000:]}\n--- stdout tail ---\n{proc.stdout[-2000:]}"
     )
     return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+# -- shared serves: one `omnikube serve` per topology for the whole session -----------------------
+#
+# Each vLLM start costs 35-50 s on an idle 2-core machine and far more on a loaded one, and CI time is the
+# project's limit. So a topology's tiny model is served once per session by a session fixture in
+# conftest.py, and every module that needs it uses that fixture. `SHARED_SERVES` is the one list of those
+# fixtures: tests/test_suite_budget.py reads it and fails for a module that starts its own serve of a
+# topology listed here without saying why (a module-level `OWN_SERVE = "<reason>"`).
+
+
+@dataclass(frozen=True)
+class SharedServe:
+    """One shared serve: the session fixture that serves it and what names it in a module's source."""
+
+    fixture: str
+    """The session fixture (in `tier`/conftest.py) that yields the running serve."""
+    tier: str
+    """The folder whose modules it serves: "tests" (a local `omnikube serve`) or "e2e" (a pipeline in the
+    cluster); a fixture of one tier cannot stand in for a serve of the other."""
+    names: tuple[str, ...]
+    """Identifiers and exact strings by which a module's source names this topology or its tiny model
+    (fixture parameters, model folder names, the topology's name)."""
+
+
+SHARED_SERVES: dict[str, SharedServe] = {
+    "text-chat": SharedServe("chat_serve", "tests", ("tiny_chat_model", "tiny-qwen2-chat", "text-chat")),
+}
+"""Topology -> the shared serve of its tiny model (see the section comment above)."""
+
+
+CHAT_MODEL = "chat"
+"""Served model name of the shared text-chat serve (`chat_serve`); the conformance module gives vLLM's
+own server the same name, so the two answer the same requests."""
+CHAT_MAX_MODEL_LEN = 2048
+"""The tiny model's max_position_embeddings: room for the drain tests' longest stream and for the
+conformance test that fills the context. Prompt lengths and max_tokens in the tests derive from it."""
+CHAT_KV_BYTES = 64 * 1024**2
+"""KV cache per replica: 512 bytes a token for the tiny model, so ~130k tokens, far above what 4
+requests in flight of CHAT_MAX_MODEL_LEN need."""
+CHAT_SEED = 0
+CHAT_TOOL_PARSER = "hermes"
+"""Qwen2.5's tool-call format (the tiny model's template has Qwen2.5's tool section); the conformance
+module's tool tests need it, and the fuzzer then reaches the tool paths too."""
+CHAT_REPLICAS = 2
+"""Two replicas of the stage: the replica-kill and stage-drain tests need one that keeps serving."""
+CHAT_DRAIN_TIMEOUT_S = 300
+"""`--drain-timeout`: far above what any request needs, however slow the machine: the drain tests check
+that work finishes during a drain (test_drain.py checks what happens when the period ends first)."""
+CHAT_LIMITS: dict[str, Any] = {
+    "max_concurrent_requests": 4,
+    "max_queued_requests": 2,
+    "request_timeout_s": 300,  # the drain tests' longest stream under the heaviest load
+    "max_body_bytes": 256 * 1024,
+}
+"""Router limits of the shared chat serve. The admission test fills exactly in flight + queued; its
+429s are OpenAI-shaped 4xx, which the fuzzer accepts; the fuzzer sends one request at a time."""
+
+
+def chat_serve_spec(model: Path) -> dict[str, Any]:
+    """The local pipeline file of the shared text-chat serve on the tiny Qwen2 model at `model`."""
+    return {
+        "model": str(model),
+        "name": CHAT_MODEL,
+        "stages": [
+            {
+                "name": "llm",
+                "replicas": CHAT_REPLICAS,
+                "engine_args": {
+                    "max_model_len": CHAT_MAX_MODEL_LEN,
+                    "kv_cache_memory_bytes": CHAT_KV_BYTES,
+                    "seed": CHAT_SEED,
+                    "tool_call_parser": CHAT_TOOL_PARSER,
+                },
+            }
+        ],
+        "limits": CHAT_LIMITS,
+    }
+
+
+def answers(url: str) -> bool:
+    """Whether `url` answers 200 now (False while its process is down or restarting)."""
+    try:
+        return http_get(url, timeout=2)[0] == 200
+    except OSError:
+        return False
+
+
+def wait_serving(serve: Serve, stage: str, timeout: float = 600) -> None:
+    """Until the router and every replica of `stage` answer and the router routes to all of them.
+
+    Destructive tests call it first: an earlier one killed or drained a process that the launcher restarts,
+    and a stage reloads its model on restart (minutes under load)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            procs = serve.stage_processes(stage)
+        except ValueError:  # processes.json half rewritten by a restart
+            procs = None
+        if procs is not None and answers(f"{serve.base}/health") and all(answers(p["probe"]) for p in procs):
+            up = metric_values(serve.router_metrics(), "omnikube_stage_replica_up", stage=stage)
+            if sum(up) == len(procs):
+                return
+        assert time.monotonic() < deadline, f"the pipeline did not come back up in {timeout}s:\n{serve.logs_tail(40)}"
+        time.sleep(0.5)
+
+
+def serve_tree(serve: Serve) -> set[int]:
+    """Every process of `serve` now: the launcher, its processes and their children (vLLM engine cores)."""
+    tree = process_tree(serve.proc.pid)
+    for pid in serve.all_pids():
+        tree |= process_tree(pid)
+    return tree

@@ -1,13 +1,15 @@
 """The router as a drop-in for vLLM's OpenAI server: the same requests, through the real `openai`
 client, against `omnikube serve` of the text-chat pipeline and `python -m
 vllm.entrypoints.openai.api_server`, both on the tiny Qwen2 chat model with the same engine settings,
-compared field by field.
+compared field by field. Ours is the session's shared serve (`chat_serve` in conftest.py, two replicas;
+servelib.chat_serve_spec), and vLLM's server is started here with the same engine settings, taken from
+the same servelib constants.
 
 Greedy decoding (temperature 0, fixed seeds) makes the text comparable token for token. Logprobs are
 compared to `LOGPROB_TOL` (absolute): both servers run the same vLLM build and kernels on the same
 weights, so they agree far closer than that; the margin absorbs float reduction order on a loaded CPU.
 Among a token's top alternatives, only those both servers list are compared (two alternatives within
-the tolerance of each other may trade places at the cut). Both servers start once for the module.
+the tolerance of each other may trade places at the cut). vLLM's server starts once for the module.
 """
 
 from __future__ import annotations
@@ -25,17 +27,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from servelib import Serve, http_get
+from servelib import CHAT_KV_BYTES, CHAT_MAX_MODEL_LEN, CHAT_MODEL, CHAT_SEED, CHAT_TOOL_PARSER, http_get
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(1200)]
 
-MODEL = "conformance"
-MAX_MODEL_LEN = 1024
-KV_BYTES = 64 * 1024**2
+MODEL = CHAT_MODEL
+MAX_MODEL_LEN = CHAT_MAX_MODEL_LEN
 LOGPROB_TOL = 1e-3
 READY_TIMEOUT_S = 600
-TOOL_PARSER = "hermes"
-"""Qwen2.5's tool-call format (the tiny model's template has Qwen2.5's tool section)."""
 
 
 def _free_port() -> int:
@@ -53,9 +52,9 @@ class VllmServer:
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
-            "--kv-cache-memory-bytes", str(KV_BYTES), "--enforce-eager", "--seed", "0",
+            "--kv-cache-memory-bytes", str(CHAT_KV_BYTES), "--enforce-eager", "--seed", str(CHAT_SEED),
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--enable-auto-tool-choice", "--tool-call-parser", TOOL_PARSER,
+            "--enable-auto-tool-choice", "--tool-call-parser", CHAT_TOOL_PARSER,
         ]  # fmt: skip
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
         self._log = open(self.log, "wb")  # noqa: SIM115
@@ -90,33 +89,14 @@ class VllmServer:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_chat_model, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("conformance")
-    vllm = VllmServer(tiny_chat_model, workdir)
-    spec = {
-        "model": str(tiny_chat_model),
-        "name": MODEL,
-        "stages": [
-            {
-                "name": "llm",
-                "engine_args": {
-                    "max_model_len": MAX_MODEL_LEN,
-                    "kv_cache_memory_bytes": KV_BYTES,
-                    "seed": 0,
-                    "tool_call_parser": TOOL_PARSER,
-                },  # fmt: skip
-            }
-        ],
-    }
-    serve = None
+def servers(chat_serve, tiny_chat_model, tmp_path_factory):
+    """The shared serve and vLLM's own server on the same model with the same engine settings."""
+    vllm = VllmServer(tiny_chat_model, tmp_path_factory.mktemp("conformance"))
     try:
-        serve = Serve(spec, workdir / "omnikube")
         vllm.wait_ready()
-        yield serve, vllm
+        yield chat_serve, vllm
     finally:
         vllm.stop()
-        if serve is not None:
-            assert serve.stop() == 0, serve.log.read_text()[-3000:]
 
 
 @pytest.fixture(scope="module")

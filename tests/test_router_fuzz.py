@@ -1,6 +1,8 @@
 """Fuzzing the router through its own OpenAPI schema (schemathesis + Hypothesis) on a served pipeline.
 
-`omnikube serve` of the text-chat pipeline on the tiny Qwen2 model (real vLLM). Schemathesis reads the
+`omnikube serve` of the text-chat pipeline on the tiny Qwen2 model (real vLLM): the session's shared
+serve (`chat_serve` in conftest.py; servelib.chat_serve_spec), so the tool-call parser is on and the
+admission limits are low (a 429 is an OpenAI-shaped 4xx like any other). Schemathesis reads the
 router's `/openapi.json` and sends every route schema-valid and schema-breaking requests. For each reply:
 no 5xx, no hang (a per-request timeout), and every 4xx in OpenAI's error shape. Afterwards the stage
 still serves: a normal chat request succeeds and no payload is left held.
@@ -19,43 +21,28 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from servelib import Serve, busy_shm_segments
+from servelib import CHAT_LIMITS, CHAT_MODEL, busy_shm_segments
 
 from omni_runtime.router.routes import ROUTES
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 
-REQUEST_TIMEOUT_S = 60
-"""Per request: a reply slower than this is a hang (the router's own request timeout is lower)."""
+REQUEST_TIMEOUT_S = CHAT_LIMITS["request_timeout_s"] + 30
+"""Per request: a reply slower than this is a hang (the router's own request timeout is lower: a request
+running past it gets a 504, which `not_a_server_error` reports)."""
 
 EXAMPLES = 20
 """Examples per route and generation mode (schema-valid, schema-breaking)."""
 
-LIMITS = {"max_concurrent_requests": 4, "max_queued_requests": 8, "request_timeout_s": 45,
-          "max_body_bytes": 256 * 1024}  # fmt: skip
+
+@pytest.fixture
+def serve(chat_serve):
+    return chat_serve
 
 
 @pytest.fixture(scope="module")
-def serve(tiny_chat_model, tmp_path_factory):
-    spec = {
-        "model": str(tiny_chat_model),
-        "name": "chat-fuzz",
-        "stages": [
-            {"name": "llm", "engine_args": {"max_model_len": 256, "kv_cache_memory_bytes": 64 * 1024**2, "seed": 0}}
-        ],
-        "limits": LIMITS,
-    }
-    run = Serve(spec, tmp_path_factory.mktemp("serve-fuzz"))
-    try:
-        yield run
-    finally:
-        code = run.stop()
-    assert code == 0, run.log.read_text()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def router_schema(serve):
-    return schemathesis.openapi.from_url(f"{serve.base}/openapi.json", timeout=30)
+def router_schema(chat_serve):
+    return schemathesis.openapi.from_url(f"{chat_serve.base}/openapi.json", timeout=30)
 
 
 def openai_error_shape(ctx, response, case) -> bool | None:
@@ -113,7 +100,7 @@ def test_stages_keep_serving_after_fuzzing(serve) -> None:
     serve.wait_idle(["llm"], timeout=60)
     client = openai.OpenAI(base_url=serve.endpoint, api_key="none", max_retries=0, timeout=120)
     reply = client.chat.completions.create(
-        model="chat-fuzz", messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0
+        model=CHAT_MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0
     )
     client.close()
     assert reply.choices[0].message.content

@@ -5,6 +5,12 @@ A stage process sent SIGTERM while it streams a request finishes that request, t
 meanwhile (the other replica answers), and exits with code 0 (the launcher then restarts it, as a
 Deployment would). The fast behaviours (drain period ending, payloads, router drain) are in
 test_drain.py.
+
+The serve is the session's shared one (`chat_serve` in conftest.py, started with `--drain-timeout
+CHAT_DRAIN_TIMEOUT_S`: far above what the requests need, however slow the machine; test_drain.py checks
+what happens when the period ends first). Both tests are `destructive` and run after every test that only
+reads the serve; the router's SIGTERM comes last of all (`last`: nothing can use the serve while its
+router drains and the launcher restarts it).
 """
 
 from __future__ import annotations
@@ -20,57 +26,29 @@ from typing import Any
 import openai
 import pytest
 from openai.types.chat import ChatCompletionChunk
-from servelib import Serve, http_get, metric_values
+from servelib import CHAT_MAX_MODEL_LEN, CHAT_MODEL, Serve, http_get, metric_values, wait_serving
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 
-MAX_MODEL_LEN = 2048
-"""The tiny model's max_position_embeddings: room for the longest stream below."""
-SHORTEST, LONGEST = 200, 1800
+PROMPT_ROOM = 256
+"""Context left for the prompts below (a short sentence in the chat template: a few dozen tokens)."""
+SHORTEST, LONGEST = 200, CHAT_MAX_MODEL_LEN - PROMPT_ROOM
 """Bounds of the tokens of the stream the tests interrupt (ignore_eos: exactly these); see `long_stream`."""
 STREAM_SECONDS = 8
 """About how long that stream should run on this machine, far above the few tenths of a second the tests
 need between its first chunk and the end of their checks on the draining process."""
 
 
-@pytest.fixture(scope="module")
-def serve(tiny_chat_model, tmp_path_factory):
-    spec = {
-        "model": str(tiny_chat_model),
-        "name": "chat-drain",
-        "stages": [
-            {
-                "name": "llm",
-                "replicas": 2,
-                "engine_args": {"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": 64 * 1024**2, "seed": 0},
-            }
-        ],
-        "limits": {"request_timeout_s": 300},  # the longest stream under the heaviest load
-    }
-    # A drain period far above what the requests need, however slow the machine: the tests check that
-    # work finishes during a drain; test_drain.py checks what happens when the period ends first.
-    run = Serve(spec, tmp_path_factory.mktemp("serve-drain"), args=("--drain-timeout", "300"))
-    try:
-        yield run
-    finally:
-        run.stop()
-
-
-def answers(url: str) -> bool:
-    try:
-        return http_get(url, timeout=2)[0] == 200
-    except OSError:
-        return False
+@pytest.fixture
+def serve(chat_serve):
+    return chat_serve
 
 
 @pytest.fixture
 def api(serve):
-    """A client, once the router and both replicas are up: each test SIGTERMs one of them, which the
-    launcher then restarts (a stage reloads its model: minutes under load)."""
-    deadline = time.monotonic() + 600
-    while not (answers(f"{serve.base}/health") and all(answers(p["probe"]) for p in serve.stage_processes("llm"))):
-        assert time.monotonic() < deadline, f"the pipeline did not come back up:\n{serve.logs_tail(40)}"
-        time.sleep(0.5)
+    """A client, once the router and both replicas are up: each destructive test kills or SIGTERMs one of
+    them, which the launcher then restarts (a stage reloads its model: minutes under load)."""
+    wait_serving(serve, "llm")
     client = openai.OpenAI(base_url=serve.endpoint, api_key="none", max_retries=0, timeout=120)
     yield client
     client.close()
@@ -109,7 +87,7 @@ def tokens_per_second(api: openai.OpenAI) -> float:
     """How fast the stage generates on this machine now (one 100-token request, overheads included)."""
     started = time.monotonic()
     reply = api.chat.completions.create(
-        model="chat-drain",
+        model=CHAT_MODEL,
         messages=[{"role": "user", "content": "count"}],
         max_tokens=100,
         extra_body={"ignore_eos": True},
@@ -131,7 +109,7 @@ def long_stream(serve: Serve, api: openai.OpenAI, prompt: str) -> LongStream:
     tokens = max(SHORTEST, min(LONGEST, int(tokens_per_second(api) * STREAM_SECONDS)))
     while True:
         stream = api.chat.completions.create(
-            model="chat-drain",
+            model=CHAT_MODEL,
             messages=[{"role": "user", "content": prompt}],
             max_tokens=tokens,
             temperature=0.0,
@@ -151,6 +129,7 @@ def long_stream(serve: Serve, api: openai.OpenAI, prompt: str) -> LongStream:
         tokens = min(LONGEST, tokens * 3)
 
 
+@pytest.mark.destructive
 def test_a_stage_given_sigterm_mid_stream_finishes_it_takes_no_new_work_and_exits_cleanly(serve, api) -> None:
     stream = long_stream(serve, api, "Tell me a long story.")
     victim = stream.replica
@@ -167,7 +146,7 @@ def test_a_stage_given_sigterm_mid_stream_finishes_it_takes_no_new_work_and_exit
     # New requests go to the other replica meanwhile, and succeed.
     for i in range(3):
         reply = api.chat.completions.create(
-            model="chat-drain", messages=[{"role": "user", "content": f"quick {i}"}], max_tokens=4
+            model=CHAT_MODEL, messages=[{"role": "user", "content": f"quick {i}"}], max_tokens=4
         )
         assert reply.choices[0].message.content is not None
     received = stream.finish()
@@ -181,6 +160,7 @@ def test_a_stage_given_sigterm_mid_stream_finishes_it_takes_no_new_work_and_exit
     assert log.count("drained: every work finished") > drained, log[-3000:]
 
 
+@pytest.mark.destructive(last=True)
 def test_the_router_given_sigterm_mid_stream_refuses_new_connections_and_finishes_it(serve, api) -> None:
     stream = long_stream(serve, api, "Tell me another long story.")
     (router,) = [p for p in serve.processes() if p["name"] == "router"]
