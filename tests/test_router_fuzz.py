@@ -37,6 +37,7 @@ EXAMPLES = 20
 
 @pytest.fixture
 def serve(chat_serve):
+    """The session's shared text-chat serve (conftest.py)."""
     return chat_serve
 
 

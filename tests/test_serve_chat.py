@@ -37,6 +37,7 @@ MAX_BODY = CHAT_LIMITS["max_body_bytes"]
 
 @pytest.fixture
 def serve(chat_serve):
+    """The session's shared text-chat serve (conftest.py)."""
     return chat_serve
 
 

@@ -41,6 +41,7 @@ need between its first chunk and the end of their checks on the draining process
 
 @pytest.fixture
 def serve(chat_serve):
+    """The session's shared text-chat serve (conftest.py)."""
     return chat_serve
 
 
