@@ -75,6 +75,23 @@ BODY_ROUTES = [r for r in ROUTES if r.startswith(("/v1/chat", "/v1/completions",
 """The routes that take a body: the only ones a schema-breaking request can be made for."""
 CASES = [(p, GenerationMode.POSITIVE) for p in ROUTES] + [(p, GenerationMode.NEGATIVE) for p in BODY_ROUTES]
 
+UNSET_MAX_TOKENS = 64
+"""max_tokens given to a schema-valid chat or completion request that sets neither max_tokens nor
+max_completion_tokens. Unset, the stage generates up to what remains of the shared serve's context
+(CHAT_MAX_MODEL_LEN, 2048: eight times the 256 this module's own serve had), and a few such requests took
+most of the module's time, minutes on a loaded machine, near the router's request timeout. Requests that
+set a value keep it. The unset path itself is compared with vLLM's server in
+test_openai_conformance.py::test_max_tokens_default_is_what_remains_of_the_context."""
+GENERATING = ("/v1/chat/completions", "/v1/completions")
+
+
+def bound_generation(case, mode: GenerationMode) -> None:
+    """Sets UNSET_MAX_TOKENS on a schema-valid generating request that asks for no length (see there)."""
+    body = case.body
+    if mode is GenerationMode.POSITIVE and case.path in GENERATING and isinstance(body, dict):
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            body["max_tokens"] = UNSET_MAX_TOKENS
+
 
 @pytest.mark.parametrize(("path", "mode"), CASES, ids=[f"{p}-{m.value}" for p, m in CASES])
 def test_fuzz_route(router_schema, serve, path: str, mode: GenerationMode) -> None:
@@ -90,6 +107,7 @@ def test_fuzz_route(router_schema, serve, path: str, mode: GenerationMode) -> No
         @FUZZ_SETTINGS
         @given(case=operation.as_strategy(generation_mode=mode))
         def fuzz(case) -> None:
+            bound_generation(case, mode)
             response = case.call(base_url=serve.base, timeout=REQUEST_TIMEOUT_S)
             case.validate_response(response, checks=[not_a_server_error, openai_error_shape])
 
