@@ -122,7 +122,8 @@ def lanes_of(selection: str) -> list[Phase]:
     # test_helm_chart ("cluster") runs Prometheus over the chart's alert rules: built before, not inside a test
     cluster = Lane("cluster", ["e2e", "-m", "not models and not demo"], needs=(control_plane, prometheus))
     e2e = Lane("e2e", ["e2e", "-m", "models and not demo"], live=True, needs=(control_plane, prometheus, keda))
-    phases = [Phase([[unit, served], [cluster]]), Phase([[e2e]])]
+    demo = Lane("demo", ["e2e", "-m", "demo"], live=True, needs=(control_plane,))
+    phases = [Phase([[unit, served], [cluster]]), Phase([[e2e]]), Phase([[demo]])]
     if selection == "all":
         return phases
     wanted = set(selection.split(","))
