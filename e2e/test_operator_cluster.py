@@ -8,6 +8,7 @@ the end-to-end tier runs them for real).
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import signal
 import subprocess
@@ -22,7 +23,7 @@ import yaml
 from clusterlib import REPO, apply, condition, keda_crd, kubectl_json, stop_process_group, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from localcluster import free_port
+from localcluster import audit_time, free_port
 from omni_operator.metrics import STAGE_REPLICAS_DESIRED
 
 pytestmark = pytest.mark.cluster
@@ -157,21 +158,81 @@ def pipeline(name: str, topology: str, stages: list[dict], **spec) -> dict:
     }
 
 
-def operator_writes(cluster, since: float, namespace: str) -> list[str]:
-    """Write requests the operator made in `namespace` after `since` (epoch seconds)."""
+def audit_events(cluster, offset: int = 0) -> list[dict]:
+    """The audit log's events from byte `offset` on (the log only grows, so a test can read what came after
+    a size it noted); a last line still being written is left for the next read."""
+    with open(cluster.audit_log, "rb") as log:
+        log.seek(offset)
+        lines = log.read().split(b"\n")
+    return [json.loads(line) for line in lines[:-1] if line.strip()]
+
+
+def _by_operator(event: dict) -> bool:
+    return event.get("userAgent", "").startswith(OPERATOR_AGENT)
+
+
+def operator_writes(
+    cluster, namespace: str, start: dt.datetime, end: dt.datetime | None = None, offset: int = 0
+) -> list[str]:
+    """Write requests the operator made in `namespace` received at or after `start` (and before `end`),
+    compared to the microsecond of the audit log's own timestamps."""
     out = []
-    for line in cluster.audit_log.read_text().splitlines():
-        event = json.loads(line)
-        if not event.get("userAgent", "").startswith(OPERATOR_AGENT):
-            continue
+    for event in audit_events(cluster, offset):
         ref = event.get("objectRef", {})
-        if ref.get("namespace") != namespace or event["verb"] in ("get", "list", "watch"):
+        if not _by_operator(event) or ref.get("namespace") != namespace or event["verb"] in ("get", "list", "watch"):
             continue
-        stamp = event["requestReceivedTimestamp"]
-        when = time.mktime(time.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone
-        if when >= since:
+        if audit_time(event) >= start and (end is None or audit_time(event) < end):
             out.append(f"{event['verb']} {ref.get('resource')}/{ref.get('name')}")
     return out
+
+
+def touch(cluster, namespace: str, name: str, value: str) -> tuple[dt.datetime, int]:
+    """Annotate OmniPipeline `name` (no spec change). Returns when the apiserver received that write (from
+    its audit event) and the audit log's size before it (where later reads can start)."""
+    offset = cluster.audit_log.stat().st_size
+    cluster.kubectl("annotate", "--overwrite", "omnipipeline", name, "-n", namespace, f"example.com/touched={value}")
+
+    def received() -> dt.datetime | None:
+        for event in audit_events(cluster, offset):
+            ref = event.get("objectRef", {})
+            if (
+                event["verb"] == "patch"
+                and not _by_operator(event)
+                and (ref.get("namespace"), ref.get("name"))
+                == (
+                    namespace,
+                    name,
+                )
+            ):
+                return audit_time(event)
+        return None
+
+    # In blocking mode the event is written as the response goes out: it may land just after kubectl returns.
+    return wait_for(received, 30, f"the audit event of annotating {name}"), offset
+
+
+def operator_read_after(cluster, namespace: str, name: str, after: dt.datetime, offset: int) -> dt.datetime:
+    """When the operator first read OmniPipeline `name` after `after`: every reconcile of a pipeline starts
+    with that read, so this is the start of a reconcile that saw everything before `after`."""
+
+    def read() -> dt.datetime | None:
+        for event in audit_events(cluster, offset):
+            ref = event.get("objectRef", {})
+            if (
+                _by_operator(event)
+                and event["verb"] == "get"
+                and (ref.get("resource"), ref.get("namespace"), ref.get("name")) == ("omnipipelines", namespace, name)
+                and audit_time(event) > after
+            ):
+                return audit_time(event)
+        return None
+
+    return wait_for(
+        read,
+        60,
+        f"the operator to reconcile {name} after {after.isoformat()} (no read of it in the audit log: a cluster "
+        "started before its audit policy logged OmniPipeline reads?)",
+    )
 
 
 def create_model_cache_pvc(cluster, namespace: str, claim: str) -> None:
@@ -385,16 +446,21 @@ def test_missing_secret_is_degraded_until_created(cluster, operator, namespace) 
 
 
 def test_unchanged_spec_causes_no_writes(cluster, operator, namespace) -> None:
+    """A touch that changes no spec is reconciled, and that reconcile writes nothing.
+
+    The operator reconciles one key at a time: its reconcile of the touched pipeline starts with a read of it
+    after the touch and has ended before the read that follows a second touch. Every write of that reconcile
+    lies between the first touch and that later read; no fixed window lets a slow operator pass."""
     apply(cluster, namespace, pipeline("steady", "prompt-enhanced-t2i", [{"name": "enhancer"}, {"name": "dit"}]))
     wait_ready(cluster, operator, namespace, "steady")
-    time.sleep(3)  # let the last status write's own watch event come back and be reconciled
-    since = time.time()
     # Touch the pipeline without changing its spec: an event, and a full reconcile, but nothing to do.
-    cluster.kubectl("annotate", "omnipipeline", "steady", "-n", namespace, "example.com/touched=yes")
-    time.sleep(8)
+    touched, offset = touch(cluster, namespace, "steady", "1")
+    operator_read_after(cluster, namespace, "steady", touched, offset)
+    fence, _ = touch(cluster, namespace, "steady", "2")
+    done = operator_read_after(cluster, namespace, "steady", fence, offset)
     # In this namespace only: a same-named pipeline of an earlier test, its namespace being deleted, is
     # still reconciled (and refused) meanwhile.
-    writes = operator_writes(cluster, since, namespace)
+    writes = operator_writes(cluster, namespace, touched, done, offset)
     assert writes == [], writes
 
 
