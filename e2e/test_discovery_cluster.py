@@ -80,12 +80,22 @@ async def test_discovery_follows_ready_replicas_of_a_stage_service(cluster, name
         assert two == {f"{ip}:8100" for ip in ips}
 
         await asyncio.to_thread(cluster.kubectl, "scale", "deployment/talker", "-n", namespace, "--replicas=3")
-        assert len(await _wait(changes, lambda s: len(s) == 3)) == 3
+        three = await _wait(changes, lambda s: len(s) == 3)
+        pods = json.loads(cluster.kubectl("get", "pods", "-n", namespace, "-l", "app=talker", "-o", "json").stdout)
+        by_ip = {f"{p['status']['podIP']}:8100": p["metadata"]["name"] for p in pods["items"]}
+        assert three == set(by_ip)
 
-        victim = pods["items"][0]["metadata"]["name"]
+        # 3 -> 2: the ReplicaSet removes the pod of lowest deletion cost first, so the victim is known.
+        victim_address = sorted(by_ip)[0]
+        cluster.kubectl(
+            "annotate", "pod", by_ip[victim_address], "-n", namespace, "controller.kubernetes.io/pod-deletion-cost=-100"
+        )
+        await asyncio.to_thread(cluster.kubectl, "scale", "deployment/talker", "-n", namespace, "--replicas=2")
+        two = await _wait(changes, lambda s: len(s) == 2)
+        assert victim_address not in two and two == set(by_ip) - {victim_address}, (victim_address, two)
+
         await asyncio.to_thread(cluster.kubectl, "scale", "deployment/talker", "-n", namespace, "--replicas=0")
-        await _wait(changes, lambda s: len(s) == 0)
-        assert all(victim not in a for a in changes[-1])
+        assert await _wait(changes, lambda s: len(s) == 0) == set()
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
