@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +26,8 @@ from clusterlib import REPO, apply, condition, keda_crd, kubectl_json, stop_proc
 from prometheus_client.parser import text_string_to_metric_families
 
 from localcluster import audit_time, free_port
+from omni_operator.builders.pipeline_objects import router_name
+from omni_operator.builders.trust import key_secret_name
 from omni_operator.metrics import STAGE_REPLICAS_DESIRED
 
 pytestmark = pytest.mark.cluster
@@ -584,14 +588,68 @@ def test_hand_deleted_omnistage_and_hand_edited_deployment_are_restored(cluster,
     wait_ready(cluster, operator, namespace, "heal")
 
 
+class SecretWatch:
+    """`kubectl get secrets --watch -o name` in one namespace, its lines read by a thread as they come."""
+
+    def __init__(self, cluster, namespace: str) -> None:
+        self.proc = subprocess.Popen(
+            [cluster.binary("kubectl"), "get", "secrets", "-n", namespace, "--watch", "-o", "name"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=cluster.env(),
+            start_new_session=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+
+    def wait_for(self, wanted: Callable[[str], bool], timeout: float, what: str) -> str:
+        """The first line for which `wanted` is true, read within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if wanted(line):
+                return line
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+    def stop(self) -> None:
+        stop_process_group(self.proc)
+
+
 def test_operator_restart_mid_reconcile_converges_without_duplicates(cluster, operator, namespace) -> None:
+    """SIGKILLed while it reconciles, the restarted operator converges every pipeline without duplicates.
+
+    The kill follows the first key Secret to appear (a reconcile's first object); right after it some
+    pipeline must have that Secret but not its router Deployment (the reconcile's last object), so the
+    kill is known to have landed mid-reconcile."""
     names = [f"many-{i}" for i in range(12)]
     docs = [pipeline(n, "prompt-enhanced-t2i", []) for n in names]
-    cluster.kubectl(
-        "apply", "-n", namespace, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs})
-    )
-    time.sleep(1.5)
-    operator.stop(signal.SIGKILL)  # no chance to finish anything
+    keys = {key_secret_name(n): n for n in names}
+    watch = SecretWatch(cluster, namespace)
+    try:
+        # Once the watch prints a Secret made after it started, it sees every later one as it is made.
+        cluster.kubectl("create", "secret", "generic", "watch-marker", "-n", namespace, "--from-literal=x=1")
+        watch.wait_for(lambda line: line == "secret/watch-marker", 60, "the Secret watch to start")
+        cluster.kubectl(
+            "apply", "-n", namespace, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs})
+        )
+        watch.wait_for(lambda line: line.removeprefix("secret/") in keys, 120, "a reconcile to create a key Secret")
+        operator.stop(signal.SIGKILL)  # no chance to finish anything
+    finally:
+        watch.stop()
+    secrets = set(cluster.kubectl("get", "secrets", "-n", namespace, "-o", "name").stdout.split())
+    routers = set(cluster.kubectl("get", "deployments", "-n", namespace, "-o", "name").stdout.split())
+    begun = [n for k, n in keys.items() if f"secret/{k}" in secrets]
+    unfinished = [n for n in begun if f"deployment.apps/{router_name(n)}" not in routers]
+    assert unfinished, f"the kill landed after every begun reconcile had finished: {sorted(secrets | routers)}"
     operator.start()
     operator.wait_started()  # the waits below are on reconciling, not on the interpreter starting under load
     for n in names:
