@@ -57,8 +57,11 @@ class ServiceAccountOperator:
     """`omnikube operator` as a local process whose only credential is a token of the chart's
     ServiceAccount: both its own client (--kubeconfig) and kopf's ($KUBECONFIG) use it."""
 
-    def __init__(self, cluster, release: Release, workdir: Path, namespaces: list[str]) -> None:
+    def __init__(
+        self, cluster, release: Release, workdir: Path, namespaces: list[str], token_duration: str = "1h"
+    ) -> None:
         self.cluster, self.release, self.workdir, self.namespaces = cluster, release, workdir, namespaces
+        self.token_duration = token_duration
         self.identity = f"helm-rbac-{uuid.uuid4().hex[:4]}"
         self.kubeconfig = workdir / "sa-kubeconfig.json"
         self.log_path = workdir / f"{self.identity}.log"
@@ -67,7 +70,12 @@ class ServiceAccountOperator:
 
     def write_kubeconfig(self) -> None:
         token = self.cluster.kubectl(
-            "create", "token", self.release.service_account, "-n", self.release.namespace, "--duration=1h"
+            "create",
+            "token",
+            self.release.service_account,
+            "-n",
+            self.release.namespace,
+            f"--duration={self.token_duration}",
         ).stdout.strip()
         admin = json.loads(self.cluster.kubeconfig.read_text())
         server = admin["clusters"][0]["cluster"]

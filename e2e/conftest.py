@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from clusterlib import REPO  # noqa: E402
 from podrunner.fixtures import podrunner  # noqa: E402,F401 - the `podrunner` fixture (real processes for pods)
+from releaselib import shared_release  # noqa: E402,F401 - one chart release + operator for the model modules
 
 from localcluster import LocalCluster  # noqa: E402
 

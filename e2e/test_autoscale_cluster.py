@@ -19,7 +19,7 @@ from typing import Any
 
 import openai
 import pytest
-from chartlib import ServiceAccountOperator, operator_release
+from chartlib import ServiceAccountOperator
 from clusterlib import apply, condition, kubectl_json, wait_for
 from kedalib import Keda, chat_pipeline, hpa_of
 from loadlib import SteadyLoad
@@ -110,7 +110,7 @@ def _pipeline_ready(env: Env) -> bool:
 
 
 @pytest.fixture(scope="module")
-def env(cluster, podrunner, tmp_path_factory) -> Iterator[Env]:
+def env(cluster, podrunner, shared_release, tmp_path_factory) -> Iterator[Env]:
     ensure("tiny-qwen2-chat")
     keda = Keda(cluster)
     # Pods reach the host at the runner's bridge address (the nodes' InternalIP): KEDA's operator queries
@@ -122,7 +122,7 @@ def env(cluster, podrunner, tmp_path_factory) -> Iterator[Env]:
     try:
         keda.install()
         prometheus.start()
-        with operator_release(cluster, "as", tmp_path_factory.mktemp("autoscale-operator")) as (release, operator):
+        with shared_release.module("as") as (release, operator):
             e = Env(cluster, release.apps, keda, prometheus, operator)
             stop_following = prometheus.follow(
                 lambda: kubectl_json(cluster, "get", "pods", "-n", release.apps)["items"]

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import openai
 import psutil
 import pytest
-from chartlib import Release, ServiceAccountOperator, operator_release
+from chartlib import Release, ServiceAccountOperator
 from clusterlib import apply, condition, kubectl_json, wait_for
 
 from omni_runtime.tiny_models import default_cache_dir, ensure
@@ -131,9 +131,9 @@ class Env:
 
 
 @pytest.fixture(scope="module")
-def env(cluster, podrunner, tmp_path_factory) -> Iterator[Env]:
+def env(cluster, podrunner, shared_release) -> Iterator[Env]:
     ensure("tiny-prompt-enhanced-t2i")
-    with operator_release(cluster, "cx", tmp_path_factory.mktemp("cx-operator")) as (release, operator):
+    with shared_release.module("cx") as (release, operator):
         yield Env(cluster, release, operator)
 
 

@@ -25,7 +25,7 @@ import openai
 import psutil
 import pytest
 import yaml
-from chartlib import Release, ServiceAccountOperator, helm, operator_release
+from chartlib import Release, ServiceAccountOperator, helm
 from clusterlib import REPO, apply, kubectl_json, wait_for
 from loadlib import SteadyLoad
 from PIL import Image
@@ -156,11 +156,11 @@ class Env:
 
 
 @pytest.fixture(scope="module")
-def env(cluster, podrunner, tmp_path_factory) -> Iterator[Env]:
+def env(cluster, podrunner, shared_release) -> Iterator[Env]:
     for model in ("tiny-qwen2-chat", "tiny-flux", "tiny-prompt-enhanced-t2i"):
         ensure(model)
     # The cluster fixture installed the CRDs already; the chart brings the operator's identity and RBAC.
-    with operator_release(cluster, "e2e", tmp_path_factory.mktemp("e2e-operator")) as (release, operator):
+    with shared_release.module("e2e") as (release, operator):
         e = Env(cluster, podrunner, release, operator)
         apply(cluster, release.apps, {"apiVersion": "v1", "kind": "List", "items": PIPELINES})
         for p in PIPELINES:

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from chartlib import Release, ServiceAccountOperator, operator_release
+from chartlib import Release, ServiceAccountOperator
 from clusterlib import apply, condition, kubectl_json, wait_for
 from PIL import Image
 from podrunner.node import RUNNER_LABEL
@@ -97,9 +97,9 @@ def restarts(pod: dict) -> int:
 
 
 @pytest.fixture(scope="module")
-def env(cluster, podrunner, tmp_path_factory) -> Iterator[Env]:
+def env(cluster, podrunner, shared_release, tmp_path_factory) -> Iterator[Env]:
     ensure("tiny-sd3")
-    with operator_release(cluster, "rt", tmp_path_factory.mktemp("rt-operator")) as (release, operator):
+    with shared_release.module("rt") as (release, operator):
         cache = tmp_path_factory.mktemp("rt-cache") / "models"  # appears later: see the module docstring
         e = Env(cluster, release, operator, cache)
         apply(cluster, release.apps, {"apiVersion": "v1", "kind": "List", "items": [secret(e.key), pipeline(cache)]})

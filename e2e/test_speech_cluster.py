@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import httpx
 import openai
 import pytest
-from chartlib import Release, ServiceAccountOperator, operator_release
+from chartlib import Release, ServiceAccountOperator
 from clusterlib import apply, condition, kubectl_json, wait_for
 from podrunner.node import RUNNER_LABEL
 from prometheus_client.parser import text_string_to_metric_families
@@ -198,10 +198,10 @@ class Env:
 
 
 @pytest.fixture(scope="module")
-def release(cluster, podrunner, tmp_path_factory) -> Iterator[tuple[Release, ServiceAccountOperator]]:
-    """The chart installed once for the module, its operator (holding only the chart's token) watching the
-    apps namespace."""
-    with operator_release(cluster, "sp", tmp_path_factory.mktemp("sp-operator")) as installed:
+def release(cluster, podrunner, shared_release) -> Iterator[tuple[Release, ServiceAccountOperator]]:
+    """The session's chart release and its operator (holding only the chart's token), and this module's
+    apps namespace, which it watches."""
+    with shared_release.module("sp") as installed:
         yield installed
 
 
@@ -216,7 +216,7 @@ def env(request, cluster, podrunner, release) -> Iterator[Env]:
         e.wait_ready()
         yield e
     finally:
-        # The last model's pipeline goes with the release's namespace (a graceful drain of its pods would only
+        # The last model's pipeline goes with the module's namespace (a graceful drain of its pods would only
         # cost time); an earlier one is deleted, and its processes gone, before the next model loads.
         if m is not MODELS[-1]:
             cluster.kubectl("delete", "omnipipeline", m.name, "-n", e.ns, "--wait=false", check=False)

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 import av
 import openai
 import pytest
-from chartlib import operator_release
 from clusterlib import apply, kubectl_json, wait_for
 from podrunner.node import RUNNER_LABEL
 from test_end_to_end import Env
@@ -56,9 +55,9 @@ PIPELINE = {
 
 
 @pytest.fixture(scope="module")
-def env(cluster, podrunner, tmp_path_factory) -> Iterator[Env]:
+def env(cluster, podrunner, shared_release) -> Iterator[Env]:
     ensure("tiny-wan2-2-t2v")
-    with operator_release(cluster, "video", tmp_path_factory.mktemp("video-operator")) as (release, operator):
+    with shared_release.module("video") as (release, operator):
         e = Env(cluster, podrunner, release, operator)
         apply(cluster, release.apps, PIPELINE)
         e.wait_ready("wan")
