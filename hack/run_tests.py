@@ -79,7 +79,8 @@ class Lane:
             log.flush()
             proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             assert proc.stdout is not None
-            for chunk in iter(lambda: proc.stdout.readline(), b""):
+            # read1, not readline: pytest -q writes a line of progress dots only as tests end, minutes apart
+            for chunk in iter(lambda: proc.stdout.read1(65536), b""):
                 log.write(chunk)
                 if self.live:
                     sys.stdout.buffer.write(chunk)
