@@ -119,9 +119,23 @@ class Keda:
         pods = self.cluster.kubectl("get", "pods", "-n", NAMESPACE, "-o", "wide", check=False).stdout
         logs = ""
         for deployment in ("keda-operator", "keda-metrics-apiserver"):
-            text = self.cluster.kubectl("logs", "-n", NAMESPACE, f"deploy/{deployment}", "--tail=30", check=False)
-            logs += f"--- {deployment}\n{(text.stdout or text.stderr)[-3000:]}\n"
-        return f"apiservice: {api[-1500:]}\npods:\n{pods}\n{logs}"
+            # A crash-looping container's current run has often printed nothing yet: the run before it says why.
+            for which in ("--previous", None):
+                args = ["logs", "-n", NAMESPACE, f"deploy/{deployment}", "--tail=30", *([which] if which else [])]
+                text = self.cluster.kubectl(*args, check=False)
+                logs += f"--- {deployment} {which or '(current)'}\n{(text.stdout or text.stderr)[-3000:]}\n"
+        # How each container last ended (exit code, reason, message: a StartError or a probe kill has no log)
+        # and the namespace's events say why a pod crash-loops when its log is empty.
+        state = self.cluster.kubectl("get", "pods", "-n", NAMESPACE, "-o", "json", check=False)
+        ended = ""
+        if state.returncode == 0:
+            for pod in json.loads(state.stdout)["items"]:
+                for status in pod["status"].get("containerStatuses") or []:
+                    ended += f"{pod['metadata']['name']}: {json.dumps(status.get('lastState'))}\n"
+        events = self.cluster.kubectl("get", "events", "-n", NAMESPACE, "--sort-by=.lastTimestamp", check=False)
+        return (
+            f"apiservice: {api[-1500:]}\npods:\n{pods}\nlast states:\n{ended}\nevents:\n{events.stdout[-3000:]}\n{logs}"
+        )
 
     def uninstall(self) -> None:
         """Delete what `install` applied. ScaledObjects left behind lose KEDA's finalizer first (KEDA, which

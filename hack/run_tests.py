@@ -4,26 +4,25 @@ The machine has two cores. What decides the suite's time is CPU-bound work (mode
 models) and wait-bound work (the KWOK-only cluster modules: polls on a real API server, operator start-ups,
 liveness windows). So:
 
-    control plane and Prometheus builds (Go)     <- everything below waits for them (cold: minutes, the machine to
-                                                    themselves but for the venv install and the lint); warm: instant
-    lane "unit" then "served"  (tests/)          | side by side: the cluster lane mostly waits, so it costs the
-    lane "cluster"  (e2e/, no model loads)       | unit lane little; each runs its own control plane
-    lane "e2e"  (e2e/, model pods)               <- after both: it is CPU-bound like "served"
-    lane "demo" (e2e/test_demo.py: `make demo`)  <- last and alone: its pod runner owns runner-node-0 of its own cluster
+    control plane and Prometheus builds (Go)     <- the lanes wait for them (cold: minutes, the machine to themselves
+                                                    but for the venv install and the lint); warm: instant
+    lane "unit" then "served"  (tests/)          | side by side, two sequences: the cluster lane mostly waits (polls
+    lane "cluster" then "e2e" then "demo" (e2e/) | on a real API server), and neither "served" nor "e2e" keeps two
+                                                   cores busy (tiny models: mostly one Python thread per process)
 
 Why the lanes cannot interfere: each pytest process runs its own control plane (e2e/conftest.py `cluster`
 starts one per session in its own folder, on free ports), so no cluster-wide object (CRDs, KEDA's
-ScaledObject CRD, APIServices) is shared between lanes. "cluster" is e2e/ without model loads: the KWOK-only
-modules and the pod runner's own tests (their pods are small processes); the lanes beside it (tests/) start no
-pod runner, and a pod runner takes its bridge's /24 under a host-wide lock, so the host-wide state a pod runner
-changes (bridges, network namespaces, its pods' processes) is never touched by two lanes. "e2e" and "demo" run
-pod runners too, but never beside "cluster". Each lane has its own pytest basetemp and no cache provider.
+ScaledObject CRD, APIServices) is shared between lanes. tests/ (unit, served) starts no pod runner and no
+cluster; the pod runners (cluster, e2e, demo: host-wide state, bridges, network namespaces, their pods'
+processes) run in one sequence, one lane at a time, and each takes its bridge's /24 under a host-wide lock.
+"demo" runs `make demo`, whose cluster and pod runner live in the checkout's .omnikube/: only one lane runs
+it. Each lane has its own pytest basetemp and no cache provider; model caches are shared and built under locks.
 
-The KEDA build (only "e2e" needs it) goes on in the background at low priority (nice 10):
-they use the cores the lanes leave idle. Each lane writes its output to `.omnikube/test-logs/<lane>.log`
-and its results to `.omnikube/junit/<lane>.xml`; the first lane also prints to the terminal. A lane that
-fails prints its log at the end, and the run exits non-zero. The summary gives tests and seconds per tier and
-the 20 slowest tests (setup and teardown included, so a fixture's serve start counts in its first test).
+The KEDA build (only "e2e" needs it) goes on in the background at low priority (nice 10) while the first lanes
+run. Each lane writes its output to `.omnikube/test-logs/<lane>.log` and its results to
+`.omnikube/junit/<lane>.xml`; the first sequence (unit, served) also prints to the terminal. A lane that fails
+prints its log at the end, and the run exits non-zero. The summary gives tests and seconds per tier and the 20
+slowest tests (setup and teardown included, so a fixture's serve start counts in its first test).
 """
 
 from __future__ import annotations
@@ -100,7 +99,9 @@ class Phase:
 
     @property
     def needs(self) -> list[str]:
-        return list(dict.fromkeys(need for seq in self.lanes for lane in seq for need in lane.needs))
+        """What the first lane of each sequence needs: built before the phase starts, the machine to itself. A
+        later lane of a sequence waits for its own needs when its turn comes (built in the background by then)."""
+        return list(dict.fromkeys(need for seq in self.lanes for need in seq[0].needs))
 
 
 def wait_for_build(script: str) -> None:
@@ -122,9 +123,9 @@ def lanes_of(selection: str) -> list[Phase]:
     )
     # test_helm_chart ("cluster") runs Prometheus over the chart's alert rules: built before, not inside a test
     cluster = Lane("cluster", ["e2e", "-m", "not models and not demo"], needs=(control_plane, prometheus))
-    e2e = Lane("e2e", ["e2e", "-m", "models and not demo"], live=True, needs=(control_plane, prometheus, keda))
-    demo = Lane("demo", ["e2e", "-m", "demo"], live=True, needs=(control_plane,))
-    phases = [Phase([[unit, served], [cluster]]), Phase([[e2e]]), Phase([[demo]])]
+    e2e = Lane("e2e", ["e2e", "-m", "models and not demo"], needs=(control_plane, prometheus, keda))
+    demo = Lane("demo", ["e2e", "-m", "demo"], needs=(control_plane,))
+    phases = [Phase([[unit, served], [cluster, e2e, demo]])]
     if selection == "all":
         return phases
     wanted = set(selection.split(","))
@@ -139,6 +140,8 @@ def lanes_of(selection: str) -> list[Phase]:
 
 def run_sequence(seq: list[Lane], basetemp: Path, extra: list[str]) -> None:
     for lane in seq:
+        for script in lane.needs:
+            wait_for_build(script)
         lane.run(basetemp, extra)
 
 
