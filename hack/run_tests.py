@@ -6,9 +6,10 @@ liveness windows). So:
 
     control plane and Prometheus builds (Go)     <- the lanes wait for them (cold: minutes, the machine to themselves
                                                     but for the venv install and the lint); warm: instant
-    lane "unit" then "served"  (tests/)          | side by side, two sequences: the cluster lane mostly waits (polls
-    lane "cluster" then "e2e" then "demo" (e2e/) | on a real API server), and neither "served" nor "e2e" keeps two
-                                                   cores busy (tiny models: mostly one Python thread per process)
+    sequence 1: lane "unit", then "served" (tests/)        | side by side: "cluster" mostly waits (polls on a real
+    sequence 2: lane "cluster", then "e2e" (e2e/),          | API server), and neither "served" nor "e2e" keeps two
+                "served-late" (tests/), then "demo" (e2e/)  | cores busy (tiny models: mostly one Python thread per
+                                                              process); "served-late" evens out the two sequences
 
 Why the lanes cannot interfere: each pytest process runs its own control plane (e2e/conftest.py `cluster`
 starts one per session in its own folder, on free ports), so no cluster-wide object (CRDs, KEDA's
@@ -49,6 +50,8 @@ class Lane:
     name: str
     args: list[str]
     """pytest arguments selecting the tier's tests."""
+    tier: str = ""
+    """The tier it belongs to when a tier is split over several lanes (`--lanes <tier>` runs them all)."""
     live: bool = False
     """Stream its output to the terminal as well as to its log."""
     needs: tuple[str, ...] = ()
@@ -113,9 +116,17 @@ def wait_for_build(script: str) -> None:
         print(f"run_tests: waited {waited:.0f} s for {script}", flush=True)
 
 
+SERVED_AFTER_E2E = ("tests/test_serve_t2i.py",)
+"""Served modules run in the e2e sequence, after "demo": the two sequences end together (measured on a warm
+fresh clone: unit+served 1901 s, cluster+e2e+demo 1502 s; this module took 185 s of the served lane). Each
+starts its own serves (no shared session serve), so moving it starts nothing twice."""
+
+
 def lanes_of(selection: str) -> list[Phase]:
     unit = Lane("unit", ["tests", "-m", "not models"], live=True)
-    served = Lane("served", ["tests", "-m", "models"], live=True)
+    ignored = [f"--ignore={module}" for module in SERVED_AFTER_E2E]
+    served = Lane("served", ["tests", "-m", "models", *ignored], live=True, tier="served")
+    served_late = Lane("served-late", [*SERVED_AFTER_E2E, "-m", "models"], tier="served")
     control_plane, prometheus, keda = (
         "e2e/cluster/build.sh",
         "e2e/cluster/addons/build.sh prometheus",
@@ -125,13 +136,13 @@ def lanes_of(selection: str) -> list[Phase]:
     cluster = Lane("cluster", ["e2e", "-m", "not models and not demo"], needs=(control_plane, prometheus))
     e2e = Lane("e2e", ["e2e", "-m", "models and not demo"], needs=(control_plane, prometheus, keda))
     demo = Lane("demo", ["e2e", "-m", "demo"], needs=(control_plane,))
-    phases = [Phase([[unit, served], [cluster, e2e, demo]])]
+    phases = [Phase([[unit, served], [cluster, e2e, served_late, demo]])]
     if selection == "all":
         return phases
     wanted = set(selection.split(","))
     out = []
     for phase in phases:
-        kept = [[lane for lane in seq if lane.name in wanted] for seq in phase.lanes]
+        kept = [[lane for lane in seq if wanted & {lane.name, lane.tier}] for seq in phase.lanes]
         kept = [seq for seq in kept if seq]
         if kept:
             out.append(Phase(kept))
@@ -190,14 +201,14 @@ def summary(lanes: list[Lane], wall: float) -> str:
             tally.failed = 1  # the lane failed outside any test (collection, a fixture's teardown, a crash)
         state = "not run" if lane.returncode is None else ("ok" if lane.returncode == 0 else f"exit {lane.returncode}")
         rows.append(
-            f"  {lane.name:<8} {tally.tests:>6} {tally.failed:>7} {tally.skipped:>8} {tally.seconds:>9.0f}  {state}"
+            f"  {lane.name:<12} {tally.tests:>6} {tally.failed:>7} {tally.skipped:>8} {tally.seconds:>9.0f}  {state}"
         )
     lines = ["", "== test tiers (wall seconds per lane; lanes in one phase ran side by side)",
-             f"  {'tier':<8} {'tests':>6} {'failed':>7} {'skipped':>8} {'seconds':>9}", *rows,
+             f"  {'lane':<12} {'tests':>6} {'failed':>7} {'skipped':>8} {'seconds':>9}", *rows,
              f"  all: {wall:.0f} s wall ({wall / 60:.1f} min)",
              "", "== 20 slowest tests (setup + call + teardown)"]  # fmt: skip
     for seconds, lane_name, name in sorted(cases, reverse=True)[:20]:
-        lines.append(f"  {seconds:8.1f} s  {lane_name:<8} {name}")
+        lines.append(f"  {seconds:8.1f} s  {lane_name:<12} {name}")
     passed = total.tests - total.failed - total.skipped
     lines += ["", f"total: {passed} passed, {total.failed} failed, {total.skipped} skipped"]
     return "\n".join(lines)
@@ -205,7 +216,9 @@ def summary(lanes: list[Lane], wall: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lanes", default="all", help="comma-separated lanes (unit,served,cluster,e2e,demo) or all")
+    parser.add_argument(
+        "--lanes", default="all", help="comma-separated lanes or tiers (unit, served, served-late, cluster, e2e, demo)"
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments for every lane (after --)")
     args = parser.parse_args(argv)
     phases = lanes_of(args.lanes)
