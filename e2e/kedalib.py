@@ -3,7 +3,8 @@
 from KEDA's own manifests (config/default of the same module).
 
 What differs from KEDA's release manifests, and why:
-- the containers run the built binaries (the pod runner's image is the host) on the runner's nodes;
+- the containers run the built binaries (the pod runner's image is the host) on the runner's nodes, from a
+  read-only hostPath volume at /keda-bin (a host path named directly can lie under one of the pod's own mounts);
 - the admission webhooks are left out (not built; KEDA runs without them, as with its chart's
   `webhooks.enabled=false`), so the operator does not patch their configuration;
 - the operator's Service is headless: the adapter dials `keda-operator.keda.svc.cluster.local:9666`, and
@@ -32,6 +33,8 @@ __all__ = ["NAMESPACE", "Keda", "chat_pipeline", "hpa_of", "keda_binaries", "ked
 NAMESPACE = "keda"
 MODULE = "github.com/kedacore/keda/v2"
 EXTERNAL_METRICS = "v1beta1.external.metrics.k8s.io"
+BIN_VOLUME, BIN_MOUNT = "keda-binaries", "/keda-bin"
+"""The hostPath volume holding the built binaries, and where the containers see it (KEDA's image has them in /)."""
 _LEFT_OUT = {
     ("Deployment", "keda-admission"),
     ("Service", "keda-admission-webhooks"),
@@ -53,6 +56,8 @@ def keda_binaries() -> tuple[Path, Path]:
 
 def keda_manifests(cluster: Any, operator: Path, adapter: Path) -> list[dict[str, Any]]:
     """KEDA's config/default (kustomize, as its release does) with the changes the module docstring lists."""
+    if operator.parent != adapter.parent:
+        raise ValueError(f"the KEDA binaries must share a folder (one volume): {operator}, {adapter}")
     source = go_module_dir("keda", MODULE) / "config" / "default"
     docs = [d for d in yaml.safe_load_all(cluster.kubectl("kustomize", str(source)).stdout) if d]
     out = []
@@ -61,15 +66,24 @@ def keda_manifests(cluster: Any, operator: Path, adapter: Path) -> list[dict[str
         if (kind, name) in _LEFT_OUT:
             continue
         if kind == "Deployment":
-            doc["spec"]["template"]["spec"] = on_runner(doc["spec"]["template"]["spec"])
-            container = doc["spec"]["template"]["spec"]["containers"][0]
+            pod = doc["spec"]["template"]["spec"] = on_runner(doc["spec"]["template"]["spec"])
+            container = pod["containers"][0]
             if name == "keda-operator":
-                container["command"] = [str(operator)]
+                container["command"] = [f"{BIN_MOUNT}/{operator.name}"]
                 container["args"] = [*container.get("args", []), "--enable-webhook-patching=false"]
             elif name == "keda-metrics-apiserver":
-                container["command"] = [str(adapter)]
+                container["command"] = [f"{BIN_MOUNT}/{adapter.name}"]
             else:
                 raise AssertionError(f"KEDA's config/default has a Deployment {name} this test tier does not know")
+            # The binaries reach the container through a volume of their own, as an image's files would: named
+            # by their host path, they were hidden whenever that path lay under one of the pod's own mounts
+            # (the adapter mounts an emptyDir on /tmp, and a cache under a HOME in /tmp vanished behind it).
+            pod.setdefault("volumes", []).append(
+                {"name": BIN_VOLUME, "hostPath": {"path": str(operator.parent), "type": "Directory"}}
+            )
+            container.setdefault("volumeMounts", []).append(
+                {"name": BIN_VOLUME, "mountPath": BIN_MOUNT, "readOnly": True}
+            )
         if kind == "Service" and name == "keda-operator":
             doc["spec"]["clusterIP"] = "None"
         out.append(doc)
@@ -80,12 +94,14 @@ class Keda:
     """KEDA installed into a cluster whose pod runner is up; `uninstall` takes every object away again
     (CRDs and the APIService included, so later tests see a cluster without KEDA)."""
 
-    def __init__(self, cluster: Any) -> None:
+    def __init__(self, cluster: Any, binaries: tuple[Path, Path] | None = None) -> None:
         self.cluster = cluster
+        self.binaries = binaries
+        """(operator, adapter) in one folder; the cached build (`keda_binaries`) when None."""
         self.objects: list[dict[str, Any]] = []
 
     def install(self, timeout: float = 300) -> Keda:
-        operator, adapter = keda_binaries()
+        operator, adapter = self.binaries or keda_binaries()
         self.objects = keda_manifests(self.cluster, operator, adapter)
         crds = [o for o in self.objects if o["kind"] == "CustomResourceDefinition"]
         rest = [o for o in self.objects if o["kind"] != "CustomResourceDefinition"]

@@ -132,8 +132,9 @@ def lanes_of(selection: str) -> list[Phase]:
         "e2e/cluster/addons/build.sh prometheus",
         "e2e/cluster/addons/build.sh keda",
     )
-    # test_helm_chart ("cluster") runs Prometheus over the chart's alert rules: built before, not inside a test
-    cluster = Lane("cluster", ["e2e", "-m", "not models and not demo"], needs=(control_plane, prometheus))
+    # "cluster" runs Prometheus over the chart's alert rules (test_helm_chart) and installs KEDA (test_keda_cluster):
+    # built before, not inside a test (cold, KEDA's build ends before the control plane's: they build side by side)
+    cluster = Lane("cluster", ["e2e", "-m", "not models and not demo"], needs=(control_plane, prometheus, keda))
     e2e = Lane("e2e", ["e2e", "-m", "models and not demo"], needs=(control_plane, prometheus, keda))
     demo = Lane("demo", ["e2e", "-m", "demo"], needs=(control_plane,))
     phases = [Phase([[unit, served], [cluster, e2e, served_late, demo]])]
