@@ -29,6 +29,7 @@ slowest tests (setup and teardown included, so a fixture's serve start counts in
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -79,7 +80,9 @@ class Lane:
         with open(self.log, "wb") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()
-            proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            # unbuffered: pytest's progress otherwise reaches the log 8 KiB at a time (a hung lane showed nothing)
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
             assert proc.stdout is not None
             # read1, not readline: pytest -q writes a line of progress dots only as tests end, minutes apart
             for chunk in iter(lambda: proc.stdout.read1(65536), b""):

@@ -4,16 +4,19 @@ ports, discovery and connectors in the resolved JSON; and the stage pool followi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
 
 import pytest
 import yaml
+import zmq.asyncio
 
 from omni_runtime.cli import build_parser
 from omni_runtime.launcher import LocalRun, load_local_spec
 from omni_runtime.metrics import REGISTRY
+from omni_runtime.router.client import ReplicaClient
 from omni_runtime.router.discovery import KubernetesDiscovery, StaticDiscovery, make_discovery, ready_addresses
 from omni_runtime.router.pool import StagePool
 from omni_runtime.spec import ResolvedPipeline, SpecError, StageDiscovery
@@ -214,6 +217,24 @@ async def until(predicate: Callable[[], bool], what: str, timeout: float = 15.0)
     while not predicate():
         assert time.monotonic() < deadline, what
         await asyncio.sleep(0.02)
+
+
+async def test_a_replica_close_cancelled_midway_still_closes_its_sockets(t2i_folder, tmp_path) -> None:
+    """The pool's reaper closes a replica discovery removed; when the router stops meanwhile, that close is
+    cancelled while it waits for the replica's tasks. Its sockets close anyway: one left open blocked the router's
+    shutdown for ever in the ZeroMQ context's term() (a cold-machine run of the next test hung 20 minutes there)."""
+    run = LocalRun.prepare(load_local_spec(t2i_folder), run_dir=tmp_path / "run")
+    ctx = zmq.asyncio.Context()
+    client = ReplicaClient(ctx, run.resolved.name, "dit", "127.0.0.1:1", key=PipelineKey.from_file(run.key_path))
+    client.start()
+    closing = asyncio.create_task(client.close())
+    await asyncio.sleep(0)  # close() now waits for the replica's cancelled tasks
+    assert not closing.done()
+    closing.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await closing
+    assert client._sock.closed and client._monitor.closed, "a cancelled close left the replica's sockets open"
+    ctx.term()  # returns at once: no socket of the context is left open
 
 
 async def test_pool_follows_discovery_and_drains_removed_replicas(t2i_folder, tmp_path) -> None:

@@ -138,11 +138,15 @@ class ReplicaClient:
         for task in self._tasks:
             task.cancel()
         self._forget_series()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        with contextlib.suppress(Exception):
-            self._sock.disable_monitor()
-        self._monitor.close(0)
-        self._sock.close(0)
+        try:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        finally:
+            # Even when the close itself is cancelled (the pool stopping while its reaper closes this replica):
+            # a socket left open here blocks the context's term() for ever.
+            with contextlib.suppress(Exception):
+                self._sock.disable_monitor()
+            self._monitor.close(0)
+            self._sock.close(0)
 
     def _forget_series(self) -> None:
         """Drop this replica's series from the router's /metrics. A gone replica (its pod IP) would

@@ -78,12 +78,15 @@ class StagePool:
         self._reaper = asyncio.create_task(self._reap(), name="pool-reaper")
 
     async def stop(self) -> None:
-        for task in [*self._tasks, *([self._reaper] if self._reaper else [])]:
+        tasks = [*self._tasks, *([self._reaper] if self._reaper else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)  # the reaper too: it may be closing a replica
         await asyncio.gather(*(c.close() for c in self.clients()), return_exceptions=True)
         if self._ctx is not None:
-            self._ctx.term()
+            # Every client closed its sockets above; linger 0 and destroy so that a socket still open by some
+            # other path cannot hang the router's shutdown in term() (it did, until the reaper's close was fixed).
+            self._ctx.destroy(linger=0)
 
     async def pick(self, stage: str) -> ReplicaClient:
         """A usable replica of `stage` for new work (least outstanding first).
