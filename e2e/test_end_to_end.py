@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -373,6 +374,14 @@ def _roll(env: Env, edited: dict, load: SteadyLoad, component: str) -> tuple[dic
     return before, {n: _component(p) for n, p in _pods(env, name).items()}
 
 
+def _status(url: str) -> int | None:
+    """The HTTP status of a GET, or None when nothing answers."""
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.HTTPError:
+        return None
+
+
 def test_a_killed_stage_restarts_and_serves_then_its_roll_under_steady_load_fails_no_request(env) -> None:
     """The upstream (enhancer, vLLM) stage of the two-stage pipeline, SIGKILLed, is restarted in its pod and
     serves again through both stages; then, with three image clients running, editing its engine args rolls
@@ -395,6 +404,13 @@ def test_a_killed_stage_restarts_and_serves_then_its_roll_under_steady_load_fail
         "the killed enhancer container to be restarted (restartCount > 0)",
     )
     env.wait_ready("enhanced")
+    # Ready as the router sees it: the pipeline's Ready condition can still be the one from before the kill (the
+    # operator has not seen the pod go unready yet), and the router learns of the restarted replica only through
+    # its own discovery. Its readiness endpoint says when every stage has a ready replica there.
+    health = env.router_url("enhanced").removesuffix("/v1") + "/health"
+    wait_for(
+        lambda: _status(health) == 200, READY_TIMEOUT, "the router seeing the restarted enhancer ready (/health 200)"
+    )
     _image(env.client("enhanced"))  # the restarted stage serves again
 
     url = env.router_url("enhanced")

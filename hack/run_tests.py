@@ -80,13 +80,13 @@ class Lane:
         with open(self.log, "wb") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()
-            # unbuffered: pytest's progress otherwise reaches the log 8 KiB at a time (a hung lane showed nothing)
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the lane's own prints too, as they happen
             proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
             assert proc.stdout is not None
             # read1, not readline: pytest -q writes a line of progress dots only as tests end, minutes apart
             for chunk in iter(lambda: proc.stdout.read1(65536), b""):
                 log.write(chunk)
+                log.flush()  # the log shows a lane's progress as it goes (a hung lane's log held only its command)
                 if self.live:
                     sys.stdout.buffer.write(chunk)
                     sys.stdout.flush()
