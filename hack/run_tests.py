@@ -19,11 +19,11 @@ processes) run in one sequence, one lane at a time, and each takes its bridge's 
 "demo" runs `make demo`, whose cluster and pod runner live in the checkout's .omnikube/: only one lane runs
 it. Each lane has its own pytest basetemp and no cache provider; model caches are shared and built under locks.
 
-The KEDA build (only "e2e" needs it) goes on in the background at low priority (nice 10) while the first lanes
-run. Each lane writes its output to `.omnikube/test-logs/<lane>.log` and its results to
-`.omnikube/junit/<lane>.xml`; the first sequence (unit, served) also prints to the terminal. A lane that fails
-prints its log at the end, and the run exits non-zero. The summary gives tests and seconds per tier and the 20
-slowest tests (setup and teardown included, so a fixture's serve start counts in its first test).
+The KEDA build (the cluster and e2e lanes need it) runs in the background beside the control plane's, so the
+lanes wait for it as well; cold, it ends first. Each lane writes its output to `.omnikube/test-logs/<lane>.log`
+and its results to `.omnikube/junit/<lane>.xml`; the first sequence (unit, served) also prints to the terminal.
+A lane that fails prints its log at the end, and the run exits non-zero. The summary gives tests and seconds per
+lane and the 20 slowest tests (setup and teardown included, so a fixture's serve start counts in its first test).
 """
 
 from __future__ import annotations
@@ -120,9 +120,9 @@ def wait_for_build(script: str) -> None:
 
 
 SERVED_AFTER_E2E = ("tests/test_serve_t2i.py",)
-"""Served modules run in the e2e sequence, after "demo": the two sequences end together (measured on a warm
-fresh clone: unit+served 1901 s, cluster+e2e+demo 1502 s; this module took 185 s of the served lane). Each
-starts its own serves (no shared session serve), so moving it starts nothing twice."""
+"""Served modules run in the e2e sequence, after "e2e" and before "demo": the two sequences end together
+(measured on a warm fresh clone: unit+served 1901 s, cluster+e2e+demo 1502 s; this module took 185 s of the
+served lane). Each starts its own serves (no shared session serve), so moving it starts nothing twice."""
 
 
 def lanes_of(selection: str) -> list[Phase]:
