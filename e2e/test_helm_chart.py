@@ -43,7 +43,10 @@ CHART_LABELS = [
     "app.kubernetes.io/managed-by",
 ]
 HELM_ANNOTATIONS = ["meta.helm.sh/release-name", "meta.helm.sh/release-namespace", "helm.sh/resource-policy"]
-FORBIDDEN_MARKS = ("403", "Forbidden", "forbidden")
+FORBIDDEN_MARKS = ("Forbidden", "forbidden")
+"""How a refused call shows in the operator's log: the API server's message of every 403 says the request "is
+forbidden" (the operator logs it, omni_operator.kube.KubeError). Not "403": a log line's milliseconds can be
+403 (`04:30:18,403 INFO ...`), which failed a green upgrade once; the audit log check below reads codes."""
 
 
 # --- helpers ---------------------------------------------------------------------------------------
@@ -145,9 +148,23 @@ def pipeline_ready(cluster, namespace: str, name: str) -> dict | None:
     return None
 
 
+def refusals(log: str) -> list[str]:
+    """The lines of an operator log that report a call the API server refused."""
+    return [line for line in log.splitlines() if any(mark in line for mark in FORBIDDEN_MARKS)]
+
+
+def test_refusals_are_read_from_the_api_servers_message_not_from_a_timestamp() -> None:
+    refused = (
+        "2026-12-02 04:30:18,404 WARNING omni_operator.reconcile: could not apply ConfigMap apps/p-config: "
+        'POST /api/v1/namespaces/apps/configmaps: configmaps is forbidden: User "system:serviceaccount:s:o" '
+        'cannot create resource "configmaps" in API group "" in the namespace "apps"'
+    )
+    fine = "2026-12-02 04:30:18,403 INFO omni_operator.reconcile: applying ConfigMap apps/p-config"
+    assert refusals(f"{fine}\n{refused}") == [refused]
+
+
 def assert_no_forbidden(cluster, release: Release, op: ServiceAccountOperator, since: float) -> None:
-    log = op.log()
-    bad = [line for line in log.splitlines() if any(mark in line for mark in FORBIDDEN_MARKS)]
+    bad = refusals(op.log())
     assert not bad, "the operator was refused something the chart's RBAC should grant:\n" + "\n".join(bad[:20])
     # The audit log records writes with their response code: none of the ServiceAccount's was refused.
     user = f"system:serviceaccount:{release.namespace}:{release.service_account}"
