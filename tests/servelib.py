@@ -27,10 +27,16 @@ from typing import Any
 import yaml
 
 from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.stage.settings import apply_stage_env_defaults
 
 REPO = Path(__file__).resolve().parent.parent
 SHM_DIR = Path("/dev/shm")
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+ENGINE_ENV_ADDED = apply_stage_env_defaults()
+"""Keys this test process set so that the engines its tests make in-process run as in a stage process
+(`omnikube stage` applies the same defaults: on CPU, vLLM's worker inside its engine core, one vLLM import
+fewer per engine). A `Serve` starts without them, as from a user's shell, so that the stage's own is tested."""
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -250,8 +256,9 @@ class Serve:
         self._log = open(self.log, "wb")  # noqa: SIM115
         # Started as nohup or a script's `&` starts it: with SIGINT ignored. `stop()` still stops it with SIGINT,
         # and every fixture's teardown checks that it exits 0 and leaves no process behind.
+        env = {k: v for k, v in os.environ.items() if k not in ENGINE_ENV_ADDED}
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=_ignore_sigint
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env=env, preexec_fn=_ignore_sigint
         )
         self.endpoint = self._wait_endpoint(ready_timeout + 30)
         self.base = self.endpoint.removesuffix("/v1")

@@ -484,7 +484,7 @@ async def test_ar_streams_prompt_ids_then_one_token_per_step(ar: AREngine, hf_to
 @models
 @in_module_loop
 async def test_ar_stop_leaves_no_process_behind(ar: AREngine, children_before_vllm: set[int]) -> None:
-    assert _our_children() - children_before_vllm  # vLLM's engine core (and worker) are running
+    assert _our_children() - children_before_vllm  # vLLM's engine core is running
     await ar.stop()
     assert ar.llm is None
     assert _our_children() == children_before_vllm

@@ -25,6 +25,7 @@ from servelib import (
     http_get,
     metric_values,
     pid_alive,
+    process_tree,
     wait_serving,
 )
 
@@ -60,6 +61,22 @@ def test_models_health_and_metrics(serve, api) -> None:
     status, body = http_get(f"{serve.base}/health")
     assert status == 200 and f'"llm":{CHAT_REPLICAS}' in body.replace(" ", "")
     assert "omnikube_stage_ready" in serve.stage_metrics("llm")[0]
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode(errors="replace")
+
+
+def test_each_stage_process_runs_vllms_worker_inside_its_engine_core(serve) -> None:
+    """`omnikube stage` keeps vLLM's worker in the engine-core process (stage.settings.STAGE_ENV_DEFAULTS):
+    each replica is its own process plus vLLM's engine core, not a third process importing vLLM again."""
+    for proc in serve.stage_processes("llm"):
+        below = [_cmdline(pid) for pid in process_tree(proc["pid"]) - {proc["pid"]}]
+        vllm = [cmd for cmd in below if "resource_tracker" not in cmd]  # multiprocessing's own helper
+        assert len(vllm) == 1, f"{proc['name']}: processes below the stage: {below}"
+        with open(f"/proc/{proc['pid']}/environ", "rb") as f:
+            assert b"VLLM_ENABLE_V1_MULTIPROCESSING=0" not in f.read().split(b"\0")  # the stage set it itself
 
 
 def test_chat_answers_with_usage(api) -> None:

@@ -45,9 +45,11 @@ def _stage_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_stage(args: argparse.Namespace) -> int:
+    from omni_runtime.stage.settings import StageSettings, apply_stage_env_defaults
+
+    apply_stage_env_defaults()  # before the engine modules are imported
     from omni_runtime.stage.auth import PipelineKey
     from omni_runtime.stage.main import run
-    from omni_runtime.stage.settings import StageSettings
 
     settings = StageSettings.from_args(args)
     try:

