@@ -6,10 +6,13 @@ liveness windows). So:
 
     control plane and Prometheus builds (Go)     <- the lanes wait for them (cold: minutes, the machine to themselves
                                                     but for the venv install and the lint); warm: instant
-    sequence 1: lane "unit", then "served" (tests/)        | side by side: "cluster" mostly waits (polls on a real
-    sequence 2: lane "cluster", then "e2e" (e2e/),          | API server), and neither "served" nor "e2e" keeps two
-                "served-late" (tests/), then "demo" (e2e/)  | cores busy (tiny models: mostly one Python thread per
-                                                              process); "served-late" evens out the two sequences
+    sequence 1: lane "unit", then "served" (tests/)                | side by side: "cluster" mostly waits (polls
+    sequence 2: lane "cluster", then "e2e", then "demo" (e2e/)     | on a real API server), and no lane keeps two
+    sequence 3: lane "served-early", then "served-late" (tests/)   | cores busy (tiny models: mostly one Python
+                                                                     thread per process); sequence 3 takes served
+                                                                     modules that share no serve, so the cores do
+                                                                     not idle while "unit" and "cluster" run, and
+                                                                     the three sequences end together
 
 Why the lanes cannot interfere: each pytest process runs its own control plane (e2e/conftest.py `cluster`
 starts one per session in its own folder, on free ports), so no cluster-wide object (CRDs, KEDA's
@@ -119,17 +122,23 @@ def wait_for_build(script: str) -> None:
         print(f"run_tests: waited {waited:.0f} s for {script}", flush=True)
 
 
-SERVED_AFTER_E2E = ("tests/test_serve_t2i.py",)
-"""Served modules run in the e2e sequence, after "e2e" and before "demo": the two sequences end together
-(measured on a warm fresh clone: unit+served 1901 s, cluster+e2e+demo 1502 s; this module took 185 s of the
-served lane). Each starts its own serves (no shared session serve), so moving it starts nothing twice."""
+SERVED_BESIDE: dict[str, tuple[str, ...]] = {
+    "served-early": ("tests/test_topology_defaults.py", "tests/test_tiny_models.py", "tests/test_tiny_omni_models.py"),
+    "served-late": ("tests/test_serve_t2i.py",),
+}
+"""Served modules of sequence 3, by lane; the "served" lane runs the rest. None of them uses a shared session serve
+(each starts its own engines or serves), so moving them starts nothing twice. Measured on a warm fresh clone
+(two sequences then): unit+served 1946 s, cluster+e2e+served-late+demo 1872 s, with the cores 26-40 % idle
+during the first five minutes; these modules took 266 s (early) and 200 s (late) of that."""
 
 
 def lanes_of(selection: str) -> list[Phase]:
     unit = Lane("unit", ["tests", "-m", "not models"], live=True)
-    ignored = [f"--ignore={module}" for module in SERVED_AFTER_E2E]
+    ignored = [f"--ignore={module}" for modules in SERVED_BESIDE.values() for module in modules]
     served = Lane("served", ["tests", "-m", "models", *ignored], live=True, tier="served")
-    served_late = Lane("served-late", [*SERVED_AFTER_E2E, "-m", "models"], tier="served")
+    served_early, served_late = (
+        Lane(name, [*modules, "-m", "models"], tier="served") for name, modules in SERVED_BESIDE.items()
+    )
     control_plane, prometheus, keda = (
         "e2e/cluster/build.sh",
         "e2e/cluster/addons/build.sh prometheus",
@@ -140,7 +149,7 @@ def lanes_of(selection: str) -> list[Phase]:
     cluster = Lane("cluster", ["e2e", "-m", "not models and not demo"], needs=(control_plane, prometheus, keda))
     e2e = Lane("e2e", ["e2e", "-m", "models and not demo"], needs=(control_plane, prometheus, keda))
     demo = Lane("demo", ["e2e", "-m", "demo"], needs=(control_plane,))
-    phases = [Phase([[unit, served], [cluster, e2e, served_late, demo]])]
+    phases = [Phase([[unit, served], [cluster, e2e, demo], [served_early, served_late]])]
     if selection == "all":
         return phases
     wanted = set(selection.split(","))
@@ -220,9 +229,8 @@ def summary(lanes: list[Lane], wall: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--lanes", default="all", help="comma-separated lanes or tiers (unit, served, served-late, cluster, e2e, demo)"
-    )
+    lanes = "unit, served, served-early, served-late, cluster, e2e, demo"
+    parser.add_argument("--lanes", default="all", help=f"comma-separated lanes or tiers ({lanes})")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments for every lane (after --)")
     args = parser.parse_args(argv)
     phases = lanes_of(args.lanes)
