@@ -40,6 +40,24 @@ def condition(obj: dict, type_: str) -> dict:
     return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
 
 
+def wait_established(cluster: Any, crds: list[str], timeout: float = 120) -> None:
+    """Until every named CustomResourceDefinition says Established.
+
+    Why not `kubectl wait --for=condition=Established` right after the apply: it lists from the API server's watch
+    cache, which on a loaded machine can lag behind the create just answered, and then exits 1 at once with "no
+    matching resources found" (a warm run lost both KEDA autoscaling tests so, 3 s after the CRDs were created).
+    A GET by name reads etcd itself, so each poll sees the CRD once it exists."""
+
+    def established() -> bool:
+        for name in crds:
+            out = cluster.kubectl("get", "crd", name, "-o", "json", check=False)
+            if out.returncode != 0 or condition(json.loads(out.stdout), "Established").get("status") != "True":
+                return False
+        return True
+
+    wait_for(established, timeout, f"the CRDs Established: {', '.join(crds)}")
+
+
 def apply(cluster: Any, namespace: str, obj: dict) -> None:
     """`kubectl apply` one object (or a v1 List) into `namespace`."""
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "cluster"))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from clusterlib import REPO  # noqa: E402
+from clusterlib import REPO, wait_established  # noqa: E402
 from podrunner.fixtures import podrunner  # noqa: E402,F401 - the `podrunner` fixture (real processes for pods)
 from releaselib import shared_release  # noqa: E402,F401 - one chart release + operator for the model modules
 
@@ -33,13 +33,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         return
     with LocalCluster(workdir=tmp_path_factory.mktemp("cluster")) as c:
         c.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-        c.kubectl(
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/omnipipelines.omnikube.io",
-            "crd/omnistages.omnikube.io",
-        )
+        wait_established(c, ["omnipipelines.omnikube.io", "omnistages.omnikube.io"])
         yield c
 
 

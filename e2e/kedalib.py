@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from clusterlib import REPO, go_module_dir, wait_for
+from clusterlib import REPO, go_module_dir, wait_established, wait_for
 from podrunner.fixtures import on_runner
 from podrunner.node import RUNNER_LABEL
 
@@ -106,9 +106,7 @@ class Keda:
         crds = [o for o in self.objects if o["kind"] == "CustomResourceDefinition"]
         rest = [o for o in self.objects if o["kind"] != "CustomResourceDefinition"]
         self._apply(crds)
-        self.cluster.kubectl(
-            "wait", "--for=condition=Established", "--timeout=60s", *[f"crd/{c['metadata']['name']}" for c in crds]
-        )
+        wait_established(self.cluster, [c["metadata"]["name"] for c in crds])
         self._apply(rest)
         wait_for(self._available, timeout, "KEDA's operator and metrics adapter serving", self.diagnostics)
         return self

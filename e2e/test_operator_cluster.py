@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from clusterlib import REPO, apply, condition, keda_crd, kubectl_json, stop_process_group, wait_for
+from clusterlib import REPO, apply, condition, keda_crd, kubectl_json, stop_process_group, wait_established, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from localcluster import audit_time, free_port
@@ -768,7 +768,7 @@ def test_keda_missing_then_installed(cluster, operator, namespace) -> None:
     assert stage_ready
     try:
         cluster.kubectl("apply", "--server-side", "-f", str(crd))
-        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/scaledobjects.keda.sh")
+        wait_established(cluster, ["scaledobjects.keda.sh"])
         scaled = wait_for(
             lambda: get(cluster, namespace, "scaledobject", "keda-llm"),
             90,

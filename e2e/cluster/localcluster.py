@@ -507,17 +507,23 @@ class LocalCluster:
         self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
 
     def _wait_nodes_ready(self, timeout: float = 60) -> None:
-        names = [n["name"] for n in NODES]
-        out = self.kubectl(
-            "wait",
-            "--for=condition=Ready",
-            f"--timeout={int(timeout)}s",
-            *[f"node/{n}" for n in names],
-            check=False,
-            timeout=timeout + 10,
-        )
-        if out.returncode != 0:
-            raise TimeoutError(f"KWOK nodes not Ready: {out.stderr.strip()}")
+        """Until KWOK reports every node Ready. Polls GETs, not `kubectl wait`: that lists from the API server's
+        watch cache, which on a loaded machine can lag behind the nodes just created, and exits 1 at once."""
+        names = {n["name"] for n in NODES}
+        deadline = time.monotonic() + timeout
+        while True:
+            out = self.kubectl("get", "nodes", "-o", "json", check=False)
+            ready = set()
+            if out.returncode == 0:
+                for node in json.loads(out.stdout)["items"]:
+                    conditions = (node.get("status") or {}).get("conditions") or []
+                    if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
+                        ready.add(node["metadata"]["name"])
+            if names <= ready:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"KWOK nodes not Ready after {timeout:.0f}s: {sorted(names - ready)}")
+            time.sleep(0.5)
 
     def _write_state(self, server: str) -> None:
         self.state_file.write_text(
