@@ -204,12 +204,13 @@ def test_killed_replica_fails_its_request_and_the_other_replica_serves(serve, ap
     )  # fmt: skip
     iterator = iter(stream)
     next(iterator)
+    replicas = serve.stage_processes("llm")
     running = {p["name"]: sum(metric_values(http_get(p["probe"].replace("/readyz", "/metrics"))[1],
                                             "omnikube_stage_requests_running"))
-               for p in serve.stage_processes("llm")}  # fmt: skip
-    busy = [p for p in serve.stage_processes("llm") if running[p["name"]] == 1]
+               for p in replicas}  # fmt: skip
+    busy = [p for p in replicas if running[p["name"]] == 1]
     # A warm run once saw no replica running it here (both 0): the probes' own view goes with the failure
-    assert len(busy) == 1, (running, {p["name"]: http_get(p["probe"]) for p in serve.stage_processes("llm")})
+    assert len(busy) == 1, (running, {p["name"]: http_get(p["probe"]) for p in replicas})
     victim = busy[0]
     (survivor,) = [p for p in serve.stage_processes("llm") if p["name"] != victim["name"]]
     served_before = ok_works(survivor["probe"])
