@@ -128,6 +128,27 @@ async def test_an_engine_that_dies_while_serving_ends_the_stage_with_its_error()
         assert refused.value.status_code == 503
 
 
+async def test_the_works_running_when_the_engine_dies_fail_with_its_error_not_a_generic_one() -> None:
+    """The running works are told the engine's error before the stage stops being ready. Were readiness to
+    drop first, the router would fail them as lost on a replica "not ready" (a 502 that hides the cause: a
+    served SP run saw it when a rank was killed). The engine here goes on running the request after `fail`,
+    so only the stage's own failure notice can end it with the cause."""
+    async with echo_cluster(echo_pipeline(chat_topology())) as cluster, client(cluster.base) as api:
+        server = cluster.servers["llm"][0]
+        serving = asyncio.create_task(server.serve_forever())
+        running = asyncio.create_task(
+            api.chat.completions.create(model="echo", messages=user("w " * 100), extra_body=slow(0.2))
+        )
+        await until(lambda: bool(server.works))
+        died = EngineError("stage 'llm': rank 1 died (exit code -9)")
+        cluster.engines["llm"][0].fail(died)
+        with pytest.raises(openai.InternalServerError) as failed:
+            await asyncio.wait_for(running, 10)
+        assert "rank 1 died (exit code -9)" in str(failed.value), str(failed.value)
+        with pytest.raises(EngineError):
+            await asyncio.wait_for(serving, 10)
+
+
 async def test_a_draining_replica_gets_no_new_work_while_its_running_work_finishes() -> None:
     async with echo_cluster(echo_pipeline(chat_topology()), {"llm": 2}) as cluster, client(cluster.base) as api:
         long = asyncio.create_task(

@@ -95,6 +95,8 @@ class _Work:
     """Where the work is (inputs, engine, outputs, aborting...), for /readyz and debugging."""
     stopped_because: str | None = None
     """Why this stage stopped the work on its own (no router asked): the router is told, with this."""
+    failure_sent: bool = False
+    """Its router was sent a `Failed` for it: it hears of a work's failure once."""
 
     @property
     def id(self) -> str:
@@ -229,6 +231,12 @@ class StageServer:
         """Once the engine says it died while serving (`Engine.fail`), take no more work and end
         `serve_forever` with its error."""
         error = await engine.failed()
+        # The running works hear why first: a router that sees readiness drop before a work's own failure
+        # would fail it with a generic "replica not ready" and the client would never learn the cause.
+        # The works' tasks still end by themselves (their engine call raises the same error).
+        for work in list(self.works.values()):
+            if not work.closing:
+                await self._fail(work, "engine_error", f"stage {self.stage}: {type(error).__name__}: {error}")
         self.ready = False
         M.ready.labels(*self._labels).set(0)
         self._phase = "engine failed"
@@ -654,6 +662,9 @@ class StageServer:
         await self._send(work.peer, P.Output(id=work.id, seq=self._seq(work), data=True), data)
 
     async def _fail(self, work: _Work, kind: P.ErrorKind, message: str) -> None:
+        if work.failure_sent:
+            return
+        work.failure_sent = True
         with contextlib.suppress(Exception):
             await self._send(work.peer, P.Failed(id=work.id, kind=kind, message=message))
 
