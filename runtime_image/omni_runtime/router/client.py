@@ -272,6 +272,9 @@ class ReplicaClient:
             log.info("stage %s replica %s is up", self.stage, self.address)
             self.state, self.reason = ReplicaState.UP, ""
             M.replica_up.labels(*self._labels).set(1)
+        elif not pong.ready and self.state is ReplicaState.UP:
+            # It was serving: its engine stopped (it failed, or a new one loads); not "still loading".
+            self._mark(ReplicaState.CONNECTING, "it says it is not ready any more")
         elif not pong.ready and self.state is not ReplicaState.CONNECTING:
             self._mark(ReplicaState.CONNECTING, "its engine is loading")
 
