@@ -22,8 +22,8 @@ from collections.abc import Callable
 import numpy as np
 
 from omni_runtime.connectors.base import ShmHandle
-from omni_runtime.stage import protocol as P
-from omni_runtime.stage.auth import Channel, PipelineKey, open_hello
+from omni_runtime.wire import protocol as P
+from omni_runtime.wire.auth import Channel, PipelineKey, open_hello
 
 
 def _channels() -> tuple[Channel, Channel]:

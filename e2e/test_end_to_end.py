@@ -478,8 +478,8 @@ def test_deleting_a_pipeline_leaves_no_process_or_segment(env) -> None:
 
 INTRUDER = r"""
 import sys, time, zmq
-from omni_runtime.stage import protocol as P
-from omni_runtime.stage.auth import Channel, PipelineKey
+from omni_runtime.wire import protocol as P
+from omni_runtime.wire.auth import Channel, PipelineKey
 
 address = sys.argv[1]
 ctx = zmq.Context()

@@ -443,9 +443,9 @@ class echo_cluster:  # noqa: N801 (used as `async with echo_cluster(...)`)
         from omni_runtime.router.app import build_app
         from omni_runtime.router.pool import StagePool
         from omni_runtime.spec import StageDiscovery
-        from omni_runtime.stage.auth import PipelineKey
         from omni_runtime.stage.connectors import ConnectorSettings
         from omni_runtime.stage.server import StageServer
+        from omni_runtime.wire.auth import PipelineKey
 
         key = PipelineKey.generate()
         servers, engines = {}, {}

@@ -28,8 +28,8 @@ from omni_runtime.router.client import ReplicaClient
 from omni_runtime.router.orchestrator import Orchestrator, PipelineRequest
 from omni_runtime.router.plan import plan_request
 from omni_runtime.spec import CompanionSpec, EdgeSpec, PipelineSpec, StageSpec
-from omni_runtime.stage import protocol as P
-from omni_runtime.stage.auth import Channel
+from omni_runtime.wire import protocol as P
+from omni_runtime.wire.auth import Channel
 
 pytestmark = pytest.mark.timeout(60)
 

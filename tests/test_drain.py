@@ -23,7 +23,7 @@ from omni_runtime.engines.base import EngineError
 from omni_runtime.router.client import ReplicaClient
 from omni_runtime.router.discovery import ready_addresses
 from omni_runtime.spec import EdgeSpec, PipelineSpec, StageSpec
-from omni_runtime.stage import protocol as P
+from omni_runtime.wire import protocol as P
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -504,9 +504,9 @@ def test_an_ar_stage_that_would_fail_every_request_never_becomes_ready(model_dir
     from omni_operator.status.reasons import Reason
     from omni_operator.status.stage_status import pod_problem
     from omni_runtime.connectors.mooncake_master import free_port
-    from omni_runtime.stage.auth import PipelineKey
     from omni_runtime.stage.settings import StageSettings
     from omni_runtime.stage.termination import ExitReason, Termination
+    from omni_runtime.wire.auth import PipelineKey
 
     pipeline = _prompt_enhanced(str(model_dir), enhancer={"engine_args": {**AR_ARGS, "max_model_len": 1}})
     config = tmp_path / "resolved.json"

@@ -22,9 +22,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 from omni_runtime.router.auth import ApiKeyError, ApiKeyFile
 from omni_runtime.spec import PipelineSpec, RouterLimits, StageDiscovery, StageSpec
-from omni_runtime.stage import protocol as P
-from omni_runtime.stage.auth import PipelineKey
 from omni_runtime.stage.server import max_message_bytes
+from omni_runtime.wire import protocol as P
+from omni_runtime.wire.auth import PipelineKey
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,7 @@ from servelib import echo_pipeline
 from omni_runtime.router.app import build_app
 from omni_runtime.router.errors import BadRequest, error_response
 from omni_runtime.spec import PipelineSpec, StageSpec
-from omni_runtime.stage.auth import PipelineKey
+from omni_runtime.wire.auth import PipelineKey
 
 
 def document() -> dict:

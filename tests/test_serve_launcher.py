@@ -20,7 +20,7 @@ from omni_runtime.router.client import ReplicaClient
 from omni_runtime.router.discovery import KubernetesDiscovery, StaticDiscovery, make_discovery, ready_addresses
 from omni_runtime.router.pool import StagePool
 from omni_runtime.spec import ResolvedPipeline, SpecError, StageDiscovery
-from omni_runtime.stage.auth import PipelineKey
+from omni_runtime.wire.auth import PipelineKey
 
 
 def write(path, data) -> str:

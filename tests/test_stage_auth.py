@@ -19,8 +19,10 @@ from servelib import EchoEngine, echo_pipeline
 
 from omni_runtime.metrics import REGISTRY
 from omni_runtime.spec import PipelineSpec, StageSpec
-from omni_runtime.stage import protocol as P
-from omni_runtime.stage.auth import (
+from omni_runtime.stage.connectors import ConnectorSettings
+from omni_runtime.stage.server import StageServer
+from omni_runtime.wire import protocol as P
+from omni_runtime.wire.auth import (
     AUTH_FRAME_BYTES,
     THREAD_MIN_BYTES,
     AuthError,
@@ -28,8 +30,6 @@ from omni_runtime.stage.auth import (
     PipelineKey,
     open_hello,
 )
-from omni_runtime.stage.connectors import ConnectorSettings
-from omni_runtime.stage.server import StageServer
 
 pytestmark = pytest.mark.timeout(60)
 

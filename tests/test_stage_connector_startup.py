@@ -20,12 +20,12 @@ from servelib import EchoEngine, http_get
 from omni_runtime.connectors.mooncake_master import MooncakeMaster, free_port
 from omni_runtime.registry import get_pipeline
 from omni_runtime.spec import ConnectorsSpec, EdgeOverride, ResolvedPipeline, resolve_pipeline
-from omni_runtime.stage.auth import PipelineKey
 from omni_runtime.stage.connectors import ConnectorSettings
 from omni_runtime.stage.main import connector_settings
 from omni_runtime.stage.server import StageServer
 from omni_runtime.stage.settings import StageSettings
 from omni_runtime.stage.termination import ExitReason, Termination
+from omni_runtime.wire.auth import PipelineKey
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -14,9 +14,9 @@ from servelib import EchoEngine, echo_cluster, echo_pipeline
 
 from omni_runtime.connectors import InlineHandle, MooncakeHandle, ShmHandle
 from omni_runtime.spec import PipelineSpec, StageSpec
-from omni_runtime.stage import protocol as P
-from omni_runtime.stage.auth import Channel
 from omni_runtime.stage.outputs import count_items, merge, summarize
+from omni_runtime.wire import protocol as P
+from omni_runtime.wire.auth import Channel
 
 
 def roundtrip(message, payload=None):

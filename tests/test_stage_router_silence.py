@@ -30,9 +30,9 @@ from servelib import echo_cluster, echo_pipeline
 
 from omni_runtime.router import client as router_client
 from omni_runtime.spec import PipelineSpec, StageSpec
-from omni_runtime.stage import protocol as P
 from omni_runtime.stage import server as stage_server
-from omni_runtime.stage.auth import Channel
+from omni_runtime.wire import protocol as P
+from omni_runtime.wire.auth import Channel
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -48,8 +48,8 @@ def _run_stage(args: argparse.Namespace) -> int:
     from omni_runtime.stage.settings import StageSettings, apply_stage_env_defaults
 
     apply_stage_env_defaults()  # before the engine modules are imported
-    from omni_runtime.stage.auth import PipelineKey
     from omni_runtime.stage.main import run
+    from omni_runtime.wire.auth import PipelineKey
 
     settings = StageSettings.from_args(args)
     try:
@@ -72,7 +72,7 @@ def _run_router(args: argparse.Namespace) -> int:
     from omni_runtime.router.auth import ApiKeyError
     from omni_runtime.router.main import run
     from omni_runtime.router.settings import RouterSettings
-    from omni_runtime.stage.auth import PipelineKey
+    from omni_runtime.wire.auth import PipelineKey
 
     settings = RouterSettings.from_args(args)
     try:

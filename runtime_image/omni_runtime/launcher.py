@@ -74,8 +74,8 @@ from omni_runtime.spec import (
     StageOverride,
     resolve_pipeline,
 )
-from omni_runtime.stage.auth import PipelineKey
 from omni_runtime.stage.settings import StageSettings
+from omni_runtime.wire.auth import PipelineKey
 
 __all__ = [
     "LocalPipelineFile",

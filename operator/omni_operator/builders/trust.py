@@ -1,6 +1,6 @@
 """Trust inside a pipeline: its key Secret, how pods mount it, and its NetworkPolicies. Pure.
 
-The key (32 random bytes) authenticates every router <-> stage message (runtime `stage/auth.py`,
+The key (32 random bytes) authenticates every router <-> stage message (runtime `wire/auth.py`,
 PROTOCOL.md). The operator creates its Secret once, owned by the OmniPipeline, and never rewrites it
 while it exists; the bytes are made by the caller (`reconcile`), so these builders stay pure.
 

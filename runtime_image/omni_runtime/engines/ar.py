@@ -112,7 +112,7 @@ out with the request's first piece (an index as in `hidden_state_layers`, or `ta
 CONTEXT_MAX_TOKENS = "context_max_tokens"
 """The router's sampling key (never passed to vLLM) for the stage writing the reply's text when the
 client set no max_tokens: generate up to what remains of max_model_len after the prompt, at most this
-many (vLLM's server default, bounded by router.limits.maxTokens). See stage/PROTOCOL.md."""
+many (vLLM's server default, bounded by router.limits.maxTokens). See wire/PROTOCOL.md."""
 CHECK_MAX_TOKENS = "check_max_tokens"
 """The router's flag (never passed to vLLM) for the same stage when the client set max_tokens: more
 than max_model_len is refused, as vLLM's server refuses it (a stage default is not the client's ask)."""

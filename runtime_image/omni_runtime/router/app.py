@@ -35,7 +35,7 @@ from omni_runtime.router.serving.models import ServingModels
 from omni_runtime.router.serving.speech import ServingSpeech
 from omni_runtime.router.serving.videos import ServingVideos
 from omni_runtime.spec import ResolvedPipeline
-from omni_runtime.stage.auth import PipelineKey
+from omni_runtime.wire.auth import PipelineKey
 
 __all__ = ["build_app"]
 

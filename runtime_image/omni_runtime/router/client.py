@@ -8,7 +8,7 @@ timeout. It comes back up by itself when it answers again (ZeroMQ reconnects).
 A replica that says it is draining (a `Draining` message or `Pong.draining`: it got SIGTERM) gets no new
 work, while the works it runs go on to their end.
 
-Every connection is authenticated (`stage.auth`): the client opens it with a `Hello`, keeps to the
+Every connection is authenticated (`wire.auth`): the client opens it with a `Hello`, keeps to the
 sessions of the stage's `Welcome`, seals what it sends and drops (and counts) any message from the
 stage that does not verify. A new connection (after a drop) starts a new session.
 """
@@ -29,8 +29,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from omni_runtime.metrics import Router as M
-from omni_runtime.stage import protocol as P
-from omni_runtime.stage.auth import AuthError, Channel, PipelineKey
+from omni_runtime.wire import protocol as P
+from omni_runtime.wire.auth import AuthError, Channel, PipelineKey
 
 __all__ = ["ReplicaClient", "ReplicaState", "WorkSink"]
 

@@ -22,7 +22,7 @@ from omni_runtime.router.discovery import KubernetesDiscovery
 from omni_runtime.router.lifecycle import Lifecycle
 from omni_runtime.router.settings import RouterSettings
 from omni_runtime.spec import ResolvedPipeline
-from omni_runtime.stage.auth import PipelineKey
+from omni_runtime.wire.auth import PipelineKey
 
 __all__ = ["load_resolved", "make_api_client", "serve"]
 

@@ -22,7 +22,7 @@ from omni_runtime.router.errors import BadRequest, StageLost, StageUnavailable, 
 from omni_runtime.router.plan import PRIMARY, Plan, companion_inputs
 from omni_runtime.router.pool import StagePool
 from omni_runtime.spec import ConnectorKind, ResolvedPipeline
-from omni_runtime.stage import protocol as P
+from omni_runtime.wire import protocol as P
 
 __all__ = ["Orchestrator", "PipelineRequest", "RunResult", "StageEvent"]
 

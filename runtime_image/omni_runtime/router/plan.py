@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_runtime.spec import Modality, PipelineSpec, StageKind
-from omni_runtime.stage.protocol import EdgeOut
+from omni_runtime.wire.protocol import EdgeOut
 
 __all__ = ["Plan", "StagePlan", "companion_inputs", "plan_request", "producible_modalities"]
 

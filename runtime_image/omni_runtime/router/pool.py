@@ -20,7 +20,7 @@ from omni_runtime.router.client import ReplicaClient, ReplicaState
 from omni_runtime.router.discovery import Discovery, make_discovery
 from omni_runtime.router.errors import StageUnavailable
 from omni_runtime.spec import ResolvedPipeline, StageDiscovery
-from omni_runtime.stage.auth import PipelineKey
+from omni_runtime.wire.auth import PipelineKey
 
 __all__ = ["StagePool"]
 

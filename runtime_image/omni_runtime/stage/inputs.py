@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from omni_runtime.spec import PipelineSpec
-from omni_runtime.stage.protocol import Input
+from omni_runtime.wire.protocol import Input
 
 __all__ = ["owned", "process_inputs"]
 

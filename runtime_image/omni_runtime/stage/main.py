@@ -13,11 +13,11 @@ import socket
 from pathlib import Path
 
 from omni_runtime.spec import ResolvedPipeline
-from omni_runtime.stage.auth import PipelineKey
 from omni_runtime.stage.connectors import ConnectorSettings, ConnectorUnavailable
 from omni_runtime.stage.server import StageServer
 from omni_runtime.stage.settings import StageSettings
 from omni_runtime.stage.termination import ExitReason, Termination
+from omni_runtime.wire.auth import PipelineKey
 
 __all__ = ["connector_settings", "run", "serve"]
 

@@ -12,10 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DOWNSTREAM_ONLY_KEYS", "ITEM_KEYS", "audio_seconds", "client_fields", "count_items", "merge", "summarize"]
-
-DEFAULT_SAMPLE_RATE = 24000
-"""Rate of an `audio` output that names no `sample_rate` (Qwen-Omni's codecs run at 24 kHz)."""
+__all__ = ["DOWNSTREAM_ONLY_KEYS", "ITEM_KEYS", "client_fields", "count_items", "merge", "summarize"]
 
 ITEM_KEYS = ("codes", "codec_codes", "token_ids", "hidden_states", "latents", "audio")
 """Keys whose length counts a piece's items (first one present wins): codec codes, tokens, frames."""
@@ -100,12 +97,3 @@ def summarize(data: dict[str, Any], limit: int = 2000) -> dict[str, Any]:
         elif isinstance(value, bool | int | float) or value is None:
             out[key] = value
     return out
-
-
-def audio_seconds(data: dict[str, Any] | None) -> float:
-    """Seconds of audio in an output piece: samples along `audio`'s last axis over its `sample_rate`."""
-    if not data or data.get("audio") is None:
-        return 0.0
-    shape = getattr(data["audio"], "shape", None)
-    samples = int(shape[-1]) if shape else len(data["audio"])
-    return samples / float(data.get("sample_rate") or DEFAULT_SAMPLE_RATE)

@@ -3,14 +3,14 @@
 Every `Submit` becomes a task that gets its input handles, runs the edge's input processor and the
 engine, sends final outputs inline and downstream outputs as handles it `put`s, and releases every
 input handle it was given, whatever happens. `Abort` cancels that task; the handles the work created
-and the router has not seen taken are released too. See PROTOCOL.md.
+and the router has not seen taken are released too. See wire/PROTOCOL.md.
 
 Shutting down is a drain (`drain()`, on SIGTERM): the replica tells its routers it is draining, keeps
 running the works it has (their feeds included) until they end and the payloads it put are released,
 then stops; what still runs when the grace period ends fails `unavailable`, which the client sees as a
 retriable 503.
 
-Only the pipeline's own router is heard: every message must carry a valid auth frame (`stage.auth`);
+Only the pipeline's own router is heard: every message must carry a valid auth frame (`wire.auth`);
 anything else is dropped unanswered and counted in `omnikube_stage_protocol_messages_rejected`.
 """
 
@@ -32,11 +32,12 @@ from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOu
 from omni_runtime.metrics import Stage as M
 from omni_runtime.processors import ProcessorError
 from omni_runtime.spec import ResolvedPipeline
-from omni_runtime.stage import protocol as P
-from omni_runtime.stage.auth import NO_SESSION, AuthError, Channel, HelloLedger, PipelineKey, open_hello
 from omni_runtime.stage.connectors import ConnectorSet, ConnectorSettings, ConnectorUnavailable
 from omni_runtime.stage.inputs import owned, process_inputs
-from omni_runtime.stage.outputs import audio_seconds, client_fields, count_items, merge, summarize
+from omni_runtime.stage.outputs import client_fields, count_items, merge, summarize
+from omni_runtime.wire import protocol as P
+from omni_runtime.wire.audio import audio_seconds
+from omni_runtime.wire.auth import NO_SESSION, AuthError, Channel, HelloLedger, PipelineKey, open_hello
 
 __all__ = ["StageServer", "max_message_bytes"]
 

@@ -189,7 +189,7 @@ class ServingChat(ServingBase):
         ar["max_tokens"] = body.max_completion_tokens or body.max_tokens
         text = text_params(body)
         # the stage writing the reply's text sizes a missing max_tokens to its context, and refuses one
-        # beyond it, as vLLM's server does (stage/PROTOCOL.md: context_max_tokens, check_max_tokens)
+        # beyond it, as vLLM's server does (wire/PROTOCOL.md: context_max_tokens, check_max_tokens)
         if ar["max_tokens"] is None:
             text["context_max_tokens"] = self.limits.max_tokens
         else:

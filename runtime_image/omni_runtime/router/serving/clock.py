@@ -7,7 +7,7 @@ import time
 
 from omni_runtime.metrics import Router as M
 from omni_runtime.router.orchestrator import StageEvent
-from omni_runtime.stage.outputs import audio_seconds
+from omni_runtime.wire.audio import audio_seconds
 
 __all__ = ["RequestClock"]
 

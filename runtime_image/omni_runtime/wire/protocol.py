@@ -1,7 +1,7 @@
 """The router <-> stage protocol: msgspec msgpack messages over ZeroMQ, payload tensors as raw frames.
 
 One ZeroMQ multipart message is `[auth, header, *frames]` (a ROUTER socket adds the peer identity in
-front). `auth` proves the message comes from this pipeline's router or stage (`stage.auth`: HMAC-SHA256
+front). `auth` proves the message comes from this pipeline's router or stage (`wire.auth`: HMAC-SHA256
 with the pipeline key, per-connection sessions and counters); `encode`/`decode` here handle what follows
 it. `header` is one of the tagged structs below, msgpack-encoded; `frames` are the raw frames of the one
 payload the message carries (`Submit.data`, `Output.data`), produced by `connectors.codec`. Handles
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 2
-"""2: every message starts with an auth frame (`stage.auth`); Hello/Welcome open a connection."""
+"""2: every message starts with an auth frame (`wire.auth`); Hello/Welcome open a connection."""
 
 ErrorKind = Literal["invalid_request", "engine_error", "connector_error", "unavailable", "protocol_error"]
 """`invalid_request` maps to 4xx (the client must change the request); every other kind to 5xx."""
