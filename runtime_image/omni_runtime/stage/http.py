@@ -5,11 +5,10 @@ Nothing here is authenticated (probes and scrapers call it), so it tells counts,
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import socket
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -19,26 +18,21 @@ from starlette.routing import Route
 
 from omni_runtime.metrics import render
 
-if TYPE_CHECKING:
-    from omni_runtime.stage.server import StageServer
+__all__ = ["Probe", "ProbeServer", "build_app", "start_http"]
 
-__all__ = ["ProbeServer", "start_http"]
+Probe = Callable[[], tuple[int, dict[str, Any]]]
+"""/readyz's answer now: HTTP status and JSON body (`StageServer.probe`)."""
 
 
-def build_app(server: StageServer) -> Starlette:
+def build_app(stage: str, probe: Probe) -> Starlette:
+    """/healthz names `stage`; /readyz answers what `probe()` says at each request."""
+
     async def healthz(_: Request) -> Response:
-        return JSONResponse({"status": "alive", "stage": server.stage})
+        return JSONResponse({"status": "alive", "stage": stage})
 
     async def readyz(_: Request) -> Response:
-        if server.draining:  # shutting down: the pod leaves the Service's ready endpoints at once
-            return JSONResponse({"status": "draining", "stage": server.stage, "running": len(server.works)}, 503)
-        if server.ready:
-            # Counts only: this port is unauthenticated, and a work id is what abort/feed messages name.
-            phases = collections.Counter(w.phase for w in list(server.works.values()))
-            return JSONResponse(
-                {"status": "ready", "stage": server.stage, "running": sum(phases.values()), "phases": dict(phases)}
-            )
-        return JSONResponse({"status": server.phase, "stage": server.stage}, status_code=503)
+        status, body = probe()
+        return JSONResponse(body, status_code=status)
 
     async def metrics(_: Request) -> Response:
         body, content_type = render()
@@ -80,7 +74,7 @@ class ProbeServer:
         self.sock.close()
 
 
-async def start_http(server: StageServer, host: str, port: int) -> ProbeServer:
-    probe = ProbeServer(build_app(server), host, port)
-    probe.start()
-    return probe
+async def start_http(stage: str, probe: Probe, host: str, port: int) -> ProbeServer:
+    server = ProbeServer(build_app(stage, probe), host, port)
+    server.start()
+    return server

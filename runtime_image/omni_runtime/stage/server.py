@@ -17,6 +17,7 @@ anything else is dropped unanswered and counted in `omnikube_stage_protocol_mess
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -179,7 +180,7 @@ class StageServer:
         if self.http_port is not None:
             from omni_runtime.stage.http import start_http
 
-            self._http = await start_http(self, self.host, self.http_port)
+            self._http = await start_http(self.stage, self.probe, self.host, self.http_port)
             self.http_port = self._http.port
         self._tasks = [
             asyncio.create_task(self._recv_loop(), name="stage-recv"),
@@ -316,6 +317,22 @@ class StageServer:
         """What the stage is doing before it is ready (for /readyz): starting connectors, loading the
         engine, or why it gave up."""
         return "ready" if self.ready else self._phase
+
+    def probe(self) -> tuple[int, dict[str, Any]]:
+        """/readyz: its HTTP status and JSON body. 503 while draining (the pod leaves the Service's ready
+        endpoints at once) and before the engine is ready (the body says `phase`); 200 once ready. Counts
+        only: the probe port is unauthenticated, and a work id is what abort/feed messages name."""
+        if self.draining:
+            return 503, {"status": "draining", "stage": self.stage, "running": len(self.works)}
+        if self.ready:
+            phases = collections.Counter(w.phase for w in list(self.works.values()))
+            return 200, {
+                "status": "ready",
+                "stage": self.stage,
+                "running": sum(phases.values()),
+                "phases": dict(phases),
+            }
+        return 503, {"status": self.phase, "stage": self.stage}
 
     async def stop(self) -> None:
         """Abort every work, stop the engine, close connectors (unlinking this process's shm). The
