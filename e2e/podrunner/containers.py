@@ -14,7 +14,7 @@ import secrets
 import signal
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from podrunner.downward import now
 from podrunner.envs import ConfigError
@@ -23,9 +23,13 @@ from podrunner.sandbox import Process, SandboxError, StartError
 from podrunner.volumes import VolumeError
 
 if TYPE_CHECKING:
-    from podrunner.podworker import PodWorker
+    from pathlib import Path
 
-__all__ = ["Backoff", "ContainerRunner", "go_duration"]
+    import httpx
+
+    from podrunner.sandbox import Sandbox
+
+__all__ = ["Backoff", "ContainerHost", "ContainerRunner", "go_duration"]
 
 log = logging.getLogger("omnikube.e2e.podrunner")
 
@@ -34,6 +38,40 @@ log = logging.getLogger("omnikube.e2e.podrunner")
 class Backoff:
     base: float = 10.0
     cap: float = 300.0
+
+
+class ContainerHost(Protocol):
+    """What a `ContainerRunner` uses of the pod it runs in (podworker.PodWorker is one): declared here so that
+    this module does not import podworker.py, which imports this one."""
+
+    pod: dict
+    has_init: bool
+    sandbox: Sandbox
+
+    @property
+    def http(self) -> httpx.AsyncClient: ...
+
+    @property
+    def backoff(self) -> Backoff: ...
+
+    @property
+    def pod_ip(self) -> str: ...
+
+    def changed(self) -> None: ...
+
+    def event(self, kind: str, reason: str, message: str) -> None: ...
+
+    def log_path(self, container: str) -> Path: ...
+
+    def grace_seconds(self) -> float: ...
+
+    def exec_env(self, container: str) -> dict[str, str]: ...
+
+    async def resolve(self, spec: dict) -> tuple[list[str], dict[str, str], str, list[dict]]: ...
+
+    def cpus_for(self, spec: dict) -> list[int]: ...
+
+    def termination_file(self, container: str) -> Path: ...
 
 
 def go_duration(seconds: float) -> str:
@@ -49,7 +87,7 @@ def go_duration(seconds: float) -> str:
 
 
 class ContainerRunner:
-    def __init__(self, worker: PodWorker, spec: dict, *, init: bool = False, sidecar: bool = False) -> None:
+    def __init__(self, worker: ContainerHost, spec: dict, *, init: bool = False, sidecar: bool = False) -> None:
         self.worker = worker
         self.spec = spec
         self.name: str = spec["name"]
