@@ -10,6 +10,7 @@ import helpers from here, since two conftest.py files exist in this repo and sha
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import re
@@ -19,7 +20,7 @@ import sys
 import textwrap
 import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import yaml
 
 from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.spec import EdgeSpec, PipelineSpec, StageSpec
 from omni_runtime.stage.settings import apply_stage_env_defaults
 
 REPO = Path(__file__).resolve().parent.parent
@@ -182,6 +184,47 @@ class EchoCodec(EchoTalker):
             audio = np.repeat((codes[:, 0].astype(np.float32) + 1) / 1000, self.SAMPLES)
             yield EngineOutput(request.request_id, {"audio": audio, "sample_rate": 24000})
         yield EngineOutput(request.request_id, {}, finished=True, finish_reason="stop")
+
+
+# -- small shared helpers --------------------------------------------------------------------------
+
+
+async def until(
+    predicate: Callable[[], object], what: str | None = None, timeout: float = 5.0, interval: float = 0.02
+) -> None:
+    """Wait in the event loop until `predicate()` is true, polling every `interval` s; fail after `timeout` s
+    with an AssertionError naming what was awaited (`what`, else the predicate's source line)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            if what is None:
+                try:
+                    what = inspect.getsource(predicate).strip()  # type: ignore[arg-type]
+                except (OSError, TypeError):
+                    what = repr(predicate)
+            raise AssertionError(f"not reached within {timeout}s: {what}")
+        await asyncio.sleep(interval)
+
+
+def chat_topology() -> PipelineSpec:
+    """One AR stage `llm` making the reply: the plain chat pipeline `echo`."""
+    return PipelineSpec(name="echo", stages=[StageSpec(name="llm", kind="ar", final_output=True)])
+
+
+def windowed_topology(connector: str = "shm", window: int = 2) -> PipelineSpec:
+    """Two AR stages `a` -> `b` (pipeline `echo3`), their edge over `connector` with a credit `window`."""
+    return PipelineSpec(
+        name="echo3",
+        stages=[StageSpec(name="a", kind="ar"), StageSpec(name="b", kind="ar", final_output=True)],
+        edges=[EdgeSpec(**{"from": "a", "to": "b", "connector": connector, "window": window})],
+    )
+
+
+def template_hash(deployment: dict[str, Any]) -> str:
+    """The operator's pod-template hash annotation on a rendered Deployment."""
+    from omni_operator.builders.meta import TEMPLATE_HASH_ANNOTATION
+
+    return deployment["spec"]["template"]["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION]
 
 
 # -- omnikube serve -----------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import time
 import pytest
 import zmq
 import zmq.asyncio
-from servelib import busy_shm_segments, echo_cluster, echo_pipeline
+from servelib import busy_shm_segments, echo_cluster, echo_pipeline, until
 
 from omni_runtime.connectors.shm import ShmConnector
 from omni_runtime.router.client import ReplicaClient
@@ -43,13 +43,6 @@ def enhanced_topology() -> PipelineSpec:
         ],
         edges=[EdgeSpec(**{"from": "a", "to": "b", "connector": "shm", "input_processor": "ar_text_to_prompt"})],
     )
-
-
-async def until(predicate, what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.02)
 
 
 async def test_a_request_cancelled_with_handles_still_queued_releases_them(monkeypatch) -> None:

@@ -11,33 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import msgspec
 import openai
 import pytest
-from servelib import echo_cluster, echo_pipeline
+from servelib import chat_topology, echo_cluster, echo_pipeline, until, windowed_topology
 
 from omni_runtime.engines.base import EngineError
 from omni_runtime.router.client import ReplicaClient
 from omni_runtime.router.discovery import ready_addresses
-from omni_runtime.spec import EdgeSpec, PipelineSpec, StageSpec
 from omni_runtime.wire import protocol as P
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def chat_topology() -> PipelineSpec:
-    return PipelineSpec(name="echo", stages=[StageSpec(name="llm", kind="ar", final_output=True)])
-
-
-def windowed_topology(connector: str) -> PipelineSpec:
-    return PipelineSpec(
-        name="echo3",
-        stages=[StageSpec(name="a", kind="ar"), StageSpec(name="b", kind="ar", final_output=True)],
-        edges=[EdgeSpec(**{"from": "a", "to": "b", "connector": connector, "window": 2})],
-    )
 
 
 def client(base: str) -> openai.AsyncOpenAI:
@@ -50,14 +36,6 @@ def user(text: str) -> list[dict]:
 
 def slow(delay: float) -> dict:
     return {"sampling_params_list": [{"delay": delay}]}
-
-
-async def until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
 
 
 def replica(cluster, stage: str, index: int):
@@ -92,7 +70,7 @@ async def test_a_draining_stage_finishes_the_stream_it_runs_and_tells_the_router
                     first.append(await anext(lines))
                 drain = asyncio.create_task(server.drain(20))
                 # The Draining message reaches the router long before its next ping would.
-                await until(lambda: seen_by_router.stage_draining)
+                await until(lambda: seen_by_router.stage_draining, timeout=10.0)
                 assert not seen_by_router.usable and "draining" in seen_by_router.describe()
                 probe = await http.get(f"http://127.0.0.1:{server.http_port}/readyz")
                 assert probe.status_code == 503 and probe.json()["status"] == "draining"
@@ -122,7 +100,7 @@ async def test_an_engine_that_dies_while_serving_ends_the_stage_with_its_error()
         async with httpx.AsyncClient() as http:
             probe = await http.get(f"http://127.0.0.1:{server.http_port}/readyz")
         assert probe.status_code == 503 and probe.json()["status"] == "engine failed"
-        await until(lambda: not replica(cluster, "llm", 0).usable)
+        await until(lambda: not replica(cluster, "llm", 0).usable, timeout=10.0)
         with pytest.raises(openai.APIStatusError) as refused:
             await api.chat.completions.create(model="echo", messages=user("after"))
         assert refused.value.status_code == 503
@@ -139,7 +117,7 @@ async def test_the_works_running_when_the_engine_dies_fail_with_its_error_not_a_
         running = asyncio.create_task(
             api.chat.completions.create(model="echo", messages=user("w " * 100), extra_body=slow(0.2))
         )
-        await until(lambda: bool(server.works))
+        await until(lambda: bool(server.works), timeout=10.0)
         died = EngineError("stage 'llm': rank 1 died (exit code -9)")
         cluster.engines["llm"][0].fail(died)
         with pytest.raises(openai.InternalServerError) as failed:
@@ -154,11 +132,11 @@ async def test_a_draining_replica_gets_no_new_work_while_its_running_work_finish
         long = asyncio.create_task(
             api.chat.completions.create(model="echo", messages=user("w " * 20), extra_body=slow(0.05))
         )
-        await until(lambda: any(s.works for s in cluster.servers["llm"]))
+        await until(lambda: any(s.works for s in cluster.servers["llm"]), timeout=10.0)
         index = 0 if cluster.servers["llm"][0].works else 1
         draining, other = cluster.engines["llm"][index], cluster.engines["llm"][1 - index]
         drain = asyncio.create_task(cluster.servers["llm"][index].drain(20))
-        await until(lambda: replica(cluster, "llm", index).stage_draining)
+        await until(lambda: replica(cluster, "llm", index).stage_draining, timeout=10.0)
         before = len(draining.seen)
         replies = await asyncio.gather(
             *(api.chat.completions.create(model="echo", messages=user(f"quick {i}")) for i in range(6))
@@ -176,7 +154,7 @@ async def test_a_drain_that_outlives_its_period_fails_the_request_with_a_retriab
         call = asyncio.create_task(
             api.chat.completions.create(model="echo", messages=user("w " * 200), extra_body=slow(0.05))
         )
-        await until(lambda: server.works)
+        await until(lambda: server.works, timeout=10.0)
         assert await server.drain(0.3) is False
         with pytest.raises(openai.APIStatusError) as err:
             await asyncio.wait_for(call, 10)
@@ -185,7 +163,7 @@ async def test_a_drain_that_outlives_its_period_fails_the_request_with_a_retriab
         assert f"replica {server.replica} shut down before this work finished" in message
         assert "drain period of 0.3s ended" in message and "retry the request" in message
         assert err.value.response.headers["retry-after"] == "1"
-        await until(lambda: not server.works)
+        await until(lambda: not server.works, timeout=10.0)
         assert len(cluster.engines["llm"][0].aborted) == 1, "the engine stopped the work"
 
 
@@ -195,7 +173,7 @@ async def test_a_stream_cut_by_the_end_of_a_drain_ends_with_an_error_event() -> 
         body = {"model": "echo", "messages": user("w " * 200), "stream": True, **slow(0.05)}
         async with httpx.AsyncClient(base_url=cluster.base, timeout=30) as http:
             async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                await until(lambda: server.works)
+                await until(lambda: server.works, timeout=10.0)
                 drained = asyncio.create_task(server.drain(0.3))
                 events = await sse_events(response)
         assert await drained is False
@@ -214,7 +192,7 @@ async def test_an_upstream_stage_that_drains_mid_request_still_feeds_its_consume
                 model="echo", messages=user("w " * 12), extra_body={"sampling_params_list": [{"delay": 0.05}, {}]}
             )
         )
-        await until(lambda: producer.works and cluster.servers["b"][0].works)
+        await until(lambda: producer.works and cluster.servers["b"][0].works, timeout=10.0)
         drain = asyncio.create_task(producer.drain(20))
         reply = await call
         assert reply.choices[0].message.content == "w " * 12
@@ -234,9 +212,9 @@ async def test_while_a_stage_is_between_replicas_a_request_waits_for_the_new_one
         pool = cluster.pool
         old, new = (f"127.0.0.1:{s.port}" for s in cluster.servers["llm"])
         pool._update("llm", {old})  # discovery's callback: the new replica is not listed yet
-        await until(lambda: new not in pool["llm"].replicas)  # dropped (idle): as if never seen
+        await until(lambda: new not in pool["llm"].replicas, timeout=10.0)  # dropped (idle): as if never seen
         drain = asyncio.create_task(cluster.servers["llm"][0].drain(20))
-        await until(lambda: pool["llm"].replicas[old].stage_draining)
+        await until(lambda: pool["llm"].replicas[old].stage_draining, timeout=10.0)
         asked: list[str] = []
         answered: list[str] = []
         real_pick = pool.pick
@@ -250,7 +228,7 @@ async def test_while_a_stage_is_between_replicas_a_request_waits_for_the_new_one
 
         pool.pick = pick
         call = asyncio.create_task(api.chat.completions.create(model="echo", messages=user("during the roll")))
-        await until(lambda: asked)  # the router asked for a replica of the stage
+        await until(lambda: asked, timeout=10.0)  # the router asked for a replica of the stage
         assert answered == [], "the router did not wait for a usable replica"
         assert not call.done() and cluster.engines["llm"][1].seen == [], "the request waits for a usable replica"
         pool._update("llm", {old, new})  # the new replica's EndpointSlice update arrives
@@ -278,7 +256,7 @@ async def test_the_router_drain_lets_a_running_request_finish() -> None:
         call = asyncio.create_task(
             api.chat.completions.create(model="echo", messages=user("w " * 10), extra_body=slow(0.03))
         )
-        await until(lambda: cluster.servers["llm"][0].works)
+        await until(lambda: cluster.servers["llm"][0].works, timeout=10.0)
         cluster.app.state.context.lifecycle.begin_drain(20)
         assert (await call).choices[0].message.content == "w " * 10
 
@@ -291,7 +269,7 @@ async def test_the_end_of_the_router_drain_fails_running_requests_with_a_retriab
         body = {"model": "echo", "messages": user("w " * 200), "stream": True, **slow(0.05)}
         async with httpx.AsyncClient(base_url=cluster.base, timeout=30) as http:
             async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                await until(lambda: len(cluster.servers["llm"][0].works) == 2)
+                await until(lambda: len(cluster.servers["llm"][0].works) == 2, timeout=10.0)
                 cluster.app.state.context.lifecycle.begin_drain(0.3)
                 events = await sse_events(response)
         with pytest.raises(openai.APIStatusError) as err:
@@ -300,7 +278,7 @@ async def test_the_end_of_the_router_drain_fails_running_requests_with_a_retriab
         assert "the router shut down before this request finished" in err.value.body["message"]
         assert events[-1]["error"]["code"] == 503
         assert "drain period of 0.3s ended" in events[-1]["error"]["message"]
-        await until(lambda: not cluster.servers["llm"][0].works)
+        await until(lambda: not cluster.servers["llm"][0].works, timeout=10.0)
         assert len(cluster.engines["llm"][0].aborted) == 2, "both works were stopped in the stage"
 
 

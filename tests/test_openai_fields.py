@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from servelib import echo_cluster, echo_pipeline
+from servelib import chat_topology, echo_cluster, echo_pipeline
 
 from omni_runtime.router.protocol.chat import (
     FORWARDED,
@@ -30,10 +30,6 @@ from omni_runtime.router.serving.logprobs import chat_logprobs, completion_logpr
 from omni_runtime.spec import EdgeSpec, PipelineSpec, RouterLimits, StageSpec
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def chat_topology() -> PipelineSpec:
-    return PipelineSpec(name="echo", stages=[StageSpec(name="llm", kind="ar", final_output=True)])
 
 
 def enhancer_then_dit() -> PipelineSpec:

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 import yaml
+from servelib import template_hash
 
-from omni_operator.builders.meta import HASH_ANNOTATION, TEMPLATE_HASH_ANNOTATION, child_name, with_hash
+from omni_operator.builders.meta import HASH_ANNOTATION, child_name, with_hash
 from omni_operator.render import PLACEHOLDER_UID, RenderError, render_file, render_pipeline
 from omni_runtime.registry import default_registry
 
@@ -55,10 +56,6 @@ def stage_deployments(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for o in objects
         if o["kind"] == "Deployment" and o["metadata"]["labels"]["app.kubernetes.io/component"] == "stage"
     ]
-
-
-def template_hash(deployment: dict[str, Any]) -> str:
-    return deployment["spec"]["template"]["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION]
 
 
 def spec_hash(obj: dict[str, Any]) -> str:

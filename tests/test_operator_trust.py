@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 import yaml
+from servelib import template_hash
 
 from omni_operator.api import OmniPipeline
-from omni_operator.builders.meta import LABEL_PIPELINE, TEMPLATE_HASH_ANNOTATION
+from omni_operator.builders.meta import LABEL_PIPELINE
 from omni_operator.builders.pipeline_objects import KEY_VERSION_ANNOTATION, build_omnistages
 from omni_operator.builders.router import build_router_objects
 from omni_operator.builders.stage_workload import RUNTIME_HOME, build_stage_deployment
@@ -194,10 +195,6 @@ def test_a_new_key_secret_rolls_every_pod() -> None:
 
     before, after = pod_hashes("uid-a"), pod_hashes("uid-b")
     assert len(before) == 3 and all(a != b for a, b in zip(before, after, strict=True))
-
-
-def template_hash(deployment: dict[str, Any]) -> str:
-    return deployment["spec"]["template"]["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION]
 
 
 def _resolved(objects: list[dict[str, Any]]) -> ResolvedPipeline:

@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 import pytest
+from servelib import until
 
 from omni_operator.workqueue import WorkQueue
 
 pytestmark = pytest.mark.timeout(10)
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 3.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        assert loop.time() < deadline, "timed out waiting"
-        await asyncio.sleep(0.002)
 
 
 async def test_a_key_added_many_times_while_queued_runs_once():
@@ -34,7 +27,7 @@ async def test_a_key_added_many_times_while_queued_runs_once():
     queue.add(("other", "a"))
     queue.start()
     try:
-        await until(queue.idle)
+        await until(queue.idle, timeout=3.0, interval=0.002)
         await asyncio.sleep(0.02)  # nothing more arrives later
     finally:
         await queue.stop()
@@ -61,7 +54,7 @@ async def test_a_key_added_while_running_runs_once_more_after():
         await asyncio.sleep(0.02)
         assert calls == ["a"]  # not started again while the first run is going
         release.set()
-        await until(lambda: len(calls) == 2 and queue.idle())
+        await until(lambda: len(calls) == 2 and queue.idle(), timeout=3.0, interval=0.002)
         await asyncio.sleep(0.02)
     finally:
         await queue.stop()
@@ -90,7 +83,7 @@ async def test_a_key_never_runs_on_two_workers_at_once():
             for key in ("a", "b", "c"):
                 queue.add(key)
             await asyncio.sleep(0.001)
-        await until(queue.idle)
+        await until(queue.idle, timeout=3.0, interval=0.002)
     finally:
         await queue.stop()
     assert most_per_key == {"a": 1, "b": 1, "c": 1}
@@ -138,13 +131,13 @@ async def test_a_failing_key_is_retried_with_growing_delays_and_its_count_resets
     queue.start()
     try:
         queue.add("a")
-        await until(lambda: len(times) == 5 and queue.idle())
+        await until(lambda: len(times) == 5 and queue.idle(), timeout=3.0, interval=0.002)
         assert queue.scheduled == [base, 2 * base, 4 * base, 8 * base]
         gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         for gap, expected in zip(gaps, queue.scheduled, strict=True):
             assert gap >= expected * 0.9, (gaps, expected)  # each retry did wait its delay
         queue.add("a")
-        await until(lambda: len(times) == 7 and queue.idle())
+        await until(lambda: len(times) == 7 and queue.idle(), timeout=3.0, interval=0.002)
         assert queue.scheduled[4:] == [base]  # not 16 * base: the success reset the count
         assert times[6] - times[5] >= base * 0.9
     finally:
@@ -164,7 +157,7 @@ async def test_retry_delays_stop_growing_at_max_delay():
     queue.start()
     try:
         queue.add("a")
-        await until(lambda: len(times) == 7 and queue.idle())
+        await until(lambda: len(times) == 7 and queue.idle(), timeout=3.0, interval=0.002)
     finally:
         await queue.stop()
     assert queue.scheduled == [0.02] + [0.03] * 5  # uncapped, the last would be 0.64 s
@@ -182,7 +175,9 @@ async def test_stop_cancels_delayed_retries():
     queue = WorkQueue(handler, workers=2, base_delay=0.1)
     queue.start()
     queue.add("a")
-    await until(lambda: len(calls) == 1)  # the handler fails without awaiting: its run is over
+    await until(
+        lambda: len(calls) == 1, timeout=3.0, interval=0.002
+    )  # the handler fails without awaiting: its run is over
     assert not queue.idle()  # a retry is pending
     await queue.stop()
     assert queue.idle()
@@ -217,7 +212,7 @@ async def test_a_key_added_during_a_failing_run_runs_again_without_waiting_for_t
         await started.wait()
         queue.add("a")  # a new event while the failing run is going
         release.set()
-        await until(lambda: runs == 2, timeout=8.0)
+        await until(lambda: runs == 2, timeout=8.0, interval=0.002)
         assert queue.scheduled == [3600.0]  # the failure did schedule its retry; the event did not wait for it
     finally:
         await queue.stop()

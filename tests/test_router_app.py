@@ -13,16 +13,20 @@ import time
 import httpx
 import openai
 import pytest
-from servelib import busy_shm_segments, echo_cluster, echo_pipeline, metric_values
+from servelib import (
+    busy_shm_segments,
+    chat_topology,
+    echo_cluster,
+    echo_pipeline,
+    metric_values,
+    until,
+    windowed_topology,
+)
 
 from omni_runtime.metrics import REGISTRY
 from omni_runtime.spec import CompanionSpec, EdgeSpec, PipelineSpec, RouterLimits, StageSpec
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def chat_topology() -> PipelineSpec:
-    return PipelineSpec(name="echo", stages=[StageSpec(name="llm", kind="ar", final_output=True)])
 
 
 def enhanced_topology(connector: str) -> PipelineSpec:
@@ -33,14 +37,6 @@ def enhanced_topology(connector: str) -> PipelineSpec:
             StageSpec(name="b", kind="ar", final_output=True),
         ],
         edges=[EdgeSpec(**{"from": "a", "to": "b", "connector": connector, "input_processor": "ar_text_to_prompt"})],
-    )
-
-
-def windowed_topology(window: int) -> PipelineSpec:
-    return PipelineSpec(
-        name="echo3",
-        stages=[StageSpec(name="a", kind="ar"), StageSpec(name="b", kind="ar", final_output=True)],
-        edges=[EdgeSpec(**{"from": "a", "to": "b", "connector": "shm", "window": window})],
     )
 
 
@@ -58,14 +54,6 @@ def running(cluster, stage: str) -> float:
 
 def handles_open(cluster, stage: str) -> int:
     return sum(len(w.held) + len(w.created) for s in cluster.servers[stage] for w in s.works.values())
-
-
-async def until(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
 
 
 # -- one stage -----------------------------------------------------------------------------------
@@ -332,7 +320,7 @@ async def test_cancelling_mid_pipeline_releases_every_handle() -> None:
 
 
 async def test_windowed_edge_starts_downstream_on_the_first_chunk() -> None:
-    pipeline = echo_pipeline(windowed_topology(2), name="echo3")
+    pipeline = echo_pipeline(windowed_topology(window=2), name="echo3")
     async with echo_cluster(pipeline) as cluster, client(cluster.base) as api:
         reply = await api.chat.completions.create(model="echo3", messages=user("one two three four five"))
         assert reply.choices[0].message.content == "one two three four five "

@@ -8,15 +8,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from servelib import echo_cluster, echo_pipeline
-
-from omni_runtime.spec import PipelineSpec, StageSpec
+from servelib import chat_topology, echo_cluster, echo_pipeline
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def chat_topology() -> PipelineSpec:
-    return PipelineSpec(name="echo", stages=[StageSpec(name="llm", kind="ar", final_output=True)])
 
 
 @pytest.mark.parametrize(

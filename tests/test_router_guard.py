@@ -17,20 +17,16 @@ import openai
 import pytest
 import zmq
 import zmq.asyncio
-from servelib import echo_cluster, echo_pipeline, metric_values
+from servelib import chat_topology, echo_cluster, echo_pipeline, metric_values
 from zmq.utils.monitor import recv_monitor_message
 
 from omni_runtime.router.auth import ApiKeyError, ApiKeyFile
-from omni_runtime.spec import PipelineSpec, RouterLimits, StageDiscovery, StageSpec
+from omni_runtime.spec import RouterLimits, StageDiscovery
 from omni_runtime.stage.server import max_message_bytes
 from omni_runtime.wire import protocol as P
 from omni_runtime.wire.auth import PipelineKey
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def chat_topology() -> PipelineSpec:
-    return PipelineSpec(name="echo", stages=[StageSpec(name="llm", kind="ar", final_output=True)])
 
 
 def user(text: str) -> list[dict]:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
-from collections.abc import Callable
 
 import pytest
 import yaml
 import zmq.asyncio
+from servelib import until
 
 from omni_runtime.cli import build_parser
 from omni_runtime.launcher import LocalRun, load_local_spec
@@ -212,13 +211,6 @@ def _replica_series(pipeline: str, address: str) -> dict[str, float | None]:
     return {name: REGISTRY.get_sample_value(name, labels) for name in names}
 
 
-async def until(predicate: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.02)
-
-
 async def test_a_replica_close_cancelled_midway_still_closes_its_sockets(t2i_folder, tmp_path) -> None:
     """The pool's reaper closes a replica discovery removed; when the router stops meanwhile, that close is
     cancelled while it waits for the replica's tasks. Its sockets close anyway: one left open blocked the router's
@@ -250,7 +242,7 @@ async def test_pool_follows_discovery_and_drains_removed_replicas(t2i_folder, tm
     pool = StagePool(run.resolved, key=PipelineKey.from_file(run.key_path), discoveries=found)
     await pool.start()
     try:
-        await until(lambda: found["dit"].on_change is not None, "the pool did not start its discovery")
+        await until(lambda: found["dit"].on_change is not None, "the pool did not start its discovery", timeout=15.0)
         found["dit"].on_change({"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"})
         assert sorted(pool["dit"].replicas) == ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
         assert _replica_series(name, "127.0.0.1:2") == {
@@ -260,13 +252,13 @@ async def test_pool_follows_discovery_and_drains_removed_replicas(t2i_folder, tm
         client.outstanding = 1  # a work still runs there
         found["dit"].on_change({"127.0.0.1:1"})
         assert client.draining and not client.usable
-        await until(lambda: "127.0.0.1:3" not in pool["dit"].replicas, "an idle removed replica was kept")
+        await until(lambda: "127.0.0.1:3" not in pool["dit"].replicas, "an idle removed replica was kept", timeout=15.0)
         found["dit"].on_change({"127.0.0.1:1", "127.0.0.1:4"})  # one more, listed after that reaper pass began
         found["dit"].on_change({"127.0.0.1:1"})  # and removed again at once
-        await until(lambda: "127.0.0.1:4" not in pool["dit"].replicas, "the reaper stopped")
+        await until(lambda: "127.0.0.1:4" not in pool["dit"].replicas, "the reaper stopped", timeout=15.0)
         assert "127.0.0.1:2" in pool["dit"].replicas and client.draining  # kept while its work runs
         client.outstanding = 0
-        await until(lambda: "127.0.0.1:2" not in pool["dit"].replicas, "a drained replica was kept")
+        await until(lambda: "127.0.0.1:2" not in pool["dit"].replicas, "a drained replica was kept", timeout=15.0)
         assert sorted(pool["dit"].replicas) == ["127.0.0.1:1"]
         assert pool.ready() == {"enhancer": 0, "dit": 0}  # nothing answers on those ports
         for gone in ("127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4"):

@@ -26,7 +26,7 @@ import httpx
 import pytest
 import zmq
 import zmq.asyncio
-from servelib import echo_cluster, echo_pipeline
+from servelib import echo_cluster, echo_pipeline, until
 
 from omni_runtime.router import client as router_client
 from omni_runtime.spec import PipelineSpec, StageSpec
@@ -118,13 +118,6 @@ def pongs(router: FakeRouter) -> int:
     return sum(isinstance(m, P.Pong) for m in router.received)
 
 
-async def until(predicate, what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.02)
-
-
 async def test_a_work_stopped_because_its_router_went_silent_is_reported_to_that_router() -> None:
     async with echo_cluster(echo_pipeline(one_stage(), name="silent-router")) as cluster:
         stage = cluster.servers["llm"][0]
@@ -132,10 +125,14 @@ async def test_a_work_stopped_because_its_router_went_silent_is_reported_to_that
         async with router_to(cluster, stage) as router:
             submit, payload = long_work("silent-1")
             await router.send(submit, payload)
-            await until(lambda: submit.id in stage.works, "the stage never ran the work")
+            await until(lambda: submit.id in stage.works, "the stage never ran the work", timeout=15.0)
             # The router now sends nothing, not even a ping. (A real stall meanwhile only postpones the stop.)
             await until(lambda: submit.id not in stage.works, "the work of a silent router kept running", 3 * SILENCE_S)
-            await until(lambda: router.failures(submit.id), "the stage stopped the work without telling its router")
+            await until(
+                lambda: router.failures(submit.id),
+                "the stage stopped the work without telling its router",
+                timeout=15.0,
+            )
             (failed,) = router.failures(submit.id)
             assert failed.kind == "unavailable"  # the router answers a retriable 503 at once
             assert "sent nothing for" in failed.message and "retry" in failed.message
@@ -159,19 +156,20 @@ async def test_a_stall_of_the_whole_machine_longer_than_the_silence_limit_stops_
         async with router_to(cluster, stage) as router:
             submit, payload = long_work("stalled-1")
             await router.send(submit, payload)
-            await until(lambda: submit.id in stage.works, "the stage never ran the work")
+            await until(lambda: submit.id in stage.works, "the stage never ran the work", timeout=15.0)
             pinger = asyncio.create_task(ping_every(router, PING_PERIOD_S))
-            await until(lambda: pongs(router) >= 3, "the stage does not answer pings")  # pinging steadily
+            await until(lambda: pongs(router) >= 3, "the stage does not answer pings", timeout=15.0)  # pinging steadily
             caplog.clear()  # from here, a "ran late" record is from a tick after the injected stall
             time.sleep(MACHINE_STALL_S)
             await until(
                 lambda: any("housekeeping ran" in r.getMessage() and "late" in r.getMessage() for r in caplog.records),
                 "the stage did not notice the stall of its machine",
+                timeout=15.0,
             )
             work = stage.works.get(submit.id)
             assert work is not None and work.stopped_because is None, "the stall was taken for the router's silence"
             after = pongs(router)
-            await until(lambda: pongs(router) >= after + 3, "the pings did not resume after the stall")
+            await until(lambda: pongs(router) >= after + 3, "the pings did not resume after the stall", timeout=15.0)
             pinger.cancel()
             await asyncio.gather(pinger, return_exceptions=True)
             assert router.failures(submit.id) == [], router.failures(submit.id)
@@ -200,7 +198,7 @@ async def test_a_stall_of_the_whole_machine_longer_than_the_ping_timeout_fails_n
             request = asyncio.create_task(http.post("/v1/chat/completions", json=body))
             # The router's pool was ready (its replica answered pings) and the stage runs the request now,
             # four seconds of words at the least: the stall lands mid-request.
-            await until(lambda: len(stage.works) == 1, "the stage never ran the request")
+            await until(lambda: len(stage.works) == 1, "the stage never ran the request", timeout=15.0)
             time.sleep(MACHINE_STALL_S)
             reply = await request
         assert reply.status_code == 200, reply.text
