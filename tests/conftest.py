@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from servelib import (
@@ -11,11 +12,32 @@ from servelib import (
     SHARED_SERVES,
     Serve,
     chat_serve_spec,
+    listening_only_on_loopback,
     pid_alive,
+    process_exists,
     serve_tree,
     shm_segments,
     tiny_model,
 )
+
+
+@pytest.fixture(scope="module")
+def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real `mooncake_master` (and its HTTP metadata server) on free loopback ports, one per test module;
+    checked to listen on 127.0.0.1 only, and to leave no process behind once stopped."""
+    from omni_runtime.connectors.mooncake_master import MooncakeMaster, free_port
+
+    master = MooncakeMaster(
+        rpc_port=free_port(), metadata_port=free_port(), log_dir=str(tmp_path_factory.mktemp("mooncake"))
+    )
+    with master:
+        for port in (master.rpc_port, master.metadata_port, master.metrics_port):
+            assert listening_only_on_loopback(port)
+        yield master
+        pids = master.pids
+    assert master.master is None
+    for pid in pids:
+        assert not process_exists(pid), f"mooncake process {pid} still running after stop"
 
 
 @pytest.fixture(scope="session")

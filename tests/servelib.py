@@ -20,7 +20,7 @@ import sys
 import textwrap
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -237,7 +237,11 @@ def tiny_model(name: str) -> Path:
 
 
 def shm_segments(pipeline: str) -> list[str]:
-    prefix = f"omnikube-{re.sub(r'[^A-Za-z0-9_.]', '_', pipeline)}-"
+    """The shm segments in /dev/shm of `pipeline`, by name (the runtime's own `segment_prefix`), whatever their
+    state."""
+    from omni_runtime.connectors.shm import segment_prefix
+
+    prefix = segment_prefix(pipeline)
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
 
 
@@ -392,6 +396,54 @@ class Serve:
         return pids
 
 
+UNRELEASED = "omnikube_connector_payloads_unreleased"
+
+
+def mooncake_keys(run: Serve) -> float | None:
+    """Keys the serve's Mooncake master holds (its `master_key_count`); None when the serve runs no master."""
+    master = [p for p in run.processes() if p["name"] == "mooncake master"]
+    if not master:
+        return None
+    return metric_values(http_get(master[0]["metrics"])[1], "master_key_count")[0]
+
+
+def assert_nothing_held(
+    run: Serve,
+    stages: Sequence[str],
+    *,
+    kinds: Sequence[str] = (),
+    master_keys: bool = False,
+    no_segments: bool = False,
+    idle_timeout: float = 60,
+    timeout: float = 15,
+) -> None:
+    """Once `stages` are idle (`wait_idle`, `idle_timeout` s), wait up to `timeout` s until nothing is held:
+    the stages' `omnikube_connector_payloads_unreleased` summed to 0 (in all and per connector kind), no shm
+    segment of the pipeline busy, and as asked no key in the serve's Mooncake master (`master_keys`) and no shm
+    segment left at all (`no_segments`: with a pool of 0 released segments are unlinked). Each of `kinds` must
+    be reported by some stage process, so that a renamed or missing gauge cannot read as "nothing held"."""
+    run.wait_idle(list(stages), timeout=idle_timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        texts = [text for stage in stages for text in run.stage_metrics(stage)]
+        by_kind = {kind: [v for text in texts for v in metric_values(text, UNRELEASED, kind=kind)] for kind in kinds}
+        missing = [kind for kind, values in by_kind.items() if not values]
+        assert not missing, f"no stage process reports {UNRELEASED} for {missing}: {by_kind}"
+        held: dict[str, object] = {
+            "unreleased": sum(v for text in texts for v in metric_values(text, UNRELEASED)),
+            **{f"unreleased {kind}": sum(values) for kind, values in by_kind.items()},
+            "busy segments": busy_shm_segments(run.name),
+        }
+        if master_keys:
+            held["mooncake keys"] = mooncake_keys(run)
+        if no_segments:
+            held["segments"] = shm_segments(run.name)
+        if not any(held.values()):
+            return
+        assert time.monotonic() < deadline, held
+        time.sleep(0.2)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -403,6 +455,28 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def process_exists(pid: int) -> bool:
+    """True while `pid` exists, a zombie included (see `pid_alive` for one that counts zombies as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def listening_only_on_loopback(port: int) -> bool:
+    """True if something listens on `port` and only on 127.0.0.1 (read from /proc/net/tcp*)."""
+    addresses = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.rsplit(":", 1)
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    addresses.add(address)
+    return addresses == {"0100007F"}
 
 
 def process_tree(pid: int) -> set[int]:

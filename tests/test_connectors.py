@@ -20,6 +20,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from servelib import process_exists, shm_segments
 
 from omni_runtime.connectors import (
     Connector,
@@ -148,21 +149,6 @@ def test_handles_are_msgpack_structs():
 # -- fixtures ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def mooncake_master(tmp_path_factory):
-    master = MooncakeMaster(
-        rpc_port=free_port(), metadata_port=free_port(), log_dir=str(tmp_path_factory.mktemp("mooncake"))
-    )
-    with master:
-        for port in (master.rpc_port, master.metadata_port, master.metrics_port):
-            assert listening_only_on_loopback(port)
-        yield master
-        pids = master.pids
-    assert master.master is None
-    for pid in pids:
-        assert not process_exists(pid), f"mooncake process {pid} still running after stop"
-
-
 def store_info(master: MooncakeMaster) -> dict:
     return {"master_address": master.master_address, "metadata_server": master.metadata_server, "pipeline": PIPE}
 
@@ -211,7 +197,7 @@ def shm_pair():
     yield producer, consumer
     consumer.close()
     producer.close()
-    assert shm_segments(segment_prefix(PIPE)) == []
+    assert shm_segments(PIPE) == []
 
 
 @pytest.fixture(params=["inline", "shm", "mooncake_p2p", "mooncake_store"])
@@ -224,31 +210,6 @@ def pair(request) -> tuple[Connector, Connector]:
 
 def zeros_mib(n: int) -> torch.Tensor:
     return torch.zeros(n * 1024**2, dtype=torch.uint8)
-
-
-def shm_segments(prefix: str = "omnikube-") -> list[str]:
-    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
-
-
-def process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def listening_only_on_loopback(port: int) -> bool:
-    """True if something listens on `port` and only on 127.0.0.1 (read from /proc/net/tcp*)."""
-    addresses = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                address, hex_port = local.rsplit(":", 1)
-                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                    addresses.add(address)
-    return addresses == {"0100007F"}
 
 
 # -- every kind ----------------------------------------------------------------------------------
@@ -344,7 +305,6 @@ async def churn(producer: Connector, consumer: Connector, ops: int = 200, seed: 
 
 
 async def test_shm_leaves_nothing_after_churn():
-    prefix = segment_prefix(f"churn{RUN}")
     producer = ShmConnector(pipeline=f"churn{RUN}", owner="producer", pool_max_bytes=4 * 1024**2)
     consumer = ShmConnector(pipeline=f"churn{RUN}", owner="consumer")
     try:
@@ -358,7 +318,7 @@ async def test_shm_leaves_nothing_after_churn():
     finally:
         consumer.close()
         producer.close()
-    assert shm_segments(prefix) == []
+    assert shm_segments(f"churn{RUN}") == []
 
 
 async def test_mooncake_store_leaves_nothing_after_churn(mooncake_store_pair):
@@ -492,7 +452,7 @@ def test_sweep_orphans_removes_dead_owners_only():
         open(os.path.join(SHM_DIR, name), "wb").close()
     try:
         assert sweep_orphans(segment_prefix(pipeline)) == [dead]
-        assert shm_segments(segment_prefix(pipeline)) == [live]
+        assert shm_segments(pipeline) == [live]
         assert sweep_orphans(segment_prefix(pipeline), live_owners_too=True) == [live]
         with pytest.raises(ValueError, match="must start with 'omnikube-'"):
             sweep_orphans("")

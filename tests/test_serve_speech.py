@@ -17,14 +17,21 @@ from __future__ import annotations
 
 import base64
 import io
-import time
 import wave
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from servelib import Serve, busy_shm_segments, http_get, metric_values, pid_alive, process_tree, shm_segments
+from servelib import (
+    Serve,
+    assert_nothing_held,
+    http_get,
+    metric_values,
+    pid_alive,
+    process_tree,
+    shm_segments,
+)
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(1500)]
 
@@ -92,30 +99,6 @@ def stage_total(run: Serve, stage: str, name: str, **labels: str) -> float:
     return sum(sum(metric_values(text, name, **labels)) for text in run.stage_metrics(stage))
 
 
-def unreleased(run: Serve, kind: str) -> list[float]:
-    """What each stage process that puts payloads over `kind` reports as not released yet (one value per
-    process; empty if none reports the kind, so a renamed or missing gauge cannot read as "nothing held")."""
-    return [v for s in STAGES for text in run.stage_metrics(s)
-            for v in metric_values(text, "omnikube_connector_payloads_unreleased", kind=kind)]  # fmt: skip
-
-
-def assert_nothing_held(run: Serve) -> None:
-    """No stage runs a work, and on both sides nothing is held: no Mooncake p2p block the thinker lent out
-    (the talker reports its own mooncake side too), no shm segment the talker lent out (its gauge and the
-    segments' own state words), and no shm segment left at all (pool 0: released ones are unlinked)."""
-    run.wait_idle(list(STAGES), timeout=60)
-    deadline = time.monotonic() + 15
-    while True:
-        mooncake, shm = unreleased(run, "mooncake"), unreleased(run, "shm")
-        assert mooncake and shm, f"a side reports no omnikube_connector_payloads_unreleased: {mooncake} {shm}"
-        held = {"mooncake": sum(mooncake), "shm": sum(shm), "busy segments": busy_shm_segments(run.name),
-                "segments": shm_segments(run.name)}  # fmt: skip
-        if not any(held.values()):
-            return
-        assert time.monotonic() < deadline, held
-        time.sleep(0.2)
-
-
 def chunks_over(run: Serve, source: str, target: str) -> float:
     """Handles `source` put on its edge to `target` under that edge's connector (EDGE_CONNECTORS)."""
     return stage_total(run, source, "omnikube_edge_chunks_total", target=target, connector=EDGE_CONNECTORS[target])
@@ -137,7 +120,7 @@ def test_text_and_speech_in_one_reply(omni: Serve) -> None:
     # the reply crossed both edges, each over its own connector
     assert chunks_over(omni, "thinker", "talker") > before["talker"]
     assert chunks_over(omni, "talker", "code2wav") > before["code2wav"]
-    assert_nothing_held(omni)
+    assert_nothing_held(omni, STAGES, kinds=("mooncake", "shm"), no_segments=True)
 
 
 def test_a_parameter_a_speech_stage_does_not_take_is_a_400(omni: Serve) -> None:
@@ -155,7 +138,7 @@ def test_a_parameter_a_speech_stage_does_not_take_is_a_400(omni: Serve) -> None:
                     extra_body={"sampling_params_list": per_stage},
                 )  # fmt: skip
             assert named in str(err.value)
-    assert_nothing_held(omni)
+    assert_nothing_held(omni, STAGES, kinds=("mooncake", "shm"), no_segments=True)
 
 
 def test_streamed_audio_starts_before_the_text_is_finished(omni: Serve) -> None:
@@ -179,7 +162,7 @@ def test_streamed_audio_starts_before_the_text_is_finished(omni: Serve) -> None:
         assert order.index("audio") < last_text, "no audio arrived before the thinker finished"
     # every thinker output went to the talker as it came (vLLM merges the steps a slow reader missed)
     assert chunks_over(omni, "thinker", "talker") > 1
-    assert_nothing_held(omni)
+    assert_nothing_held(omni, STAGES, kinds=("mooncake", "shm"), no_segments=True)
 
 
 def test_text_only_runs_the_thinker_alone(omni: Serve) -> None:
@@ -245,7 +228,7 @@ def test_an_audio_part_reaches_the_thinker_and_is_spoken_about(omni: Serve) -> N
     assert message.content and spoken.usage.completion_tokens == 8
     with wave.open(io.BytesIO(base64.b64decode(message.audio.data))) as w:
         assert w.getframerate() == 24000 and w.getnframes() > 0
-    assert_nothing_held(omni)
+    assert_nothing_held(omni, STAGES, kinds=("mooncake", "shm"), no_segments=True)
 
 
 async def test_disconnect_mid_audio_stops_every_stage_and_releases_every_payload(omni: Serve) -> None:
@@ -258,7 +241,7 @@ async def test_disconnect_mid_audio_stops_every_stage_and_releases_every_payload
             async for line in response.aiter_lines():
                 if '"audio"' in line:
                     break
-    assert_nothing_held(omni)
+    assert_nothing_held(omni, STAGES, kinds=("mooncake", "shm"), no_segments=True)
     for stage in STAGES:  # each stage's work ended as aborted, not finished
         assert stage_total(omni, stage, "omnikube_stage_requests_total", status="aborted") >= 1
     assert stage_total(omni, "talker", "omnikube_stage_requests_total", status="aborted") > aborted

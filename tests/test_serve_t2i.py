@@ -35,7 +35,16 @@ import openai
 import pytest
 import yaml
 from PIL import Image
-from servelib import REPO, Serve, busy_shm_segments, http_get, metric_values, pid_alive, process_tree, shm_segments
+from servelib import (
+    REPO,
+    Serve,
+    assert_nothing_held,
+    http_get,
+    metric_values,
+    pid_alive,
+    process_tree,
+    shm_segments,
+)
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 
@@ -333,29 +342,6 @@ def t2i(request, tiny_t2i_model, tmp_path_factory):
     yield from serving(run)
 
 
-def mooncake_keys(run: Serve) -> float | None:
-    master = [p for p in run.processes() if p["name"] == "mooncake master"]
-    if not master:
-        return None
-    return metric_values(http_get(master[0]["metrics"])[1], "master_key_count")[0]
-
-
-def unreleased_payloads(run: Serve) -> float:
-    """Payloads stage processes put and nobody released yet, as their metrics report them."""
-    return sum(sum(metric_values(text, "omnikube_connector_payloads_unreleased"))
-               for stage in ("enhancer", "dit") for text in run.stage_metrics(stage))  # fmt: skip
-
-
-def assert_nothing_held(run: Serve) -> None:
-    run.wait_idle(["enhancer", "dit"], timeout=30)
-    deadline = time.monotonic() + 10
-    while held := (busy_shm_segments(run.name), mooncake_keys(run), unreleased_payloads(run)):
-        if not any(held):
-            break
-        assert time.monotonic() < deadline, held
-        time.sleep(0.2)
-
-
 def test_enhanced_prompt_and_cfg_companion_reach_the_diffusion_stage(t2i) -> None:
     api = openai.OpenAI(base_url=t2i.endpoint, api_key="none", max_retries=0)
     model = t2i.model
@@ -384,7 +370,7 @@ def test_enhanced_prompt_and_cfg_companion_reach_the_diffusion_stage(t2i) -> Non
     url = parts[0]["image_url"]["url"]
     assert url.startswith("data:image/png;base64,")
     assert png(url.split(",", 1)[1]).size == (64, 64)
-    assert_nothing_held(t2i)
+    assert_nothing_held(t2i, ["enhancer", "dit"], master_keys=True, idle_timeout=30, timeout=10)
     if t2i.pooled:  # the producer reports what it lent out, so "nothing held" above means something
         series = [
             metric_values(text, "omnikube_connector_payloads_unreleased") for text in t2i.stage_metrics("enhancer")
@@ -415,12 +401,12 @@ async def test_cancelled_requests_release_everything(t2i) -> None:
         # cancelled while the enhancer (primary and companion) generates
         long_enhance = {"model": model, "prompt": "a cat", "sampling_params_list": [{"max_tokens": LONG_ENHANCE}, {}]}
         await cancel_while_running(t2i, http, long_enhance, "enhancer")
-        assert_nothing_held(t2i)
+        assert_nothing_held(t2i, ["enhancer", "dit"], master_keys=True, idle_timeout=30, timeout=10)
         assert aborted(t2i, "enhancer") >= 1
         # cancelled while the diffusion stage runs on the enhancer's handles
         long_draw = {"model": model, "prompt": "a cat", "size": "256x256", "num_inference_steps": 60}
         await cancel_while_running(t2i, http, long_draw, "dit")
-    assert_nothing_held(t2i)
+    assert_nothing_held(t2i, ["enhancer", "dit"], master_keys=True, idle_timeout=30, timeout=10)
     assert aborted(t2i, "dit") >= 1
 
 
@@ -488,4 +474,4 @@ async def test_mixed_load_with_cancellations_leaves_nothing_held(t2i) -> None:
     async with httpx.AsyncClient(base_url=t2i.base, trust_env=False) as http:
         await asyncio.gather(*(one(i, kind, http) for i, kind in enumerate(kinds)))
     assert sum(outcomes.values()) == MIXED_REQUESTS and outcomes.get("image", 0) > 0, outcomes
-    assert_nothing_held(t2i)
+    assert_nothing_held(t2i, ["enhancer", "dit"], master_keys=True, idle_timeout=30, timeout=10)

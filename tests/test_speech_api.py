@@ -76,17 +76,6 @@ def stage_count(stage: str, status: str = "ok") -> float:
     return sum(metric_values(text, "omnikube_stage_requests", stage=stage, status=status))
 
 
-@pytest.fixture(scope="module")
-def mooncake_master(tmp_path_factory):
-    from omni_runtime.connectors.mooncake_master import MooncakeMaster, free_port
-
-    master = MooncakeMaster(
-        rpc_port=free_port(), metadata_port=free_port(), log_dir=str(tmp_path_factory.mktemp("mooncake"))
-    )
-    with master:
-        yield master
-
-
 @pytest.mark.parametrize("connector", ["inline", "shm", "mooncake"])
 async def test_text_and_audio_in_one_message(connector: str, request) -> None:
     pipeline = speech_pipeline(connector, name=f"speech-{connector}")
