@@ -336,7 +336,7 @@ def _chat(stream: bool) -> Callable[[openai.OpenAI], None]:
     return call
 
 
-def _image(client: openai.OpenAI) -> None:
+def _generate_image(client: openai.OpenAI) -> None:
     result = client.images.generate(model="enhanced", prompt="a dog", size="64x64", response_format="b64_json")
     assert _png(result.data[0].b64_json).size == (64, 64)
 
@@ -411,10 +411,10 @@ def test_a_killed_stage_restarts_and_serves_then_its_roll_under_steady_load_fail
     wait_for(
         lambda: _status(health) == 200, READY_TIMEOUT, "the router seeing the restarted enhancer ready (/health 200)"
     )
-    _image(env.client("enhanced"))  # the restarted stage serves again
+    _generate_image(env.client("enhanced"))  # the restarted stage serves again
 
     url = env.router_url("enhanced")
-    load = SteadyLoad(lambda: url, [_image, _image, _image]).start()
+    load = SteadyLoad(lambda: url, [_generate_image, _generate_image, _generate_image]).start()
     edited = json.loads(json.dumps(PIPELINES[2]))
     edited["spec"]["stages"][0]["engineArgs"] = {**AR_ARGS, "max_model_len": 384}
     try:
@@ -423,7 +423,7 @@ def test_a_killed_stage_restarts_and_serves_then_its_roll_under_steady_load_fail
         failed = load.stop()
     assert failed == [], f"{len(failed)} of {len(load.outcomes)} requests failed during the roll: {failed[:10]}"
     assert {c for n, c in before.items() if n not in after} == {"enhancer"}, (before, after)
-    _image(env.client("enhanced"))  # the pipeline serves after the roll
+    _generate_image(env.client("enhanced"))  # the pipeline serves after the roll
 
 
 def test_a_router_roll_under_steady_load_fails_no_request(env) -> None:

@@ -264,7 +264,7 @@ def spoke_while_writing(order: list[str]) -> bool:
     return order.count("audio") > 1 and "text" in order[order.index("audio") :]
 
 
-def assert_nothing_held(env: Env) -> None:
+def assert_no_payload_unreleased(env: Env) -> None:
     """Every stage's unreleased-payload gauge back at 0 (the router's releases reach the stages shortly after
     the request ends)."""
     wait_for(
@@ -295,7 +295,7 @@ def test_text_and_speech_in_one_reply(env: Env) -> None:
     message = reply.choices[0].message
     assert message.content and reply.usage.completion_tokens == 16  # the thinker's tokens
     assert wav_frames(base64.b64decode(message.audio.data)) > 0
-    assert_nothing_held(env)
+    assert_no_payload_unreleased(env)
 
 
 def test_streamed_text_and_audio_interleave(env: Env) -> None:
@@ -319,7 +319,7 @@ def test_streamed_text_and_audio_interleave(env: Env) -> None:
     else:
         assert order.count("audio") > 1, f"the audio came in one piece, not streamed: {order}"
     assert order[0] == "text" and len(pcm) > 0 and len(pcm) % 2 == 0, (order[:3], len(pcm))  # 16-bit samples
-    assert_nothing_held(env)
+    assert_no_payload_unreleased(env)
 
 
 def test_speech_route(env: Env) -> None:
@@ -330,7 +330,7 @@ def test_speech_route(env: Env) -> None:
             extra_body={"sampling_params_list": [{"max_tokens": 8}, {}]},
         )  # fmt: skip
     assert wav_frames(wav.content) > 0
-    assert_nothing_held(env)
+    assert_no_payload_unreleased(env)
 
 
 @only_qwen3
@@ -397,7 +397,7 @@ def test_an_image_is_spoken_about(env: Env) -> None:
     message = reply.choices[0].message
     assert message.content and reply.usage.completion_tokens == 8
     assert wav_frames(base64.b64decode(message.audio.data)) > 0
-    assert_nothing_held(env)
+    assert_no_payload_unreleased(env)
 
 
 @only_qwen3
@@ -413,7 +413,7 @@ def test_client_disconnect_mid_audio_releases_every_payload(env: Env) -> None:
             for line in response.iter_lines():
                 if '"audio"' in line:
                     break  # leaving the block closes the connection mid-audio
-    assert_nothing_held(env)
+    assert_no_payload_unreleased(env)
     for stage in stages:  # each stage's work ended as aborted, not finished
         wait_for(
             lambda s=stage: env.stage_metric("omnikube_stage_requests_total", stage=s, status="aborted") > aborted[s],
@@ -471,4 +471,4 @@ def test_talker_pod_killed_mid_request_fails_it_retriably_and_the_next_succeeds(
             )  # fmt: skip
         )
     assert "audio" in order and "text" in order and len(pcm) > 0, order
-    assert_nothing_held(env)
+    assert_no_payload_unreleased(env)

@@ -227,6 +227,14 @@ def template_hash(deployment: dict[str, Any]) -> str:
     return deployment["spec"]["template"]["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION]
 
 
+async def diffusion_image(engine: Engine, rid: str, prompt: str, **params: Any) -> bytes:
+    """The image a diffusion `engine` makes for `prompt` under sampling `params`, checked to come as the reply's
+    one output, its final one (an image request has no progress outputs: those are for video)."""
+    outs = [out async for out in engine.generate(EngineInput(rid, {"prompt": prompt}, params))]
+    assert len(outs) == 1 and outs[0].finished, outs
+    return outs[0].data["images"][0]
+
+
 # -- omnikube serve -----------------------------------------------------------------------------
 
 

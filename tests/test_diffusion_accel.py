@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
+from servelib import diffusion_image
 
-from omni_runtime.engines.base import EngineError, EngineInput, InvalidRequest
+from omni_runtime.engines.base import EngineError, InvalidRequest
 from omni_runtime.engines.diffusion import DiffusionEngine
 from omni_runtime.engines.diffusion_accel import Accel, Fp8Linear
 from omni_runtime.registry import get_pipeline
@@ -279,12 +280,7 @@ async def cached(tiny_flux_model: Path) -> AsyncIterator[DiffusionEngine]:
         await engine.stop()
 
 
-async def _image(engine: DiffusionEngine, rid: str, **params: object) -> bytes:
-    request = EngineInput(rid, {"prompt": "a lighthouse at dusk"}, {"seed": 3, **params})
-    async for out in engine.generate(request):
-        if out.finished:
-            return out.data["images"][0]
-    raise AssertionError("no final output")
+LIGHTHOUSE = "a lighthouse at dusk"  # with seed 3, the prompt of every image here
 
 
 @pytest.mark.models
@@ -295,19 +291,22 @@ async def test_step_cache_skips_steps_within_a_psnr_bound_and_a_request_can_turn
 ) -> None:
     assert not cached.accel.compiled  # a CPU never compiles
     hits = cached.stats()["step_cache_hits_total"]
-    fast = await _image(cached, "c1")
+    fast = await diffusion_image(cached, "c1", LIGHTHOUSE, seed=3)
     assert cached.stats()["step_cache_hits_total"] > hits
     hits = cached.stats()["step_cache_hits_total"]
-    full = await _image(cached, "c2", step_cache=False)
+    full = await diffusion_image(cached, "c2", LIGHTHOUSE, seed=3, step_cache=False)
     assert cached.stats()["step_cache_hits_total"] == hits  # every step ran in full
     assert fast != full
     assert _psnr(fast, full) >= PSNR_BOUND_DB
-    assert await _image(cached, "c3") == fast  # no state leaks from one call into the next
+    assert await diffusion_image(cached, "c3", LIGHTHOUSE, seed=3) == fast  # no state leaks from one call into the next
     # Requests that differ in the switch never share a pipeline call.
-    await asyncio.gather(_image(cached, "m1"), _image(cached, "m2", step_cache=False))
+    await asyncio.gather(
+        diffusion_image(cached, "m1", LIGHTHOUSE, seed=3),
+        diffusion_image(cached, "m2", LIGHTHOUSE, seed=3, step_cache=False),
+    )
     assert sorted(map(sorted, list(cached.batch_log)[-2:])) == [["m1"], ["m2"]]
     with pytest.raises(InvalidRequest, match="step_cache must be true or false"):
-        await _image(cached, "bad", step_cache="no")
+        await diffusion_image(cached, "bad", LIGHTHOUSE, seed=3, step_cache="no")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -330,16 +329,17 @@ async def test_taylorseer_step_cache_skips_the_scheduled_steps_within_a_psnr_bou
     """The schedule-based cache skips the same steps whatever the weights (random ones too): 2 of 6 here."""
     stats = taylorseer.stats
     checks, hits = stats()["step_cache_checks_total"], stats()["step_cache_hits_total"]
-    fast = await _image(taylorseer, "t1")
+    fast = await diffusion_image(taylorseer, "t1", LIGHTHOUSE, seed=3)
     assert (stats()["step_cache_checks_total"] - checks, stats()["step_cache_hits_total"] - hits) == (6, 2)
     hits = stats()["step_cache_hits_total"]
-    full = await _image(taylorseer, "t2", step_cache=False)
+    full = await diffusion_image(taylorseer, "t2", LIGHTHOUSE, seed=3, step_cache=False)
     assert stats()["step_cache_hits_total"] == hits  # every step ran in full
     assert fast != full
     psnr = _psnr(fast, full)
     print(f"taylorseer (2 of 6 steps extrapolated) vs every step in full: PSNR {psnr:.1f} dB")
     assert psnr >= TAYLORSEER_PSNR_BOUND_DB
-    assert await _image(taylorseer, "t3") == fast  # no state leaks from one call into the next
+    # no state leaks from one call into the next
+    assert await diffusion_image(taylorseer, "t3", LIGHTHOUSE, seed=3) == fast
     assert stats()["step_cache_hits_total"] == hits + 2
 
 

@@ -34,7 +34,7 @@ import numpy as np
 import openai
 import pytest
 import pytest_asyncio
-from servelib import REPO, Serve, http_get, pid_alive, process_tree
+from servelib import REPO, Serve, diffusion_image, http_get, pid_alive, process_tree
 
 from omni_runtime.engines import diffusion_parallel as P
 from omni_runtime.engines.base import EngineError, EngineInput
@@ -76,11 +76,7 @@ async def _outputs(engine: DiffusionEngine, request: EngineInput) -> list:
     return [out async for out in engine.generate(request)]
 
 
-async def _image(engine: DiffusionEngine) -> bytes:
-    async for out in engine.generate(EngineInput("r", {"prompt": "a red cube"}, {"seed": 5})):
-        if out.finished:
-            return out.data["images"][0]
-    raise AssertionError("no final output")
+CUBE = "a red cube"  # with seed 5, the prompt of every image here
 
 
 def _psnr(a: bytes, b: bytes) -> float:
@@ -205,13 +201,13 @@ class TestTwoRanksInStep:
         await one.start()
         try:
             assert one.sequence_parallel == 1
-            want = await _image(one)
+            want = await diffusion_image(one, "r", CUBE, seed=5)
         finally:
             await one.stop()
         assert two_ranks.sequence_parallel == 2
         worker = _worker(two_ranks)  # the one worker rank, alive
-        got = await _image(two_ranks)
-        assert await _image(two_ranks) == got  # the next call runs on both ranks again
+        got = await diffusion_image(two_ranks, "r", CUBE, seed=5)
+        assert await diffusion_image(two_ranks, "r", CUBE, seed=5) == got  # the next call runs on both ranks again
         assert _worker(two_ranks).pid == worker.pid
         # Ulysses only reorders the attention's work: measured 6.7e-8 latents relative error on this model.
         assert _psnr(got, want) >= 45.0
@@ -219,7 +215,7 @@ class TestTwoRanksInStep:
     async def test_an_aborted_call_stops_every_rank_after_the_same_step(self, two_ranks: DiffusionEngine) -> None:
         """A request aborted mid-call stops every rank after the same step (agreed over gloo), so the next
         call runs in step and gives the image it gave before the abort."""
-        before = await _image(two_ranks)
+        before = await diffusion_image(two_ranks, "r", CUBE, seed=5)
         agreed = _Messages("done on every rank")
         logger = logging.getLogger(PARALLEL_LOG)
         level = logger.level
@@ -237,7 +233,7 @@ class TestTwoRanksInStep:
             logger.setLevel(level)
         assert outs[-1].finish_reason == "abort" and "images" not in outs[-1].data
         assert 1 <= agreed.seen < 200  # it stopped between two steps, long before its last
-        assert await _image(two_ranks) == before
+        assert await diffusion_image(two_ranks, "r", CUBE, seed=5) == before
         assert two_ranks.failure is None
 
     async def test_the_same_failure_on_every_rank_fails_only_that_request(self, two_ranks: DiffusionEngine) -> None:
@@ -249,7 +245,7 @@ class TestTwoRanksInStep:
             await asyncio.wait_for(_failing_image(two_ranks), 120)
         assert not isinstance(failed.value, P.RankDied), failed.value
         assert "the diffusion pipeline failed: CUDA out of memory (simulated on rank 0)" in str(failed.value)
-        image = await asyncio.wait_for(_image(two_ranks), 120)
+        image = await asyncio.wait_for(diffusion_image(two_ranks, "r", CUBE, seed=5), 120)
         assert image.startswith(b"\x89PNG") and two_ranks.failure is None
         assert _worker(two_ranks).pid == worker.pid
 
@@ -302,7 +298,7 @@ async def test_a_worker_rank_that_dies_fails_its_call_at_once_and_the_engine_is_
             logger.addHandler(hook)
             logger.setLevel(logging.DEBUG)
             with pytest.raises(EngineError, match=message):
-                await asyncio.wait_for(_image(engine), 120)
+                await asyncio.wait_for(diffusion_image(engine, "r", CUBE, seed=5), 120)
             assert hook.fired
         else:
             worker.kill()
@@ -310,7 +306,7 @@ async def test_a_worker_rank_that_dies_fails_its_call_at_once_and_the_engine_is_
         assert isinstance(failure, P.RankDied) and failure is engine.failure
         assert "the stage stops and restarts" in str(failure)
         with pytest.raises(EngineError, match=message):
-            await asyncio.wait_for(_image(engine), 10)
+            await asyncio.wait_for(diffusion_image(engine, "r", CUBE, seed=5), 10)
     finally:
         logger.setLevel(level)
         for handler in [h for h in logger.handlers if isinstance(h, _KillAfterFirstStep)]:
@@ -339,7 +335,7 @@ async def test_one_ranks_call_failing_puts_the_ranks_out_of_step_and_fails_the_c
         failure = await asyncio.wait_for(engine.failed(), 60)
         assert isinstance(failure, P.RanksOutOfStep)
         with pytest.raises(P.RankDied):
-            await asyncio.wait_for(_image(engine), 10)
+            await asyncio.wait_for(diffusion_image(engine, "r", CUBE, seed=5), 10)
     finally:
         await asyncio.wait_for(engine.stop(), 120)
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("omnikube-dit-rank")]

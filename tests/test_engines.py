@@ -19,6 +19,7 @@ import psutil
 import pytest
 import pytest_asyncio
 import torch
+from servelib import diffusion_image
 
 from omni_runtime.engines.ar import (
     CPU_ENGINE_DEFAULTS,
@@ -550,21 +551,15 @@ async def dit(model_dir: Path):
     await engine.stop()
 
 
-async def _image(engine: DiffusionEngine, rid: str, prompt: str, **params) -> bytes:
-    outs = await _collect(engine, EngineInput(rid, {"prompt": prompt}, params))
-    assert len(outs) == 1 and outs[0].finished
-    return outs[0].data["images"][0]
-
-
 @models
 @in_module_loop
 async def test_diffusion_gives_a_png_of_the_requested_size(dit: DiffusionEngine) -> None:
     from PIL import Image
 
-    png = await _image(dit, "d1", "a red apple on a table", seed=1)
+    png = await diffusion_image(dit, "d1", "a red apple on a table", seed=1)
     image = Image.open(io.BytesIO(png))
     assert image.format == "PNG" and image.size == (64, 64)
-    wide = Image.open(io.BytesIO(await _image(dit, "d2", "a red apple", seed=1, width=96, height=32)))
+    wide = Image.open(io.BytesIO(await diffusion_image(dit, "d2", "a red apple", seed=1, width=96, height=32)))
     assert wide.size == (96, 32)
     outs = await _collect(dit, EngineInput("d3", {"prompt": "an apple"}, {"seed": 1, "n": 2}))
     assert len(outs[0].data["images"]) == 2
@@ -573,17 +568,17 @@ async def test_diffusion_gives_a_png_of_the_requested_size(dit: DiffusionEngine)
 @models
 @in_module_loop
 async def test_diffusion_seed_decides_the_image(dit: DiffusionEngine) -> None:
-    first = await _image(dit, "e1", "a forest path", seed=11)
-    assert await _image(dit, "e2", "a forest path", seed=11) == first
-    assert await _image(dit, "e3", "a forest path", seed=12) != first
+    first = await diffusion_image(dit, "e1", "a forest path", seed=11)
+    assert await diffusion_image(dit, "e2", "a forest path", seed=11) == first
+    assert await diffusion_image(dit, "e3", "a forest path", seed=12) != first
 
 
 @models
 @in_module_loop
 async def test_diffusion_batches_compatible_requests_without_changing_them(dit: DiffusionEngine) -> None:
     prompts = ["a lighthouse", "a white horse", "a bowl of soup", "a sailing ship"]
-    alone = [await _image(dit, f"alone{i}", p, seed=100 + i) for i, p in enumerate(prompts)]
-    batched = await asyncio.gather(*(_image(dit, f"b{i}", p, seed=100 + i) for i, p in enumerate(prompts)))
+    alone = [await diffusion_image(dit, f"alone{i}", p, seed=100 + i) for i, p in enumerate(prompts)]
+    batched = await asyncio.gather(*(diffusion_image(dit, f"b{i}", p, seed=100 + i) for i, p in enumerate(prompts)))
     assert sorted(dit.batch_log[-1]) == ["b0", "b1", "b2", "b3"]
     assert dit.stats()["last_batch_size"] == 4 and dit.stats()["queue_depth"] == 0
     for a, b in zip(alone, batched, strict=True):
@@ -596,11 +591,11 @@ async def test_diffusion_batches_compatible_requests_without_changing_them(dit: 
 async def test_diffusion_keeps_incompatible_requests_apart(dit: DiffusionEngine) -> None:
     calls = len(dit.batch_log)
     await asyncio.gather(
-        _image(dit, "s64a", "a cat", seed=1),
-        _image(dit, "s32a", "a cat", seed=1, width=32, height=32),
-        _image(dit, "s64b", "a dog", seed=2),
-        _image(dit, "s32b", "a dog", seed=2, width=32, height=32),
-        _image(dit, "neg", "a dog", seed=2, negative_prompt="blurry"),
+        diffusion_image(dit, "s64a", "a cat", seed=1),
+        diffusion_image(dit, "s32a", "a cat", seed=1, width=32, height=32),
+        diffusion_image(dit, "s64b", "a dog", seed=2),
+        diffusion_image(dit, "s32b", "a dog", seed=2, width=32, height=32),
+        diffusion_image(dit, "neg", "a dog", seed=2, negative_prompt="blurry"),
     )
     batches = sorted(sorted(b) for b in list(dit.batch_log)[calls:])
     assert batches == [["neg"], ["s32a", "s32b"], ["s64a", "s64b"]]
@@ -610,13 +605,13 @@ async def test_diffusion_keeps_incompatible_requests_apart(dit: DiffusionEngine)
 @in_module_loop
 async def test_diffusion_rejects_bad_sizes_and_steps(dit: DiffusionEngine) -> None:
     with pytest.raises(InvalidRequest, match="height 60 is not allowed.*multiple of 16.*use 48 or 64"):
-        await _image(dit, "v1", "a cat", height=60)
+        await diffusion_image(dit, "v1", "a cat", height=60)
     with pytest.raises(InvalidRequest, match="at most 4194304"):
-        await _image(dit, "v2", "a cat", height=4096, width=4096)
+        await diffusion_image(dit, "v2", "a cat", height=4096, width=4096)
     with pytest.raises(InvalidRequest, match="num_inference_steps 0 is out of range"):
-        await _image(dit, "v3", "a cat", num_inference_steps=0)
+        await diffusion_image(dit, "v3", "a cat", num_inference_steps=0)
     with pytest.raises(InvalidRequest, match="'num_steps'"):
-        await _image(dit, "v4", "a cat", num_steps=3)
+        await diffusion_image(dit, "v4", "a cat", num_steps=3)
     with pytest.raises(InvalidRequest, match="non-empty 'prompt'"):
         await _collect(dit, EngineInput("v5", {"text": "a cat"}))
 
@@ -627,14 +622,14 @@ async def test_diffusion_bounds_the_steps_a_sigmas_schedule_asks_for(dit: Diffus
     """A custom schedule runs one step per entry, so it obeys max_inference_steps like num_inference_steps."""
     long = [1.0 - i / 10_000 for i in range(10_000)]
     with pytest.raises(InvalidRequest, match="sigmas has 10000 entries.*1 to 200 steps.*max_inference_steps"):
-        await _image(dit, "g1", "a cat", sigmas=long)
+        await diffusion_image(dit, "g1", "a cat", sigmas=long)
     with pytest.raises(InvalidRequest, match="sigmas must be a list of numbers"):
-        await _image(dit, "g2", "a cat", sigmas="1.0,0.5")
+        await diffusion_image(dit, "g2", "a cat", sigmas="1.0,0.5")
     with pytest.raises(InvalidRequest, match="sigmas has 0 entries"):
-        await _image(dit, "g3", "a cat", sigmas=[])
+        await diffusion_image(dit, "g3", "a cat", sigmas=[])
     with pytest.raises(InvalidRequest, match="finite numbers"):
-        await _image(dit, "g4", "a cat", sigmas=[1.0, float("nan")])
-    png = await _image(dit, "g5", "a cat", seed=1, sigmas=[1.0, 0.5])
+        await diffusion_image(dit, "g4", "a cat", sigmas=[1.0, float("nan")])
+    png = await diffusion_image(dit, "g5", "a cat", seed=1, sigmas=[1.0, 0.5])
     assert png.startswith(b"\x89PNG")
 
 
@@ -685,7 +680,7 @@ async def test_diffusion_takes_prompt_embeddings(dit: DiffusionEngine) -> None:
         "pooled_prompt_embeds": pooled,
         "negative_pooled_prompt_embeds": neg_pooled,
     }
-    from_text = await _image(dit, "x1", prompt, seed=5, negative_prompt=negative)
+    from_text = await diffusion_image(dit, "x1", prompt, seed=5, negative_prompt=negative)
     outs = await _collect(dit, EngineInput("x2", data, {"seed": 5}))
     assert np.abs(_pixels(outs[0].data["images"][0]) - _pixels(from_text)).max() <= 2
     with pytest.raises(InvalidRequest, match="leading"):

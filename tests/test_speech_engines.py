@@ -591,7 +591,7 @@ def test_qwen2_5_talker_and_token2wav_equal_transformers(q25_reference) -> None:
 MEDIA_FRAMES = 8
 
 
-def _image():
+def _red_picture():
     from PIL import Image
 
     return Image.new("RGB", (64, 48), (200, 30, 30))
@@ -628,7 +628,7 @@ def media_reference(folder: Path) -> list[dict]:
     layer = model.config.talker_config.accept_hidden_layer
     media_ids = {model.config.thinker_config.audio_token_id, model.config.thinker_config.image_token_id}
     out = []
-    for kind, media in (("image", {"images": [_image()]}), ("audio", {"audio": [_audio()]})):
+    for kind, media in (("image", {"images": [_red_picture()]}), ("audio", {"audio": [_audio()]})):
         content = [{"type": kind}, {"type": "text", "text": f"what is in this {kind}?"}]
         text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
         inputs = processor(text=[text], return_tensors="pt", **media)
