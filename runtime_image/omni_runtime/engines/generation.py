@@ -2,8 +2,9 @@
 
 A *module runner* loads one module from the stage's folder and maps an input chunk (a tensor) to an
 output payload. The engine splits a request's input into chunks and yields one EngineOutput per
-chunk, in order, so the next stage (or the client) can start on the first one. Runners are chosen by
-name with the engine arg `runner`; `RUNNERS` lists them and `register_runner` adds one.
+chunk, in order, so the next stage (or the client) can start on the first one. Each runner has its
+engine here, a `GenerationEngine` subclass that names it (`VAEDecodeEngine`); the stage's engine arg
+`runner` picks the engine in `engines.factory.ENGINES`, the one table of runners.
 
 Engine args: `runner` (required), `chunk_size` (items per chunk along `chunk_dim`; the runner's
 default), `chunk_dim` (the runner's default), `torch_dtype` (default float32), `device` (cuda when
@@ -29,7 +30,7 @@ from typing import Any, ClassVar
 from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 
-__all__ = ["RUNNERS", "GenerationEngine", "ModuleRunner", "VAEDecodeRunner", "register_runner"]
+__all__ = ["GenerationEngine", "ModuleRunner", "VAEDecodeEngine", "VAEDecodeRunner"]
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +57,6 @@ class ModuleRunner(ABC):
         """The output payload for one input chunk (called in a worker thread, one at a time)."""
 
 
-RUNNERS: dict[str, type[ModuleRunner]] = {}
-"""Module runners by name (the engine arg `runner`)."""
-
-
-def register_runner(cls: type[ModuleRunner]) -> type[ModuleRunner]:
-    """Class decorator: make a runner available under `cls.name`."""
-    RUNNERS[cls.name] = cls
-    return cls
-
-
-@register_runner
 class VAEDecodeRunner(ModuleRunner):
     """`vae_decode`: diffusers `AutoencoderKL` latents (B, C, h, w) -> `{"images": [png bytes...]}`.
 
@@ -114,19 +104,18 @@ class VAEDecodeRunner(ModuleRunner):
 class GenerationEngine(Engine):
     """A generation stage: one module runner, chunked inputs, one output per chunk.
 
+    A subclass names its runner in `runner_cls` and is listed in `engines.factory.ENGINES`.
     `stats()`: `running_requests`, `chunks_total`, `last_chunk_seconds`.
     """
+
+    runner_cls: ClassVar[type[ModuleRunner]]
 
     def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
         super().__init__(pipeline, stage)
         path = Path(pipeline.model)
         self.model_path = path / stage.model_subfolder if stage.model_subfolder else path
         args = dict(stage.engine_args)
-        runner_name = args.pop("runner", None)
-        if runner_name not in RUNNERS:
-            what = "has no engine_args.runner" if runner_name is None else f"names runner {runner_name!r}"
-            raise EngineError(f"stage {stage.name!r} {what}; set engine_args.runner to one of {sorted(RUNNERS)}")
-        self.runner_cls = RUNNERS[runner_name]
+        args.pop("runner", None)  # the factory chose this engine (and so its runner) by it
         self.chunk_size = int(args.pop("chunk_size", self.runner_cls.default_chunk_size))
         self.chunk_dim = int(args.pop("chunk_dim", self.runner_cls.default_chunk_dim))
         if self.chunk_size < 1:
@@ -249,3 +238,9 @@ class GenerationEngine(Engine):
 
     def stats(self) -> dict[str, float]:
         return {"running_requests": float(len(self._running)), **self._stats}
+
+
+class VAEDecodeEngine(GenerationEngine):
+    """`generation` stage with engine arg `runner: vae_decode` (see `VAEDecodeRunner`)."""
+
+    runner_cls = VAEDecodeRunner
