@@ -108,11 +108,18 @@ def media_inputs(data: dict[str, Any], stage: str, rows_needed: bool = True) -> 
         raise InvalidRequest(f"stage {stage!r}: unreadable thinker_media_grids {grids!r}: {exc}") from None
 
 
+@dataclass(frozen=True)
+class _Failed:
+    """The last item of a failed request's output queue (its finish reason is 'error'): why it failed."""
+
+    detail: str
+
+
 @dataclass(eq=False)
 class _Live:
     request: Any
     prompt_tokens: int
-    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    out: asyncio.Queue[tuple[list[list[int]], str | None] | _Failed] = field(default_factory=asyncio.Queue)
     inbox: list[dict[str, Any]] = field(default_factory=list)
     inbox_done: bool = False
     aborted: bool = False
@@ -228,10 +235,18 @@ class TalkerEngine(Engine):
         self._wake.set()
 
     async def frames(self, request_id: str) -> AsyncIterator[tuple[list[list[int]], str | None]]:
-        """(new frames, finish reason or None) as they are made; the last item has the reason."""
+        """(new frames, finish reason or None) as they are made; the last item has the reason.
+
+        A request that failed (a malformed later input, a model fault) raises EngineError instead of its
+        last item; the stage server turns that into the request's Failed message."""
         live = self._live[request_id]
         while True:
-            frames, reason = await live.out.get()
+            item = await live.out.get()
+            if isinstance(item, _Failed):
+                raise EngineError(
+                    f"stage {self.stage.name!r}: the talker failed on request {request_id!r}: error: {item.detail}"
+                )
+            frames, reason = item
             yield frames, reason
             if reason is not None:
                 return
@@ -260,8 +275,6 @@ class TalkerEngine(Engine):
             async for frames, reason in self.frames(rid):
                 if frames:
                     yield EngineOutput(rid, {"codes": np.asarray(frames, dtype=np.int64)})
-                if reason is not None and reason.startswith("error"):
-                    raise EngineError(f"stage {self.stage.name!r}: the talker failed on request {rid!r}: {reason}")
                 if reason is not None:
                     live = self._live[rid]
                     usage = {"prompt_tokens": live.prompt_tokens, "completion_tokens": live.frames}
@@ -306,7 +319,7 @@ class TalkerEngine(Engine):
                 for live in list(self._live.values()):
                     if live.failure is not None and live.request.finish_reason is None:
                         live.request.finish_reason = "error"
-                        live.out.put_nowait(([], f"error: {live.failure}"))
+                        live.out.put_nowait(_Failed(live.failure))
                     if live.aborted and live.request.finish_reason is None:
                         live.request.finish_reason = "abort"
                         live.out.put_nowait(([], "abort"))
@@ -320,7 +333,7 @@ class TalkerEngine(Engine):
                     log.exception("talker step failed")
                     for live in lives:
                         live.request.finish_reason = "error"
-                        live.out.put_nowait(([], f"error: {exc}"))
+                        live.out.put_nowait(_Failed(str(exc)))
                     continue
                 for live in lives:
                     new = frames.get(live.request.id, [])
