@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-__all__ = ["KubeClient", "KubeError", "RESOURCES", "FIELD_MANAGER", "USER_AGENT"]
+__all__ = ["KubeClient", "KubeError", "NAMESPACE_TERMINATING", "RESOURCES", "FIELD_MANAGER", "USER_AGENT"]
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +46,27 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
 }
 
 
-class KubeError(RuntimeError):
-    """An API call failed; `status` is the HTTP status (0 when no response came)."""
+NAMESPACE_TERMINATING = "NamespaceTerminating"
+"""The cause (`details.causes[].reason` of the API's Status) of a 403 for new content in a namespace that is
+being deleted (Kubernetes' `NamespaceTerminatingCause`)."""
 
-    def __init__(self, status: int, message: str) -> None:
+
+class KubeError(RuntimeError):
+    """An API call failed; `status` is the HTTP status (0 when no response came).
+
+    `reason` and `causes` come from the API's Status body when it sent one: `reason` its one-word reason
+    (`Forbidden`, `NotFound`, `Conflict`...), `causes` the `reason` of each `details.causes` entry."""
+
+    def __init__(self, status: int, message: str, *, reason: str = "", causes: Iterable[str] = ()) -> None:
         super().__init__(message)
         self.status = status
+        self.reason = reason
+        self.causes = tuple(causes)
+
+    @property
+    def namespace_terminating(self) -> bool:
+        """The API refused new content because the namespace is being deleted."""
+        return self.status == 403 and NAMESPACE_TERMINATING in self.causes
 
 
 @dataclass
@@ -120,7 +136,7 @@ class KubeClient:
             )
             data = await response.read()
         except ApiException as exc:
-            raise KubeError(exc.status or 0, _api_message(exc)) from None
+            raise KubeError(exc.status or 0, _api_message(exc), **_status_fields(_json_or_none(exc.body))) from None
         try:
             body = json.loads(data) if data else {}
         except ValueError:
@@ -132,7 +148,7 @@ class KubeClient:
             raise KubeError(response.status, f"{method} {path}: {text or response.status}") from None
         if response.status >= 400:
             message = body.get("message") if isinstance(body, dict) else None
-            raise KubeError(response.status, f"{method} {path}: {message or response.status}")
+            raise KubeError(response.status, f"{method} {path}: {message or response.status}", **_status_fields(body))
         return body
 
     # -- verbs --
@@ -215,3 +231,26 @@ def _api_message(exc: ApiException) -> str:
         return json.loads(exc.body or b"").get("message") or str(exc.reason)
     except (TypeError, ValueError):
         return f"{exc.status} {exc.reason}"
+
+
+def _json_or_none(data: Any) -> Any:
+    try:
+        return json.loads(data or b"")
+    except (TypeError, ValueError):
+        return None
+
+
+def _status_fields(body: Any) -> dict[str, Any]:
+    """`reason` and `causes` (see KubeError) of an API Status body; empty for anything else."""
+    if not isinstance(body, dict):
+        return {}
+    details = body.get("details")
+    causes = details.get("causes") if isinstance(details, dict) else None
+    return {
+        "reason": str(body.get("reason") or ""),
+        "causes": [
+            str(c["reason"])
+            for c in (causes if isinstance(causes, list) else [])
+            if isinstance(c, dict) and c.get("reason")
+        ],
+    }

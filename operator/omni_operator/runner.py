@@ -83,7 +83,7 @@ async def run_operator(config: OperatorConfig) -> None:
                     queue.add_after(key, again)
             result = "ok"
         except KubeError as exc:
-            if exc.status == 403 and "being terminated" in str(exc):
+            if exc.namespace_terminating:
                 result = "ok"
                 return  # the namespace is going away with everything in it: nothing to converge
             raise
