@@ -23,7 +23,7 @@ case "$name" in
   *) echo "build.sh: unknown add-on $name (known: prometheus, keda)" >&2; exit 2 ;;
 esac
 # The key covers what decides the binary: Go, the pins and (keda) the trim.
-key=$( (go version; echo "$tags"; cat "$here/$name"/*) | sha256sum | cut -c1-16)
+key=$( (go version; echo "$tags"; cat "$here/../go-flags.sh" "$here/$name"/*) | sha256sum | cut -c1-16)
 dir="$cache_root/addons/$name-$key"
 mkdir -p "$cache_root/addons"
 exec 9>"$cache_root/addons/.$name.lock"
@@ -31,19 +31,20 @@ flock 9
 if [ -x "$dir/$name" ]; then echo "$dir/$name"; exit 0; fi
 rm -rf "$dir.partial" && mkdir -p "$dir.partial"
 echo "building $name from $pkg (cold: minutes)" >&2
+source "$here/../go-flags.sh"
 if [ "$name" = keda ]; then
   version=$(awk -v m="$pkg" '$1 == "require" && $2 == m { print $3 }' "$here/keda/go.mod")
   module_dir=$(cd "$here/keda" && go mod download -json "$pkg@$version" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
   src="$dir.partial/src"
   cp -r "$module_dir" "$src" && chmod -R u+w "$src"
   bash "$here/keda/trim.sh" "$src"
-  (cd "$src" && GOFLAGS=-mod=mod CGO_ENABLED=0 nice -n 10 go build -trimpath -ldflags '-s -w' \
+  (cd "$src" && nice -n 10 go build "${GO_BUILD_FLAGS[@]}" -ldflags '-s -w' \
     -o "$dir.partial/" ./cmd/operator ./cmd/adapter) >&2
   mv "$dir.partial/operator" "$dir.partial/keda" && mv "$dir.partial/adapter" "$dir.partial/keda-adapter"
   rm -rf "$src"
 else
-  (cd "$here/$name" && GOFLAGS=-mod=mod CGO_ENABLED=0 nice -n 10 \
-    go build -trimpath -tags "$tags" -ldflags '-s -w' -o "$dir.partial/$name" "$pkg") >&2
+  (cd "$here/$name" && nice -n 10 \
+    go build "${GO_BUILD_FLAGS[@]}" -tags "$tags" -ldflags '-s -w' -o "$dir.partial/$name" "$pkg") >&2
 fi
 rm -rf "$dir" && mv "$dir.partial" "$dir"
 echo "$dir/$name"
