@@ -197,24 +197,34 @@ def test_killed_replica_fails_its_request_and_the_other_replica_serves(serve, ap
     and `omnikube serve` starts the killed one again, which the router takes back. No timing bound: each
     step polls with a deadline, so a loaded machine is slower, never red."""
     wait_serving(serve, "llm")
-    # long enough to be still running when its first chunk arrives (it is cut short by the kill anyway)
+    replicas = serve.stage_processes("llm")
+    # Each replica's engine processes (vLLM's engine core, under the stage server): paused below so that the
+    # stream cannot end while the test reads which replica runs it. The tiny model makes its ~2000 tokens in a
+    # few seconds on an idle machine, and a warm run once found the stream already over (both gauges at 0)
+    # by the time three probes had been read on a loaded one.
+    engines = {p["name"]: sorted(process_tree(p["pid"]) - {p["pid"]}) for p in replicas}
     stream = api.chat.completions.create(
-        model=MODEL, messages=user("Tell a very long story."), stream=True, max_tokens=CHAT_MAX_MODEL_LEN // 2,
+        model=MODEL, messages=user("Tell a very long story."), stream=True, max_tokens=CHAT_MAX_MODEL_LEN - 64,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     iterator = iter(stream)
     next(iterator)
-    replicas = serve.stage_processes("llm")
+    for pid in (pid for pids in engines.values() for pid in pids):
+        os.kill(pid, signal.SIGSTOP)
     running = {p["name"]: sum(metric_values(http_get(p["probe"].replace("/readyz", "/metrics"))[1],
                                             "omnikube_stage_requests_running"))
                for p in replicas}  # fmt: skip
     busy = [p for p in replicas if running[p["name"]] == 1]
-    # A warm run once saw no replica running it here (both 0): the probes' own view goes with the failure
+    if len(busy) != 1:  # resume every engine first: the shared serve's later tests and teardown need them
+        for pid in (pid for pids in engines.values() for pid in pids):
+            os.kill(pid, signal.SIGCONT)
     assert len(busy) == 1, (running, {p["name"]: http_get(p["probe"]) for p in replicas})
     victim = busy[0]
-    (survivor,) = [p for p in serve.stage_processes("llm") if p["name"] != victim["name"]]
+    (survivor,) = [p for p in replicas if p["name"] != victim["name"]]
+    for pid in engines[survivor["name"]]:
+        os.kill(pid, signal.SIGCONT)
     served_before = ok_works(survivor["probe"])
-    os.killpg(victim["pid"], signal.SIGKILL)  # the whole pod: stage server and vLLM engine core
+    os.killpg(victim["pid"], signal.SIGKILL)  # the whole pod: stage server and (paused) vLLM engine core
     with pytest.raises(openai.APIError) as err:
         for _ in iterator:
             pass
