@@ -37,7 +37,8 @@ def wait_for(
 
 def condition(obj: dict, type_: str) -> dict:
     """The status condition of that type, or {}."""
-    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
+    # A just-created object may carry `conditions: null` (a CRD before its controller has looked at it).
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
 
 
 def wait_established(cluster: Any, crds: list[str], timeout: float = 120) -> None:
