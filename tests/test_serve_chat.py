@@ -203,26 +203,28 @@ def test_killed_replica_fails_its_request_and_the_other_replica_serves(serve, ap
     # few seconds on an idle machine, and a warm run once found the stream already over (both gauges at 0)
     # by the time three probes had been read on a loaded one.
     engines = {p["name"]: sorted(process_tree(p["pid"]) - {p["pid"]}) for p in replicas}
+
+    def signal_engines(sig: signal.Signals, names: list[str]) -> None:
+        for pid in (pid for name in names for pid in engines[name]):
+            os.kill(pid, sig)
+
     stream = api.chat.completions.create(
         model=MODEL, messages=user("Tell a very long story."), stream=True, max_tokens=CHAT_MAX_MODEL_LEN - 64,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     iterator = iter(stream)
     next(iterator)
-    for pid in (pid for pids in engines.values() for pid in pids):
-        os.kill(pid, signal.SIGSTOP)
+    signal_engines(signal.SIGSTOP, list(engines))
     running = {p["name"]: sum(metric_values(http_get(p["probe"].replace("/readyz", "/metrics"))[1],
                                             "omnikube_stage_requests_running"))
                for p in replicas}  # fmt: skip
     busy = [p for p in replicas if running[p["name"]] == 1]
     if len(busy) != 1:  # resume every engine first: the shared serve's later tests and teardown need them
-        for pid in (pid for pids in engines.values() for pid in pids):
-            os.kill(pid, signal.SIGCONT)
+        signal_engines(signal.SIGCONT, list(engines))
     assert len(busy) == 1, (running, {p["name"]: http_get(p["probe"]) for p in replicas})
     victim = busy[0]
     (survivor,) = [p for p in replicas if p["name"] != victim["name"]]
-    for pid in engines[survivor["name"]]:
-        os.kill(pid, signal.SIGCONT)
+    signal_engines(signal.SIGCONT, [survivor["name"]])
     served_before = ok_works(survivor["probe"])
     os.killpg(victim["pid"], signal.SIGKILL)  # the whole pod: stage server and (paused) vLLM engine core
     with pytest.raises(openai.APIError) as err:

@@ -238,7 +238,7 @@ class StageServer:
         # The works' tasks still end by themselves (their engine call raises the same error).
         for work in list(self.works.values()):
             if not work.closing:
-                await self._fail(work, "engine_error", f"stage {self.stage}: {type(error).__name__}: {error}")
+                await self._fail(work, "engine_error", self._engine_failure_text(error))
         self.ready = False
         M.ready.labels(*self._labels).set(0)
         self._phase = "engine failed"
@@ -489,7 +489,7 @@ class StageServer:
         except Exception as err:
             status = "engine_error"
             log.exception("stage %s: work %s failed", self.stage, work.id)
-            await self._fail(work, "engine_error", f"stage {self.stage}: {type(err).__name__}: {err}")
+            await self._fail(work, "engine_error", self._engine_failure_text(err))
         finally:
             # No abort may interrupt the cleanup: it runs shielded, to its end, whatever happens here.
             work.closing = True
@@ -678,6 +678,10 @@ class StageServer:
 
     async def _send_final(self, work: _Work, data: dict[str, Any]) -> None:
         await self._send(work.peer, P.Output(id=work.id, seq=self._seq(work), data=True), data)
+
+    def _engine_failure_text(self, err: BaseException) -> str:
+        """What the client reads when the engine raised `err` while running its work (or died under it)."""
+        return f"stage {self.stage}: {type(err).__name__}: {err}"
 
     async def _fail(self, work: _Work, kind: P.ErrorKind, message: str) -> None:
         if work.failure_sent:
