@@ -13,6 +13,8 @@ import importlib.util
 import inspect
 import json
 import os
+import subprocess
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -483,6 +485,38 @@ def test_the_plugin_installs_the_expand_fix_and_refuses_another_vllm(monkeypatch
         RuntimeError, match=r"replaces vLLM 0\.32\.0's CPU expand_kernel stand-in.*this is vLLM 0\.33\.0"
     ):
         vllm_plugins.install_cpu_expand_fix()
+
+
+_AMX_PERMISSION_CHECK = """
+import ctypes, sys
+import torch
+from vllm.plugins import load_general_plugins
+
+def xtiledata_permitted():
+    libc = ctypes.CDLL(None, use_errno=True)
+    mask = ctypes.c_ulong(0)
+    assert libc.syscall(158, 0x1022, ctypes.byref(mask)) == 0  # SYS_arch_prctl, ARCH_GET_XCOMP_PERM
+    return bool(mask.value & (1 << 18))  # XFEATURE_XTILEDATA
+
+before = xtiledata_permitted()
+load_general_plugins()
+print(int(torch.cpu._is_amx_tile_supported()), int(before), int(xtiledata_permitted()))
+"""
+
+
+def test_every_vllm_process_holds_the_amx_tiles_its_cpu_attention_uses() -> None:
+    """On a CPU with AMX, vLLM's bfloat16 CPU attention runs AMX tile instructions without asking
+    Linux for them: the first attention call died of SIGILL (every AR stage failed its self-check with
+    "EngineCore encountered an issue" on such a machine). Loading vLLM's plugins, as each vLLM process
+    does, must leave a fresh process with the tile state. On a CPU without AMX nothing may change."""
+    if sys.platform != "linux":
+        pytest.skip("arch_prctl is Linux's")
+    out = subprocess.run(
+        [sys.executable, "-c", _AMX_PERMISSION_CHECK], capture_output=True, text=True, timeout=120, check=True
+    )
+    has_amx, before, after = (int(v) for v in out.stdout.split()[-3:])
+    assert not before, "a fresh process holds no AMX tile state (what made vLLM's kernel fault)"
+    assert after == has_amx, "with AMX the plugins must ask for the tiles; without, they must not pretend to"
 
 
 # --- Qwen2.5-Omni: through the vllm.general_plugins entry point --------------------------------------

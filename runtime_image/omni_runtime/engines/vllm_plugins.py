@@ -14,6 +14,9 @@ name, so the model module is imported only by a process that loads that architec
 It also fixes, on a CPU build without Triton's CPU backend, vLLM's C++ stand-in for the rejection
 sampler's `expand_kernel` (`vllm.utils.cpu_triton_utils._expand_kernel_impl`, see `expand_kernel`),
 which the hidden-state route reaches on every sampled (temperature > 0) request.
+
+And on a CPU with AMX it asks Linux for the AMX tile state (`request_amx_tiles`), which vLLM's CPU
+attention uses without asking for it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ __all__ = [
     "expand_kernel",
     "install_cpu_expand_fix",
     "register",
+    "request_amx_tiles",
 ]
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,26 @@ def register() -> None:
     for arch in QWEN2_5_OMNI_ARCHITECTURES:
         ModelRegistry.register_model(arch, WRAPPER)
     install_cpu_expand_fix()
+    request_amx_tiles()
+
+
+def request_amx_tiles() -> bool:
+    """Ask Linux for this process's AMX tile state when the CPU has AMX; True when it is granted.
+
+    Why: vLLM's CPU attention (`cpu_attn._get_attn_isa`) runs its AMX kernel for bfloat16 whenever
+    torch reports AMX tiles, but never asks for them, and Linux (>= 5.16) hands a process the tile
+    state only on request (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`). torch's oneDNN
+    asks only once it picks AMX for a matmul of its own, which a small model's matmuls never do, so
+    the first attention call dies of SIGILL and the stage reports that vLLM's EngineCore "exited
+    unexpectedly". The permission is per process and this runs in each vLLM process (the plugin
+    entry point), before any forward. A CPU without AMX is left as it is.
+    """
+    if not torch.cpu._is_amx_tile_supported():
+        return False
+    granted = bool(torch._C._cpu._init_amx())
+    if not granted:
+        log.warning("the CPU has AMX but Linux refused its tile state; vLLM's bfloat16 CPU attention will fail")
+    return granted
 
 
 def expand_kernel(
