@@ -13,9 +13,13 @@ from omni_runtime.spec import (
     ConnectorKind,
     ConnectorsSpec,
     EdgeOverride,
+    MooncakeMasterAddress,
     PipelineSpec,
+    Placement,
+    PodGroups,
     ResolvedPipeline,
     SpecError,
+    StageDiscovery,
     StageOverride,
     resolve_pipeline,
 )
@@ -436,3 +440,46 @@ def test_resolved_pipeline_round_trips_through_json() -> None:
     )
     assert ResolvedPipeline.model_validate_json(resolved.model_dump_json()) == resolved
     assert ResolvedPipeline.model_validate_json(resolved.model_dump_json(by_alias=True)) == resolved
+
+
+# --- placement: what the caller knows about where the processes run --------------------------------
+
+
+def by_service(groups: PodGroups) -> dict[str, StageDiscovery]:
+    return {
+        stage: StageDiscovery(service=root, port=8100 + i)
+        for root, members in groups.items()
+        for i, stage in enumerate(members)
+    }
+
+
+def test_a_placement_completes_discovery_scale_from_zero_and_the_mooncake_master() -> None:
+    asked: list[str] = []
+
+    def master() -> MooncakeMasterAddress:
+        asked.append("master")
+        return MooncakeMasterAddress(host="mc.ns.svc", master_port=7001)
+
+    connectors = ConnectorsSpec(default=ConnectorKind.MOONCAKE)
+    placement = Placement(discovery=by_service, mooncake_master=master, scale_from_zero=frozenset({"talker"}))
+    resolved = resolve(
+        connectors=connectors, stages=[StageOverride(name="code2wav", colocate_with="talker")], placement=placement
+    )
+    # each stage found through its pod group, the colocated one on the group's second port
+    assert {s: (d.service, d.port) for s, d in resolved.discovery.items()} == {
+        "thinker": ("thinker", 8100), "talker": ("talker", 8100), "code2wav": ("talker", 8101),
+    }  # fmt: skip
+    assert resolved.scale_from_zero == ["talker", "code2wav"]  # the colocated stage goes to zero with its pod
+    assert resolved.mooncake_master_host == "mc.ns.svc" and asked == ["master"]
+    mooncake = resolved.topology.connectors.mooncake
+    assert (mooncake.master_port, mooncake.metadata_port) == (7001, 8080)  # an unset port keeps the spec's
+    assert connectors.mooncake.master_port == 50051  # the caller's spec is left as it was
+
+
+def test_a_placement_is_not_asked_for_a_mooncake_master_no_edge_uses() -> None:
+    def master() -> MooncakeMasterAddress:
+        raise AssertionError("asked for a Mooncake master although no edge uses mooncake")
+
+    resolved = resolve(placement=Placement(discovery=by_service, mooncake_master=master))
+    assert resolved.mooncake_master_host is None and resolved.scale_from_zero == []
+    assert resolved.topology.connectors.mooncake.master_port == 50051

@@ -6,9 +6,10 @@ operator's own model-cache mount; never the network).
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path, PurePosixPath
 
-from omni_operator.api import OmniPipeline, resolve
+from omni_operator.api import OmniPipeline, namespace_of, resolve
 from omni_operator.builders.meta import child_name
 from omni_runtime.registry import (
     PipelineRegistry,
@@ -19,19 +20,24 @@ from omni_runtime.registry import (
 from omni_runtime.spec import (
     STAGE_HTTP_PORT,
     STAGE_PORT,
+    MooncakeMasterAddress,
     PipelineSpec,
+    Placement,
+    PodGroups,
     ResolvedPipeline,
     StageDiscovery,
+    pod_groups,
 )
 
 __all__ = [
     "DEFAULT_MOUNT",
+    "cluster_placement",
     "group_members",
     "resolve_cluster_pipeline",
+    "service_discovery",
     "stage_ports",
     "model_path_in_pod",
     "mooncake_host",
-    "uses_mooncake",
 ]
 
 DEFAULT_MOUNT = "/models"
@@ -64,26 +70,12 @@ def topology_for(pipeline: OmniPipeline, registry: PipelineRegistry, model_root:
 
 def group_members(resolved: ResolvedPipeline) -> dict[str, list[str]]:
     """Pod group (root stage) -> its stages, root first, in topology order."""
-    groups: dict[str, list[str]] = {}
-    for name in resolved.topology.topological_order():
-        groups.setdefault(resolved.stage_group(name), [])
-    for name in resolved.topology.topological_order():
-        root = resolved.stage_group(name)
-        if name == root:
-            groups[root].insert(0, name)
-        else:
-            groups[root].append(name)
-    return groups
+    return pod_groups(resolved.topology.topological_order(), resolved.colocation)
 
 
 def stage_ports(index_in_group: int) -> tuple[int, int]:
     """(control port, http port) of the i-th stage of a pod group."""
     return STAGE_PORT + index_in_group * PORT_STRIDE, STAGE_HTTP_PORT + index_in_group * PORT_STRIDE
-
-
-def uses_mooncake(resolved: ResolvedPipeline) -> bool:
-    """Whether any edge moves data through Mooncake (then the pipeline runs a Mooncake master)."""
-    return resolved.uses_mooncake()
 
 
 def mooncake_host(pipeline: str, namespace: str) -> str:
@@ -92,25 +84,32 @@ def mooncake_host(pipeline: str, namespace: str) -> str:
     return f"{child_name(pipeline, 'mooncake')}.{namespace}.svc"
 
 
+def service_discovery(pipeline: str, namespace: str, groups: PodGroups) -> dict[str, StageDiscovery]:
+    """Each stage is found through its pod group's headless Service, on its own port in the pod."""
+    return {
+        stage: StageDiscovery(service=child_name(pipeline, root), namespace=namespace, port=stage_ports(index)[0])
+        for root, members in groups.items()
+        for index, stage in enumerate(members)
+    }
+
+
+def cluster_placement(pipeline: OmniPipeline) -> Placement:
+    """Where the pipeline's processes run in the cluster: each pod group behind its headless Service, the
+    Mooncake master behind `<pipeline>-mooncake`, and the stages whose autoscaling may reach zero."""
+    name = pipeline.metadata.name
+    namespace = namespace_of(pipeline)
+    return Placement(
+        discovery=partial(service_discovery, name, namespace),
+        mooncake_master=partial(MooncakeMasterAddress, host=mooncake_host(name, namespace)),
+        scale_from_zero=frozenset(
+            s.name for s in pipeline.spec.stages if s.autoscaling and s.autoscaling.min_replicas == 0
+        ),
+    )
+
+
 def resolve_cluster_pipeline(
     pipeline: OmniPipeline, registry: PipelineRegistry, model_root: Path | None = None
 ) -> ResolvedPipeline:
     """Resolve for the cluster: each stage is found through its pod group's headless Service."""
-    name = pipeline.metadata.name
-    namespace = pipeline.metadata.namespace or "default"
     topology = topology_for(pipeline, registry, model_root)
-    resolved = resolve(pipeline, topology, model_path=model_path_in_pod(pipeline))
-    resolved.name = name
-    resolved.namespace = namespace
-    resolved.served_model_name = pipeline.spec.served_model_name or pipeline.spec.model
-    from_zero = {s.name for s in pipeline.spec.stages if s.autoscaling and s.autoscaling.min_replicas == 0}
-    for root, members in group_members(resolved).items():
-        if root in from_zero:
-            resolved.scale_from_zero += members  # colocated stages go to zero with their pods
-        for index, stage in enumerate(members):
-            resolved.discovery[stage] = StageDiscovery(
-                service=child_name(name, root), namespace=namespace, port=stage_ports(index)[0]
-            )
-    if resolved.uses_mooncake():
-        resolved.mooncake_master_host = mooncake_host(name, namespace)
-    return resolved
+    return resolve(pipeline, topology, model_path=model_path_in_pod(pipeline), placement=cluster_placement(pipeline))

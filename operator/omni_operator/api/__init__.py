@@ -34,7 +34,7 @@ from omni_operator.api.common import (
     SecretKeyRef,
     Toleration,
 )
-from omni_operator.api.convert import ResolveArgs, resolve, resolve_args
+from omni_operator.api.convert import ResolveArgs, namespace_of, resolve, resolve_args
 from omni_operator.api.omnipipeline import (
     ConnectorEdge,
     ConnectorsConfig,
@@ -87,6 +87,7 @@ __all__ = [
     "RuntimeSpec",
     "SecretKeyRef",
     "Toleration",
+    "namespace_of",
     "parse_quantity",
     "quantity_bytes",
     "resolve",

@@ -19,6 +19,7 @@ from omni_runtime.spec import (
     EdgeOverride,
     MediaLimits,
     PipelineSpec,
+    Placement,
     ResolvedPipeline,
     RouterLimits,
     StageOverride,
@@ -30,6 +31,7 @@ __all__ = [
     "ResolveArgs",
     "connectors_spec",
     "edge_overrides",
+    "namespace_of",
     "resolve",
     "resolve_args",
     "router_limits",
@@ -157,8 +159,19 @@ def resolve_args(spec: OmniPipelineSpec, topology_connectors: ConnectorsSpec | N
     )
 
 
-def resolve(pipeline: OmniPipeline, topology: PipelineSpec, *, model_path: str | None = None) -> ResolvedPipeline:
-    """Resolve `pipeline` against its registry `topology`.
+def namespace_of(pipeline: OmniPipeline) -> str:
+    """The namespace the pipeline lives in: its own, or `default` (kubectl's) when its manifest names none."""
+    return pipeline.metadata.namespace or "default"
+
+
+def resolve(
+    pipeline: OmniPipeline,
+    topology: PipelineSpec,
+    *,
+    model_path: str | None = None,
+    placement: Placement | None = None,
+) -> ResolvedPipeline:
+    """Resolve `pipeline` against its registry `topology`, placed by `placement` (None: no discovery).
 
     `model_path` is where the pods find the model (default: spec.model as written). Raises
     omni_runtime.spec.SpecError naming the field when the spec refers to a stage or edge the topology
@@ -168,9 +181,10 @@ def resolve(pipeline: OmniPipeline, topology: PipelineSpec, *, model_path: str |
     return resolve_pipeline(
         topology,
         name=pipeline.metadata.name,
-        namespace=pipeline.metadata.namespace,
+        namespace=namespace_of(pipeline),
         model=model_path or spec.model,
         served_model_name=spec.served_model_name or spec.model,
+        placement=placement,
         **resolve_args(spec, topology.connectors).as_kwargs(),
     )
 

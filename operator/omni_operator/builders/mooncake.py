@@ -32,9 +32,9 @@ METRICS_PORT = 9003
 def build_mooncake_objects(
     owner: dict[str, Any], pipeline: OmniPipeline, resolved: ResolvedPipeline
 ) -> list[dict[str, Any]]:
-    """The master's Deployment and headless Service, each with its content hash; none without a
-    mooncake edge."""
-    if not resolved.uses_mooncake():
+    """The master's Deployment and headless Service, each with its content hash; none when the resolved
+    pipeline has no Mooncake master (no edge uses mooncake)."""
+    if resolved.mooncake_master_host is None:
         return []
     name = owner["metadata"]["name"]
     obj_name = mooncake_name(name)

@@ -14,21 +14,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from omni_runtime.spec.connectors import ConnectorsSpec
 from omni_runtime.spec.enums import ConnectorKind
 from omni_runtime.spec.pipeline import NoUsableConnector, PipelineSpec, SpecError, UnknownEdge, UnknownStage
+from omni_runtime.spec.placement import Placement, StageDiscovery, pod_groups
 
 __all__ = [
     "EdgeOverride",
     "MediaLimits",
     "ResolvedPipeline",
     "RouterLimits",
-    "StageDiscovery",
     "StageOverride",
     "resolve_pipeline",
 ]
 
-STAGE_PORT = 8100
-"""Port of the stage server's ZeroMQ control socket."""
-STAGE_HTTP_PORT = 8101
-"""Port of the stage server's /healthz, /readyz and /metrics."""
 ROUTER_PORT = 8000
 """Port of the router's OpenAI-compatible HTTP API."""
 DRAIN_TIMEOUT_S = 15.0
@@ -57,19 +53,6 @@ class EdgeOverride(BaseModel):
     connector: ConnectorKind | None = None
     window: int | None = Field(None, ge=0)
     first_window: int | None = Field(None, ge=0)
-
-
-class StageDiscovery(BaseModel):
-    """How the router finds a stage's replicas."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    static: list[str] = Field(default_factory=list, description="Fixed replica addresses `host:port` (local mode).")
-    service: str | None = Field(
-        None, description="Kubernetes Service whose EndpointSlices list the replicas (cluster mode)."
-    )
-    namespace: str | None = None
-    port: int = STAGE_PORT
 
 
 class MediaLimits(BaseModel):
@@ -176,15 +159,19 @@ def resolve_pipeline(
     edges: Sequence[EdgeOverride] = (),
     connectors: ConnectorsSpec | None = None,
     limits: RouterLimits | None = None,
+    placement: Placement | None = None,
 ) -> ResolvedPipeline:
-    """Apply a deployment's overrides to a topology.
+    """Apply a deployment's overrides to a topology and, given a `placement`, say where every process
+    runs (discovery, the Mooncake master, the stages that may scale to zero): the pipeline returned is
+    complete, and no caller changes it afterwards. Without a placement it has no discovery (tests that
+    start stages themselves).
 
     Raises SpecError naming the override when it refers to a stage or edge the topology lacks, or when
     the result cannot run (for example an `shm` edge between stages in different pods).
     """
     spec = topology.model_copy(deep=True)
     if connectors is not None:
-        spec.connectors = connectors
+        spec.connectors = connectors.model_copy(deep=True)
     names = spec.stage_names()
     colocation: dict[str, str] = {}
     for i, override in enumerate(stages):
@@ -237,7 +224,24 @@ def resolve_pipeline(
         limits=limits or RouterLimits(),
     )
     _check_connectors(resolved)
+    if placement is not None:
+        _place(resolved, placement)
     return resolved
+
+
+def _place(resolved: ResolvedPipeline, placement: Placement) -> None:
+    """Discovery, the stages that may scale to zero and the Mooncake master, from where `placement` runs them."""
+    groups = pod_groups(resolved.topology.topological_order(), resolved.colocation)
+    resolved.discovery = dict(placement.discovery(groups))
+    resolved.scale_from_zero = [
+        stage for root, members in groups.items() if root in placement.scale_from_zero for stage in members
+    ]
+    if resolved.uses_mooncake():
+        master = placement.mooncake_master()
+        mooncake = resolved.topology.connectors.mooncake
+        mooncake.master_port = master.master_port or mooncake.master_port
+        mooncake.metadata_port = master.metadata_port or mooncake.metadata_port
+        resolved.mooncake_master_host = master.host
 
 
 def _check_connectors(resolved: ResolvedPipeline) -> None:
