@@ -16,7 +16,10 @@ import pytest
 import yaml
 from servelib import template_hash
 
+from omni_operator.api import OmniStage
 from omni_operator.builders.meta import HASH_ANNOTATION, child_name, with_hash
+from omni_operator.builders.pipeline_objects import stored_omnistage_spec
+from omni_operator.builders.stage_workload import build_stage_service
 from omni_operator.render import PLACEHOLDER_UID, RenderError, render_file, render_pipeline
 from omni_runtime.registry import default_registry
 
@@ -168,6 +171,24 @@ def test_rendering_twice_is_identical():
         first = yaml.safe_dump_all(render(manifest))
         assert yaml.safe_dump_all(render(copy.deepcopy(manifest))) == first, path.name
         assert manifest == yaml.safe_load(path.read_text()), f"{path.name}: render modified its input"
+
+
+@pytest.mark.parametrize("path", SAMPLE_FILES, ids=lambda p: p.stem)
+def test_every_omnistage_reads_back_into_the_spec_it_was_built_from(path: Path):
+    """The OmniStage spec is built from its model and read back through it: what the stage reconcile
+    reads is what the pipeline reconcile wrote, and writing it again changes nothing (no write churn)."""
+    for obj in render(yaml.safe_load(path.read_text())):
+        if obj["kind"] == "OmniStage":
+            stage = OmniStage.model_validate(obj)
+            assert stored_omnistage_spec(stage.spec) == obj["spec"], obj["metadata"]["name"]
+            assert "colocated" not in obj["spec"] or obj["spec"]["colocated"], "an empty list is left out"
+
+
+def test_an_owner_reference_needs_a_live_object():
+    stage = OmniStage.model_validate(find(render(load("qwen3-omni.yaml")), "OmniStage", "qwen3-omni-talker"))
+    stage.metadata.uid = None  # as built, before the apiserver gave it a uid
+    with pytest.raises(ValueError, match="OmniStage qwen3-omni-talker has no uid: only a live object can own"):
+        build_stage_service(stage)
 
 
 # --- names ------------------------------------------------------------------------------------------

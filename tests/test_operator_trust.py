@@ -12,7 +12,7 @@ import pytest
 import yaml
 from servelib import template_hash
 
-from omni_operator.api import OmniPipeline
+from omni_operator.api import OmniPipeline, OmniStage
 from omni_operator.builders.meta import LABEL_PIPELINE
 from omni_operator.builders.pipeline_objects import KEY_VERSION_ANNOTATION, build_omnistages
 from omni_operator.builders.router import build_router_objects
@@ -189,7 +189,10 @@ def test_a_new_key_secret_rolls_every_pod() -> None:
     def pod_hashes(version: str) -> list[str]:
         stages = build_omnistages(owner, pipeline, resolved, key_version=version)
         assert all(s["metadata"]["annotations"][KEY_VERSION_ANNOTATION] == version for s in stages)
-        workloads = [build_stage_deployment({**s, "metadata": {**s["metadata"], "uid": "s"}}) for s in stages]
+        workloads = [
+            build_stage_deployment(OmniStage.model_validate({**s, "metadata": {**s["metadata"], "uid": "s"}}))
+            for s in stages
+        ]
         workloads += [o for o in build_router_objects(owner, pipeline, resolved, key_version=version)]
         return [template_hash(d) for d in workloads if d["kind"] == "Deployment"]
 

@@ -274,7 +274,7 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> None:
         for existing in await ctx.kube.list(
             API_VERSION, "OmniStage", namespace, label_selector=f"{LABEL_PIPELINE}={name},{LABEL_COMPONENT}=stage"
         ):
-            if existing["metadata"]["name"] not in wanted and _owned_by(existing, live):
+            if existing["metadata"]["name"] not in wanted and _owned_by(existing, live["metadata"]["uid"]):
                 ctx.writes += 1
                 log.info(
                     "deleting OmniStage %s/%s: its stage left the topology", namespace, existing["metadata"]["name"]
@@ -330,15 +330,14 @@ async def _ensure_mooncake(
     namespace, name = live["metadata"]["namespace"], mooncake_name(live["metadata"]["name"])
     for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service")):
         existing = await ctx.kube.get(api_version, kind, name, namespace)
-        if existing is not None and _owned_by(existing, live):
+        if existing is not None and _owned_by(existing, live["metadata"]["uid"]):
             ctx.writes += 1
             log.info("deleting %s %s/%s: no edge uses mooncake any more", kind, namespace, name)
             await ctx.kube.delete(api_version, kind, name, namespace)
 
 
-def _owned_by(obj: dict[str, Any], owner: dict[str, Any]) -> bool:
-    uid = owner["metadata"]["uid"]
-    return any(ref.get("uid") == uid for ref in obj["metadata"].get("ownerReferences", []))
+def _owned_by(obj: dict[str, Any], owner_uid: str | None) -> bool:
+    return any(ref.get("uid") == owner_uid for ref in obj["metadata"].get("ownerReferences", []))
 
 
 async def _ensure_omnistage(ctx: Context, desired: dict[str, Any]) -> dict[str, Any]:
@@ -368,7 +367,7 @@ async def _ensure_omnistage(ctx: Context, desired: dict[str, Any]) -> dict[str, 
 _AUTOSCALER_KINDS = ((KEDA_API_VERSION, "ScaledObject"), (HPA_API_VERSION, "HorizontalPodAutoscaler"))
 
 
-async def _ensure_autoscaler(ctx: Context, stage: dict[str, Any]) -> Condition | None:
+async def _ensure_autoscaler(ctx: Context, stage: OmniStage) -> Condition | None:
     """The stage's ScaledObject or HPA while it has autoscaling; the other kind (and both, without
     autoscaling) removed when ours. A Degraded condition when KEDA's CRDs are not installed."""
     desired = build_stage_autoscaler(stage)
@@ -384,24 +383,24 @@ async def _ensure_autoscaler(ctx: Context, stage: dict[str, Any]) -> Condition |
                 "Degraded",
                 "True",
                 Reason.AUTOSCALER_UNAVAILABLE,
-                f"stage {stage['spec']['stage']}: autoscaling needs KEDA, and the cluster has no ScaledObject "
+                f"stage {stage.spec.stage}: autoscaling needs KEDA, and the cluster has no ScaledObject "
                 f"API ({KEDA_API_VERSION}); install KEDA (helm install keda kedacore/keda -n keda "
                 "--create-namespace, see the README), or set autoscaling.engine: hpa, or drop autoscaling",
             )
-    meta = stage["metadata"]
+    meta = stage.metadata
     for api_version, kind in _AUTOSCALER_KINDS:
         if desired is not None and desired["kind"] == kind:
             continue
         try:
-            existing = await ctx.kube.get(api_version, kind, meta["name"], meta["namespace"])
+            existing = await ctx.kube.get(api_version, kind, meta.name, meta.namespace)
         except KubeError as exc:
             if exc.status == 404:
                 continue  # KEDA not installed: nothing of that kind can exist
             raise
-        if existing is not None and _owned_by(existing, stage):
+        if existing is not None and _owned_by(existing, stage.metadata.uid):
             ctx.writes += 1
-            log.info("deleting %s %s/%s: the stage no longer asks for it", kind, meta["namespace"], meta["name"])
-            await ctx.kube.delete(api_version, kind, meta["name"], meta["namespace"])
+            log.info("deleting %s %s/%s: the stage no longer asks for it", kind, meta.namespace, meta.name)
+            await ctx.kube.delete(api_version, kind, meta.name, meta.namespace)
     return problem
 
 
@@ -420,22 +419,23 @@ async def reconcile_stage(ctx: Context, namespace: str, name: str) -> float | No
     if ctx.metrics is not None:
         ctx.metrics.observe_stage(namespace, name, live)
     seen = (live.get("status") or {}).get("workloadGeneration")
+    stage = OmniStage.model_validate(live)
     collision: Condition | None = None
     deployment = None
     try:
-        deployment = await _ensure(ctx, build_stage_deployment(live), generation_seen=seen)
+        deployment = await _ensure(ctx, build_stage_deployment(stage), generation_seen=seen)
     except NameCollision as exc:
         collision = exc.condition()
     try:
-        await _ensure(ctx, build_stage_service(live))
+        await _ensure(ctx, build_stage_service(stage))
     except NameCollision as exc:
         collision = collision or exc.condition()
     autoscaler_problem = None
     try:
-        autoscaler_problem = await _ensure_autoscaler(ctx, live)
+        autoscaler_problem = await _ensure_autoscaler(ctx, stage)
     except NameCollision as exc:
         collision = collision or exc.condition()
-    selector = stage_selector(OmniStage.model_validate(live))
+    selector = stage_selector(stage)
     pods = await ctx.kube.list("v1", "Pod", namespace, label_selector=selector_string(selector))
     counts, wanted = stage_conditions(live, deployment, pods, problem=collision, autoscaler_problem=autoscaler_problem)
     conditions, flipped = _merge_conditions(live, wanted)

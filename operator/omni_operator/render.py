@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from omni_operator.api import OmniPipeline, validation_messages
+from omni_operator.api import OmniPipeline, OmniStage, validation_messages
 from omni_operator.builders.autoscaler import build_stage_autoscaler
 from omni_operator.builders.mooncake import build_mooncake_objects
 from omni_operator.builders.pipeline_objects import build_omnistages, build_pipeline_configmap
@@ -82,11 +82,12 @@ def render_pipeline(
     except SpecError as exc:
         raise RenderError(str(exc)) from None
     objects = [build_pipeline_configmap(owner, resolved), *build_network_policies(owner, resolved)]
-    for stage in build_omnistages(owner, pipeline, resolved):
-        objects.append(stage)
-        stage_owner = {**stage, "metadata": {**stage["metadata"], "uid": PLACEHOLDER_UID}}
-        objects += [build_stage_deployment(stage_owner), build_stage_service(stage_owner)]
-        autoscaler = build_stage_autoscaler(stage_owner)
+    for stage_manifest in build_omnistages(owner, pipeline, resolved):
+        objects.append(stage_manifest)
+        stage = OmniStage.model_validate(stage_manifest)
+        stage.metadata.uid = PLACEHOLDER_UID  # as if created: the objects it owns refer to it
+        objects += [build_stage_deployment(stage), build_stage_service(stage)]
+        autoscaler = build_stage_autoscaler(stage)
         if autoscaler is not None:
             objects.append(autoscaler)
     objects += build_router_objects(owner, pipeline, resolved)

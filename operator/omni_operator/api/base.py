@@ -260,6 +260,7 @@ class ObjectMeta(KubeModel):
     labels: dict[str, str] = Field(default_factory=dict, description="Labels of the object.")
     annotations: dict[str, str] = Field(default_factory=dict, description="Annotations of the object.")
     generation: Int | None = Field(None, description="Spec generation, set by the apiserver.")
+    uid: str | None = Field(None, description="Unique id of the live object, set by the apiserver.")
 
 
 class CustomResource(KubeModel):

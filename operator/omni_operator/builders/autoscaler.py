@@ -83,28 +83,27 @@ def autoscaler_queries(stage: OmniStage, namespace: str) -> list[tuple[Autoscali
     return out
 
 
-def _meta(stage: dict[str, Any], spec: OmniStage) -> dict[str, Any]:
+def _meta(stage: OmniStage) -> dict[str, Any]:
     return {
-        "name": stage["metadata"]["name"],
-        "namespace": stage["metadata"]["namespace"],
-        "labels": labels(spec.spec.pipeline, "autoscaler", spec.spec.stage),
+        "name": stage.metadata.name,
+        "namespace": stage.metadata.namespace,
+        "labels": labels(stage.spec.pipeline, "autoscaler", stage.spec.stage),
         "ownerReferences": [owner_reference(stage)],
     }
 
 
-def _scale_target(stage: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": API_VERSION, "kind": "OmniStage", "name": stage["metadata"]["name"]}
+def _scale_target(stage: OmniStage) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": stage.kind, "name": stage.metadata.name}
 
 
 def _behavior(scaling: Autoscaling) -> dict[str, Any]:
     return {"scaleDown": {"stabilizationWindowSeconds": scaling.scale_down_stabilization_seconds}}
 
 
-def build_stage_autoscaler(stage: dict[str, Any]) -> dict[str, Any] | None:
+def build_stage_autoscaler(stage: OmniStage) -> dict[str, Any] | None:
     """The ScaledObject (engine keda) or HorizontalPodAutoscaler (engine hpa) of an OmniStage with
     autoscaling, named and owned as the stage; None for a stage without autoscaling."""
-    spec = OmniStage.model_validate(stage)
-    scaling = spec.spec.autoscaling
+    scaling = stage.spec.autoscaling
     if scaling is None:
         return None
     if scaling.engine is AutoscalingEngine.HPA:
@@ -112,7 +111,7 @@ def build_stage_autoscaler(stage: dict[str, Any]) -> dict[str, Any] | None:
             {
                 "apiVersion": HPA_API_VERSION,
                 "kind": "HorizontalPodAutoscaler",
-                "metadata": _meta(stage, spec),
+                "metadata": _meta(stage),
                 "spec": {
                     "scaleTargetRef": _scale_target(stage),
                     "minReplicas": scaling.min_replicas,
@@ -143,13 +142,13 @@ def build_stage_autoscaler(stage: dict[str, Any]) -> dict[str, Any] | None:
                 "ignoreNullValues": "true",
             },
         }
-        for signal, query, target, metric_type in autoscaler_queries(spec, stage["metadata"]["namespace"])
+        for signal, query, target, metric_type in autoscaler_queries(stage, stage.metadata.namespace)
     ]
     return with_hash(
         {
             "apiVersion": KEDA_API_VERSION,
             "kind": "ScaledObject",
-            "metadata": _meta(stage, spec),
+            "metadata": _meta(stage),
             "spec": {
                 "scaleTargetRef": _scale_target(stage),
                 "minReplicaCount": scaling.min_replicas,

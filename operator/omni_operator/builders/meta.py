@@ -6,6 +6,8 @@ import hashlib
 import json
 from typing import Any
 
+from omni_operator.api.base import CustomResource
+
 __all__ = [
     "HASH_ANNOTATION",
     "LABEL_COMPONENT",
@@ -63,14 +65,21 @@ def labels(pipeline: str, component: str, stage: str | None = None, version: str
     return out
 
 
-def owner_reference(owner: dict[str, Any], *, controller: bool = True) -> dict[str, Any]:
-    """Owner reference to a live object (needs its uid) so garbage collection follows it."""
-    meta = owner["metadata"]
+def owner_reference(owner: dict[str, Any] | CustomResource, *, controller: bool = True) -> dict[str, Any]:
+    """Owner reference to a live object (needs its uid) so garbage collection follows it; `owner` as the
+    API returned it, or parsed into its model."""
+    if isinstance(owner, CustomResource):
+        if owner.metadata.uid is None:
+            raise ValueError(f"{owner.kind} {owner.metadata.name} has no uid: only a live object can own another")
+        api_version, kind, name, uid = owner.api_version, owner.kind, owner.metadata.name, owner.metadata.uid
+    else:
+        meta = owner["metadata"]
+        api_version, kind, name, uid = owner["apiVersion"], owner["kind"], meta["name"], meta["uid"]
     return {
-        "apiVersion": owner["apiVersion"],
-        "kind": owner["kind"],
-        "name": meta["name"],
-        "uid": meta["uid"],
+        "apiVersion": api_version,
+        "kind": kind,
+        "name": name,
+        "uid": uid,
         "controller": controller,
         "blockOwnerDeletion": True,
     }

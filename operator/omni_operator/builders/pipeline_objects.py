@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_operator.api import API_VERSION, OmniPipeline, PipelineStage
-from omni_operator.api.common import DEFAULT_GRACE_SECONDS
+from omni_operator.api import API_VERSION, KubeModel, OmniPipeline, OmniStage, OmniStageSpec, PipelineStage
+from omni_operator.api.common import DEFAULT_GRACE_SECONDS, Placement
 from omni_operator.builders.meta import (
     child_name,
     content_hash,
@@ -25,7 +25,9 @@ __all__ = [
     "configmap_name",
     "mooncake_name",
     "omnistage_name",
+    "omnistage_spec",
     "router_name",
+    "stored_omnistage_spec",
 ]
 
 CONFIG_KEY = "resolved.json"
@@ -70,10 +72,6 @@ def build_pipeline_configmap(owner: dict[str, Any], resolved: ResolvedPipeline) 
     )
 
 
-def _stage_overrides(pipeline: OmniPipeline) -> dict[str, PipelineStage]:
-    return {s.name: s for s in pipeline.spec.stages}
-
-
 def group_config_hash(resolved: ResolvedPipeline, members: list[str]) -> str:
     """What the pods of a group read from the config: their stages, the edges touching them, connectors."""
     topo = resolved.topology
@@ -98,53 +96,18 @@ def build_omnistages(
     """One OmniStage per pod group (a stage and those colocated with it), fully resolved. `key_version`:
     the uid of the pipeline's key Secret (empty when rendering offline)."""
     name = owner["metadata"]["name"]
-    namespace = owner["metadata"]["namespace"]
-    overrides = _stage_overrides(pipeline)
-    runtime = pipeline.spec.runtime
+    overrides = {s.name: s for s in pipeline.spec.stages}
     out = []
     for root, members in group_members(resolved).items():
-        stage = resolved.topology.stage(root)
-        override = overrides.get(root) or PipelineStage(name=root)
-        spec: dict[str, Any] = {
-            "pipeline": name,
-            "stage": root,
-            "kind": stage.kind.value,
-            "replicas": (override.autoscaling.min_replicas if override.autoscaling else override.replicas),
-            "image": runtime.image,
-            "imagePullPolicy": runtime.image_pull_policy.value,
-            "model": resolved.model,
-            "configMap": configmap_name(name),
-            "shmSize": override.shm_size or runtime.shm_size,
-            "terminationGracePeriodSeconds": override.termination_grace_period_seconds or DEFAULT_GRACE_SECONDS,
-            "engineArgs": stage.engine_args,
-            "samplingParams": stage.sampling_params,
-        }
-        if members[1:]:
-            spec["colocated"] = members[1:]
-        if runtime.image_pull_secrets:
-            spec["imagePullSecrets"] = list(runtime.image_pull_secrets)
-        if runtime.model_cache:
-            spec["modelCache"] = runtime.model_cache.to_dict()
-        env = [e.to_dict() for e in runtime.env]
-        if env:
-            spec["env"] = env
-        if runtime.hf_token_secret:
-            spec["hfTokenSecret"] = runtime.hf_token_secret.to_dict()
-        if override.autoscaling:
-            spec["autoscaling"] = override.autoscaling.to_dict()
-        placement = override.to_dict()
-        for key in ("accelerator", "nodeSelector", "tolerations", "affinity", "resources"):
-            value = placement.get(key)
-            if value and (key != "resources" or any(value.values())):
-                spec[key] = value
+        spec = omnistage_spec(pipeline, resolved, members, overrides.get(root) or PipelineStage(name=root))
         out.append(
             with_hash(
                 {
                     "apiVersion": API_VERSION,
-                    "kind": "OmniStage",
+                    "kind": OmniStage.crd.kind,
                     "metadata": {
                         "name": omnistage_name(name, root),
-                        "namespace": namespace,
+                        "namespace": owner["metadata"]["namespace"],
                         "labels": labels(name, "stage", root),
                         "annotations": {
                             CONFIG_HASH_ANNOTATION: group_config_hash(resolved, members),
@@ -152,8 +115,60 @@ def build_omnistages(
                         },
                         "ownerReferences": [owner_reference(owner)],
                     },
-                    "spec": spec,
+                    "spec": stored_omnistage_spec(spec),
                 }
             )
         )
     return out
+
+
+def omnistage_spec(
+    pipeline: OmniPipeline, resolved: ResolvedPipeline, members: list[str], override: PipelineStage
+) -> OmniStageSpec:
+    """The OmniStage of the pod group `members` (its owning stage first), whose entry in the pipeline's
+    `stages` is `override`."""
+    root = members[0]
+    stage = resolved.topology.stage(root)
+    runtime = pipeline.spec.runtime
+    return OmniStageSpec(
+        pipeline=pipeline.metadata.name,
+        stage=root,
+        kind=stage.kind,
+        replicas=override.autoscaling.min_replicas if override.autoscaling else override.replicas,
+        image=runtime.image,
+        image_pull_policy=runtime.image_pull_policy,
+        image_pull_secrets=list(runtime.image_pull_secrets),
+        model=resolved.model,
+        config_map=configmap_name(pipeline.metadata.name),
+        colocated=members[1:],
+        shm_size=override.shm_size or runtime.shm_size,
+        autoscaling=override.autoscaling,
+        engine_args=stage.engine_args,
+        sampling_params=stage.sampling_params,
+        model_cache=runtime.model_cache,
+        env=list(runtime.env),
+        hf_token_secret=runtime.hf_token_secret,
+        termination_grace_period_seconds=override.termination_grace_period_seconds or DEFAULT_GRACE_SECONDS,
+        accelerator=override.accelerator,
+        node_selector=override.node_selector,
+        tolerations=override.tolerations,
+        affinity=override.affinity,
+        resources=override.resources,
+    )
+
+
+_LEFT_OUT_WHEN_EMPTY = frozenset(Placement.model_fields) | {"colocated", "image_pull_secrets", "env"}
+"""Fields of an OmniStage spec written only when they hold something (the optional ones, None, are never
+written): an OmniStage shows what its pipeline chose, and its content hash stays what it was."""
+
+
+def stored_omnistage_spec(spec: OmniStageSpec) -> dict[str, Any]:
+    """The spec as the operator applies it: camelCase, without the unset and the empty optional fields."""
+    empty = {name for name in _LEFT_OUT_WHEN_EMPTY if not _holds_something(getattr(spec, name))}
+    return spec.model_dump(mode="json", by_alias=True, exclude_none=True, exclude=empty)
+
+
+def _holds_something(value: Any) -> bool:
+    if isinstance(value, KubeModel):
+        return any(_holds_something(v) for v in value.to_dict().values())
+    return bool(value)

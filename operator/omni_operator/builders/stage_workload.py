@@ -179,9 +179,8 @@ def _container(
     return container
 
 
-def build_stage_deployment(owner: dict[str, Any]) -> dict[str, Any]:
+def build_stage_deployment(stage: OmniStage) -> dict[str, Any]:
     """The stage's Deployment: one container per stage of the pod group, sharing the pod's IPC."""
-    stage = OmniStage.model_validate(owner)
     spec = stage.spec
     volumes, mounts = model_volume(spec.model_cache.to_dict() if spec.model_cache else None)
     key_vol, key_mount = key_volume(spec.pipeline)
@@ -236,7 +235,7 @@ def build_stage_deployment(owner: dict[str, Any]) -> dict[str, Any]:
                 "name": stage.metadata.name,
                 "namespace": stage.metadata.namespace,
                 "labels": pod_labels,
-                "ownerReferences": [owner_reference(owner)],
+                "ownerReferences": [owner_reference(stage)],
             },
             "spec": {
                 "replicas": spec.replicas,
@@ -253,9 +252,8 @@ def build_stage_deployment(owner: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def build_stage_service(owner: dict[str, Any]) -> dict[str, Any]:
+def build_stage_service(stage: OmniStage) -> dict[str, Any]:
     """Headless Service: its EndpointSlices list the stage replicas the router balances over."""
-    stage = OmniStage.model_validate(owner)
     members = [stage.spec.stage, *stage.spec.colocated]
     ports = []
     for i, _ in enumerate(members):
@@ -273,7 +271,7 @@ def build_stage_service(owner: dict[str, Any]) -> dict[str, Any]:
                 "name": stage.metadata.name,
                 "namespace": stage.metadata.namespace,
                 "labels": labels(stage.spec.pipeline, "stage", stage.spec.stage),
-                "ownerReferences": [owner_reference(owner)],
+                "ownerReferences": [owner_reference(stage)],
             },
             "spec": {
                 "clusterIP": "None",
