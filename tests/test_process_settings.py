@@ -20,7 +20,7 @@ from omni_operator.builders.pipeline_objects import CONFIG_KEY
 from omni_operator.builders.stage_workload import CONFIG_MOUNT
 from omni_operator.render import render_pipeline
 from omni_runtime.cli import build_parser
-from omni_runtime.launcher import LocalPipelineFile, LocalRun
+from omni_runtime.local.run import LocalPipelineFile, LocalRun
 from omni_runtime.registry import default_registry
 from omni_runtime.router.settings import RouterSettings
 from omni_runtime.settings import ProcessSettings

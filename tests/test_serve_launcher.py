@@ -13,7 +13,7 @@ import zmq.asyncio
 from servelib import until
 
 from omni_runtime.cli import build_parser
-from omni_runtime.launcher import LocalRun, load_local_spec
+from omni_runtime.local.run import LocalRun, load_local_spec
 from omni_runtime.metrics import REGISTRY
 from omni_runtime.router.client import ReplicaClient
 from omni_runtime.router.discovery import KubernetesDiscovery, StaticDiscovery, make_discovery, ready_addresses
@@ -95,7 +95,7 @@ def test_a_pipeline_file_sets_replicas_overrides_edges_and_limits(t2i_folder, tm
 def test_ports_are_distinct_and_below_the_kernels_ephemeral_range(t2i_folder, tmp_path) -> None:
     """The router binds minutes after its port was chosen (the stages load first): a port the kernel may
     give to an outgoing connection meanwhile made `omnikube serve` fail with "address already in use"."""
-    from omni_runtime.launcher import _ephemeral_low
+    from omni_runtime.local.run import _ephemeral_low
 
     path = write(tmp_path / "p.yaml", {"model": "t2i", "stages": [{"name": "enhancer", "replicas": 3}],
                                        "connectors": {"default": "mooncake"}})  # fmt: skip

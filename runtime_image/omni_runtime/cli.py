@@ -88,7 +88,7 @@ def _run_router(args: argparse.Namespace) -> int:
 
 
 def _serve_command(sub: argparse._SubParsersAction) -> None:
-    from omni_runtime.launcher import add_serve_arguments
+    from omni_runtime.local.run import add_serve_arguments
 
     parser = sub.add_parser(
         "serve", help="serve a model folder or a pipeline YAML locally: one process per stage plus the router"
@@ -98,7 +98,7 @@ def _serve_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from omni_runtime.launcher import serve_from_args
+    from omni_runtime.local.run import serve_from_args
 
     return serve_from_args(args)
 
