@@ -20,7 +20,8 @@ from omni_operator.builders.pipeline_objects import CONFIG_KEY
 from omni_operator.builders.stage_workload import CONFIG_MOUNT
 from omni_operator.render import render_pipeline
 from omni_runtime.cli import build_parser
-from omni_runtime.local.run import LocalPipelineFile, LocalRun
+from omni_runtime.local.run import LocalRun
+from omni_runtime.local.spec import LocalPipelineFile
 from omni_runtime.registry import default_registry
 from omni_runtime.router.settings import RouterSettings
 from omni_runtime.settings import ProcessSettings
@@ -115,7 +116,7 @@ def test_to_argv_leaves_defaults_to_the_process() -> None:
 def test_the_launchers_command_lines_parse_to_the_ports_it_probes(tmp_path: Path) -> None:
     spec = LocalPipelineFile(model=str(tmp_path), pipeline="prompt-enhanced-t2i", connectors={"default": "mooncake"})
     run = LocalRun.prepare(spec, run_dir=tmp_path / "run", replicas={"dit": 2})
-    procs = run._commands()
+    procs = run.processes()
     stages = [p for p in procs if p.name.startswith("stage ")]
     assert len(stages) == 3
     for proc in stages:

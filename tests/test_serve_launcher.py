@@ -13,7 +13,8 @@ import zmq.asyncio
 from servelib import until
 
 from omni_runtime.cli import build_parser
-from omni_runtime.local.run import LocalRun, load_local_spec
+from omni_runtime.local.run import LocalRun
+from omni_runtime.local.spec import load_local_spec
 from omni_runtime.metrics import REGISTRY
 from omni_runtime.router.client import ReplicaClient
 from omni_runtime.router.discovery import KubernetesDiscovery, StaticDiscovery, make_discovery, ready_addresses
@@ -88,7 +89,7 @@ def test_a_pipeline_file_sets_replicas_overrides_edges_and_limits(t2i_folder, tm
     assert mc.master_port != 50051 and mc.metadata_port != 8080  # free ports, not the cluster defaults
     assert resolved.limits.max_concurrent_requests == 3 and resolved.limits.request_timeout_s == 9
     assert run.router_port == 18123
-    commands = [p.cmd for p in run._commands()]
+    commands = [p.cmd for p in run.processes()]
     assert sum("stage" in c for c in commands) == 3 and sum("router" in c for c in commands) == 1
 
 
@@ -111,7 +112,7 @@ def test_each_run_gets_its_own_key_and_every_process_reads_it(t2i_folder, tmp_pa
     runs = [LocalRun.prepare(load_local_spec(t2i_folder), run_dir=tmp_path / f"run{i}") for i in range(2)]
     for run in runs:
         assert run.key_path.stat().st_mode & 0o777 == 0o600 and len(run.key_path.read_bytes()) == 32
-        for proc in run._commands():
+        for proc in run.processes():
             i = proc.cmd.index("--pipeline-key-file")
             assert proc.cmd[i + 1] == str(run.key_path), proc.name
             args = build_parser().parse_args(proc.cmd[proc.cmd.index("omni_runtime.cli") + 1 :])
@@ -140,10 +141,10 @@ def test_serve_gives_the_router_the_api_key_file(t2i_folder, tmp_path) -> None:
     key.write_text("local-secret\n")
     args = build_parser().parse_args(["serve", str(t2i_folder), "--api-key-file", str(key)])
     run = LocalRun.prepare(load_local_spec(args.target), run_dir=tmp_path / "run", api_key_file=args.api_key_file)
-    (router,) = [p.cmd for p in run._commands() if p.name == "router"]
+    (router,) = [p.cmd for p in run.processes() if p.name == "router"]
     parsed = build_parser().parse_args(router[router.index("router") :])
     assert parsed.api_key_file == str(key.resolve())
-    (stage, *_) = [p.cmd for p in run._commands() if p.name != "router"]
+    (stage, *_) = [p.cmd for p in run.processes() if p.name != "router"]
     assert "--api-key-file" not in stage
     with pytest.raises(SpecError, match="--api-key-file: API key file .* is empty"):
         (tmp_path / "empty").write_text("\n")

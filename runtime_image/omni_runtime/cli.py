@@ -88,19 +88,122 @@ def _run_router(args: argparse.Namespace) -> int:
 
 
 def _serve_command(sub: argparse._SubParsersAction) -> None:
-    from omni_runtime.local.run import add_serve_arguments
+    from omni_runtime.spec import DRAIN_TIMEOUT_S, ConnectorKind
 
     parser = sub.add_parser(
         "serve", help="serve a model folder or a pipeline YAML locally: one process per stage plus the router"
     )
-    add_serve_arguments(parser)
+    parser.add_argument("target", help="a model folder, or a local pipeline file (.yaml)")
+    parser.add_argument("--pipeline", default=None, help="registry pipeline name (default: from the model)")
+    parser.add_argument("--served-model-name", default=None, help="model id clients use")
+    parser.add_argument("--host", default="127.0.0.1", help="address every process binds (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="router port (default: a free port)")
+    parser.add_argument(
+        "--connector",
+        choices=[k.value for k in ConnectorKind],
+        default=None,
+        help="default connector of every edge (default: the file's, else shm)",
+    )
+    parser.add_argument(
+        "--replicas", action="append", default=[], metavar="STAGE=N", help="replicas of a stage (repeatable)"
+    )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file holding the API key clients must send as 'Authorization: Bearer <key>' (re-read when it "
+        "changes; default: no key)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DRAIN_TIMEOUT_S,
+        help=f"seconds running requests get to finish when serve stops (default {DRAIN_TIMEOUT_S:g})",
+    )
+    parser.add_argument("--run-dir", default=None, help="folder for resolved.json and logs (default: a temp dir)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    parser.add_argument(
+        "--shm-pool-bytes",
+        type=int,
+        default=64 * 1024**2,
+        help="idle shm bytes each stage keeps for reuse (0: unlink when released)",
+    )
     parser.set_defaults(func=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from omni_runtime.local.run import serve_from_args
+    """`omnikube serve`: prepare the run (exit 2 on a bad spec), start it, restart what dies until Ctrl-C or
+    SIGTERM, then stop everything (exit 0; 1 when it could not start or crash-looped)."""
+    import signal
+    import time
 
-    return serve_from_args(args)
+    from omni_runtime.local.run import LocalRun
+    from omni_runtime.local.spec import load_local_spec
+    from omni_runtime.local.supervisor import Supervisor
+    from omni_runtime.spec import SpecError
+
+    replicas = {}
+    for item in args.replicas:
+        name, _, count = item.partition("=")
+        if not count.isdigit() or int(count) < 1:
+            print(f"--replicas {item!r}: use STAGE=N with N >= 1", file=sys.stderr)
+            return 2
+        replicas[name] = int(count)
+    try:
+        spec = load_local_spec(args.target, pipeline=args.pipeline)
+        run = LocalRun.prepare(
+            spec,
+            run_dir=args.run_dir,
+            host=args.host,
+            port=args.port,
+            connector=args.connector,
+            replicas=replicas,
+            served_model_name=args.served_model_name,
+            shm_pool_bytes=args.shm_pool_bytes,
+            api_key_file=args.api_key_file,
+            drain_timeout_s=args.drain_timeout,
+        )
+    except SpecError as err:
+        print(f"omnikube serve: {err}", file=sys.stderr)
+        return 2
+    supervisor = Supervisor(run)
+    stop: dict[str, int | None] = {"signal": None}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        # Only a flag, polled at safe points: raising from here could cut an import in half (numpy's,
+        # in `sweep`), and the orderly stop that follows would then fail to import it again
+        stop["signal"] = signum
+
+    def stop_requested() -> bool:
+        return stop["signal"] is not None
+
+    # SIGINT too, explicitly: a process started in the background by a non-interactive shell (nohup, `&` in
+    # a script or CI job) inherits SIGINT ignored, and Python then never calls a handler for it
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    topology = run.resolved.topology
+    stages = " -> ".join(topology.topological_order())
+    print(f"omnikube serve: pipeline {topology.name} ({stages}); run folder {run.run_dir}", flush=True)
+    try:
+        supervisor.start(ready_timeout_s=args.ready_timeout, stop_requested=stop_requested)
+        print(f"OpenAI endpoint: {run.endpoint}", flush=True)
+        print(f"model: {run.resolved.served_model_name}; press Ctrl-C to stop", flush=True)
+        while not stop_requested():
+            for name in supervisor.restart_dead():
+                print(f"omnikube serve: {name} exited; restarted it (logs in {run.run_dir})", file=sys.stderr)
+            time.sleep(0.5)  # a signal cuts it short (PEP 475 resumes it, so at most 0.5 s late)
+        print("omnikube serve: stopping", flush=True)
+        return 0
+    except KeyboardInterrupt:  # from `start`, which polls `stop_requested`
+        print("omnikube serve: stopping", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError) as err:
+        print(f"omnikube serve: {err}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the orderly stop short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        supervisor.stop()
+        print("omnikube serve: stopped", flush=True)
 
 
 BUILTIN_COMMANDS: list[Command] = [_pipelines_command, _stage_command, _router_command, _serve_command]
