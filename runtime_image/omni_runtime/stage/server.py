@@ -1,9 +1,9 @@
 """The stage server: one engine behind a ZeroMQ ROUTER socket, plus /healthz, /readyz, /metrics.
 
-Every `Submit` becomes a task that gets its input handles, runs the edge's input processor and the
-engine, sends final outputs inline and downstream outputs as handles it `put`s, and releases every
-input handle it was given, whatever happens. `Abort` cancels that task; the handles the work created
-and the router has not seen taken are released too. See wire/PROTOCOL.md.
+It holds the sockets and the routers' authenticated channels, dispatches their messages, drains, and
+keeps house (router silence, engine stats, connector trim). Every accepted `Submit` becomes a work that
+`stage.work.WorkRunner` runs in a task of its own (inputs, engine, outputs, releases); `Abort` cancels
+that task. See wire/PROTOCOL.md.
 
 Shutting down is a drain (`drain()`, on SIGTERM): the replica tells its routers it is draining, keeps
 running the works it has (their feeds included) until they end and the payloads it put are released,
@@ -21,23 +21,18 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from omni_runtime.connectors import ConnectorError, Handle
-from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.connectors import Handle
+from omni_runtime.engines.base import Engine, EngineError
 from omni_runtime.metrics import Stage as M
-from omni_runtime.processors import ProcessorError
 from omni_runtime.spec import ResolvedPipeline
 from omni_runtime.stage.connectors import ConnectorSet, ConnectorSettings, ConnectorUnavailable
-from omni_runtime.stage.inputs import owned, process_inputs
-from omni_runtime.stage.outputs import client_fields, count_items, merge, summarize
+from omni_runtime.stage.work import Work, WorkRunner
 from omni_runtime.wire import protocol as P
-from omni_runtime.wire.audio import audio_seconds
 from omni_runtime.wire.auth import NO_SESSION, AuthError, Channel, HelloLedger, PipelineKey, open_hello
 
 __all__ = ["StageServer", "max_message_bytes"]
@@ -77,34 +72,6 @@ def max_message_bytes(pipeline: ResolvedPipeline) -> int:
     return limits.max_body_bytes + fetched + inline + _HEADER_SLACK
 
 
-@dataclass(eq=False)
-class _Work:
-    submit: P.Submit
-    peer: bytes
-    started: float = field(default_factory=time.perf_counter)
-    task: asyncio.Task | None = None
-    feed: asyncio.Queue = field(default_factory=asyncio.Queue)
-    held: list[Handle] = field(default_factory=list)
-    """Input handles received and not yet released."""
-    created: list[Handle] = field(default_factory=list)
-    """Handles this work `put` (released on abort)."""
-    seq: int = 0
-    running_engine_id: str | None = None
-    closing: bool = False
-    """Past its last output or failure: an abort no longer cancels it."""
-    audio_seen: bool = False
-    phase: str = "queued"
-    """Where the work is (inputs, engine, outputs, aborting...), for /readyz and debugging."""
-    stopped_because: str | None = None
-    """Why this stage stopped the work on its own (no router asked): the router is told, with this."""
-    failure_sent: bool = False
-    """Its router was sent a `Failed` for it: it hears of a work's failure once."""
-
-    @property
-    def id(self) -> str:
-        return self.submit.id
-
-
 class StageServer:
     """Serves one stage of `pipeline` on `host:port` (protocol) and `host:http_port` (probes)."""
 
@@ -139,14 +106,17 @@ class StageServer:
         self.ready = False
         self.draining = False
         """Shutting down: routers are told to send no new work; running works go on."""
-        self.works: dict[str, _Work] = {}
         self._labels = (pipeline.name, stage, replica)
+        self._runner = WorkRunner(
+            pipeline, stage, connectors=self.connectors, engine=lambda: self.engine, send=self._send,
+            labels=self._labels,
+        )  # fmt: skip
+        self.works = self._runner.works
+        """The works running here, by work id (`work.Work`)."""
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._send_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
-        self._closers: set[asyncio.Task] = set()
-        """Cleanups of works aborted before they started (see `_after_task`)."""
         self._peers: dict[bytes, float] = {}
         """When each authenticated router connection was last heard from."""
         self._channels: dict[bytes, Channel] = {}
@@ -193,13 +163,6 @@ class StageServer:
             self.http_port,
         )  # fmt: skip
 
-    @property
-    def _engine(self) -> Engine:
-        """The loaded engine; works are accepted only once it has loaded."""
-        if self.engine is None:
-            raise RuntimeError(f"stage {self.stage}: the engine is not loaded yet")
-        return self.engine
-
     async def _load(self) -> None:
         try:
             # Connectors first: a stage whose edges cannot move data must never be ready, and the
@@ -238,7 +201,7 @@ class StageServer:
         # The works' tasks still end by themselves (their engine call raises the same error).
         for work in list(self.works.values()):
             if not work.closing:
-                await self._fail(work, "engine_error", self._engine_failure_text(error))
+                await self._runner.fail(work, "engine_error", self._runner.engine_failure_text(error))
         self.ready = False
         M.ready.labels(*self._labels).set(0)
         self._phase = "engine failed"
@@ -308,7 +271,7 @@ class StageServer:
                 continue
             tasks.append(work.task)
             if not work.closing:
-                await self._fail(work, "unavailable", message)
+                await self._runner.fail(work, "unavailable", message)
                 work.task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -345,7 +308,7 @@ class StageServer:
             if work.task is not None:
                 work.task.cancel()
         await asyncio.gather(*(w.task for w in list(self.works.values()) if w.task), return_exceptions=True)
-        await asyncio.gather(*list(self._closers), return_exceptions=True)
+        await asyncio.gather(*list(self._runner.closers), return_exceptions=True)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -428,10 +391,10 @@ class StageServer:
         elif isinstance(message, P.Feed):
             work = self.works.get(message.id)
             if work is None:  # finished or aborted meanwhile: nobody will read these
-                await self._release_all([i.handle for i in message.inputs])
+                await self._runner.release_all([i.handle for i in message.inputs])
             else:
                 work.held.extend(i.handle for i in message.inputs)
-                self._count_handles()
+                self._runner.count_handles()
                 work.feed.put_nowait(message)
         elif isinstance(message, P.Abort):
             work = self.works.get(message.id)
@@ -439,280 +402,33 @@ class StageServer:
                 log.info("stage %s: aborting %s (%s)", self.stage, message.id, message.reason or "router")
                 work.task.cancel()
         elif isinstance(message, P.Release):
-            await self._release_all(message.handles)
+            await self._runner.release_all(message.handles)
         else:
             raise P.ProtocolError(f"a stage does not accept {type(message).__name__} messages")
 
     async def _on_submit(self, peer: bytes, submit: P.Submit, rest: list[Any]) -> None:
         handles: list[Handle] = [i.handle for i in submit.inputs]
         if submit.id in self.works:
-            await self._release_all(handles)
+            await self._runner.release_all(handles)
             await self._send(peer, P.Failed(id=submit.id, kind="protocol_error", message="duplicate work id"))
             return
         if not self.ready:
-            await self._release_all(handles)
+            await self._runner.release_all(handles)
             msg = f"stage {self.stage} replica {self.replica} is still loading its engine; retry shortly"
             await self._send(peer, P.Failed(id=submit.id, kind="unavailable", message=msg))
             return
         if self.draining:  # sent before that router heard of the drain: run it, the drain waits for it
             log.info("stage %s: draining, but running %s (its router had not heard yet)", self.stage, submit.id)
-        work = _Work(submit=submit, peer=peer, held=handles)
+        work = Work(submit=submit, peer=peer, held=handles)
         try:
             inline = P.payload_of(submit, rest)
         except Exception as err:
-            await self._release_all(handles)
+            await self._runner.release_all(handles)
             await self._send(peer, P.Failed(id=submit.id, kind="protocol_error", message=str(err)))
             return
-        self.works[submit.id] = work
-        M.running.labels(*self._labels).set(len(self.works))
-        self._count_handles()
-        work.task = asyncio.create_task(self._run(work, inline), name=f"work-{submit.id}")
-        work.task.add_done_callback(lambda _task: self._after_task(work))
-
-    # -- running a work ------------------------------------------------------------------------
-
-    async def _run(self, work: _Work, inline: dict[str, Any] | None) -> None:
-        status = "ok"
-        try:
-            await self._execute(work, inline)
-        except asyncio.CancelledError:
-            status = "aborted"
-        except InvalidRequest as err:
-            status = "invalid_request"
-            await self._fail(work, "invalid_request", str(err))
-        except ConnectorError as err:
-            status = "connector_error"
-            await self._fail(work, "connector_error", f"stage {self.stage}: {err}")
-        except ProcessorError as err:
-            status = "engine_error"
-            await self._fail(work, "engine_error", f"stage {self.stage}: {err}")
-        except Exception as err:
-            status = "engine_error"
-            log.exception("stage %s: work %s failed", self.stage, work.id)
-            await self._fail(work, "engine_error", self._engine_failure_text(err))
-        finally:
-            # No abort may interrupt the cleanup: it runs shielded, to its end, whatever happens here.
-            work.closing = True
-            await asyncio.shield(self._close_work(work, status))
-
-    def _after_task(self, work: _Work) -> None:
-        """Close a work whose task ended without running `_run`: a task cancelled before its first step
-        never runs its body, `finally` included. That happens when an Abort is read right behind its
-        Submit (both arrive in one burst and are dispatched before the new task gets a turn)."""
-        if work.closing or self.works.get(work.id) is not work:
-            return
-        work.closing = True
-        closer = asyncio.create_task(self._close_work(work, "aborted"), name=f"close-{work.id}")
-        self._closers.add(closer)
-        closer.add_done_callback(self._closers.discard)
-
-    async def _close_work(self, work: _Work, status: str) -> None:
-        """Abort the engine and release created handles unless the work finished; then release every
-        input handle it holds (chunks fed after it stopped reading included) and forget it. A work this
-        stage stopped on its own is failed to its router first, which otherwise waits for it until its
-        request times out."""
-        if status == "aborted" and work.stopped_because is not None:
-            await self._fail(work, "unavailable", work.stopped_because)
-        work.phase = "releasing"
-        if status != "ok":
-            await self._abort_engine(work)
-            await self._release_all(work.created)
-            work.created.clear()
-        await self._release_all(work.held)
-        work.held.clear()
-        while not work.feed.empty():
-            feed = work.feed.get_nowait()
-            await self._release_all([i.handle for i in feed.inputs])
-        self.works.pop(work.id, None)
-        M.running.labels(*self._labels).set(len(self.works))
-        M.requests.labels(*self._labels, status).inc()
-        M.latency.labels(*self._labels).observe(time.perf_counter() - work.started)
-        self._count_handles()
-
-    async def _execute(self, work: _Work, inline: dict[str, Any] | None) -> None:
-        s = work.submit
-        params = {**self.spec.sampling_params, **s.params}
-        edges = _EdgeBuffers(s.edges)
-        put = lambda e, d, last: self._put(work, e, d, last)  # noqa: E731
-        acc = _FinalAcc()
-        if s.more_inputs and self._engine.streams_input:
-            await self._run_streamed(work, inline, params, edges, acc)
-        else:
-            await self._run_chunked(work, inline, params, edges, acc)
-        await edges.flush(put)
-        last = acc.last
-        with_data = s.final and not s.stream and acc.data is not None
-        done_msg = P.Output(
-            id=work.id, seq=self._seq(work), data=with_data, finished=True,
-            finish_reason=last.finish_reason if last else None, usage=last.usage if last else None,
-        )  # fmt: skip
-        await self._send(work.peer, done_msg, acc.data if with_data else None)
-        work.created.clear()  # the router now owns them (it releases what nobody consumes)
-
-    async def _run_chunked(self, work: _Work, inline, params, edges: _EdgeBuffers, acc: _FinalAcc) -> None:
-        """One engine run for the whole input, or one per chunk of a windowed edge."""
-        s = work.submit
-        chunk_index = 0
-        info_sent = False
-        async for inputs, is_last in self._chunks(work):
-            work.phase = "inputs"
-            data = await self._prepare(work, inline, inputs)
-            if not info_sent and summarize(data):
-                await self._send(work.peer, P.Output(id=work.id, seq=self._seq(work), info=summarize(data)))
-            info_sent = True
-            chunk_params = dict(params)
-            if s.more_inputs:
-                chunk_params.update(chunk_index=chunk_index, last_chunk=is_last)
-            engine_id = work.id if not s.more_inputs else f"{work.id}#{chunk_index}"
-            request = EngineInput(request_id=engine_id, data=data, params=chunk_params, role=s.role)
-            await self._engine_run(work, request, edges, acc, ends_work=is_last)
-            work.phase = "outputs"
-            if s.more_inputs:  # a chunk is done with once its engine run is; whole inputs at the end,
-                done = [i.handle for i in inputs]  # after their outputs are put (shm payloads are views)
-                await self._release_all(done)
-                work.held = [h for h in work.held if h not in done]
-                self._count_handles()
-            chunk_index += 1
-
-    async def _run_streamed(self, work: _Work, inline, params, edges: _EdgeBuffers, acc: _FinalAcc) -> None:
-        """One engine run fed chunk by chunk (`Engine.streams_input`): the first chunk is its `data`,
-        the rest arrive through `EngineInput.chunks` while it runs. Each chunk is copied out of its
-        payload and released as soon as it is read, so the producer's memory is not held while the
-        engine runs on."""
-        s = work.submit
-        chunks = self._chunks(work)
-        work.phase = "inputs"
-        first = await anext(chunks, None)
-        data = await self._take(work, inline, first[0] if first else [])
-        if summarize(data):
-            await self._send(work.peer, P.Output(id=work.id, seq=self._seq(work), info=summarize(data)))
-
-        async def rest():
-            async for inputs, _ in chunks:
-                yield await self._take(work, None, inputs)
-
-        request = EngineInput(request_id=work.id, data=data, params=dict(params), role=s.role, chunks=rest())
-        await self._engine_run(work, request, edges, acc, ends_work=True)
-
-    async def _take(self, work: _Work, inline: dict[str, Any] | None, inputs: list[P.Input]) -> dict[str, Any]:
-        """A chunk's engine input, owned (copied out of connector memory), its handles released."""
-        data = owned(await self._prepare(work, inline, inputs))
-        if inputs:
-            done = [i.handle for i in inputs]
-            await self._release_all(done)
-            work.held = [h for h in work.held if h not in done]
-            self._count_handles()
-        return data
-
-    async def _engine_run(
-        self, work: _Work, request: EngineInput, edges: _EdgeBuffers, acc: _FinalAcc, *, ends_work: bool
-    ) -> None:
-        s = work.submit
-        put = lambda e, d, last: self._put(work, e, d, last)  # noqa: E731
-        work.running_engine_id = request.request_id
-        work.phase = "engine"
-        async for out in self._engine.generate(request):
-            acc.last = out
-            self._count_audio(work, out.data)
-            if s.final:
-                piece = client_fields(out.data)  # the downstream-only rows stay off the router's edge
-                if s.stream:
-                    await self._send_final(work, piece)
-                else:
-                    acc.data = merge(acc.data, piece)
-            await edges.add(out.data, put, finished=out.finished and ends_work)
-        work.running_engine_id = None
-
-    def _count_audio(self, work: _Work, data: dict[str, Any]) -> None:
-        seconds = audio_seconds(data)
-        if seconds:
-            if not work.audio_seen:
-                work.audio_seen = True
-                M.ttfp.labels(*self._labels).observe(time.perf_counter() - work.started)
-            M.audio_seconds.labels(*self._labels).inc(seconds)
-
-    async def _chunks(self, work: _Work):
-        """(inputs, is last) per engine run: one run, or one per chunk of a windowed edge."""
-        s = work.submit
-        if not s.more_inputs:
-            yield list(s.inputs), True
-            return
-        pending = list(s.inputs)
-        last = False
-        while True:
-            if not pending and not last:
-                feed: P.Feed = await work.feed.get()
-                pending.extend(feed.inputs)
-                last = feed.last
-                if not pending and not last:
-                    continue
-            if not pending and last:
-                return
-            # one engine run per chunk, in chunk order
-            pending.sort(key=lambda i: i.seq)
-            chunk = pending.pop(0)
-            yield [chunk], chunk.last or (last and not pending)
-
-    async def _prepare(self, work: _Work, inline: dict[str, Any] | None, inputs: list[P.Input]) -> dict[str, Any]:
-        s = work.submit
-        if not inputs:
-            return dict(inline or {})
-        loaded = [(item, await self.connectors.get(item.handle)) for item in inputs]
-        data = process_inputs(
-            s.input_processor, loaded, self.pipeline.topology, request_id=s.request_id, request=s.context
-        )
-        if inline:
-            data = {**inline, **data}
-        return data
-
-    async def _put(self, work: _Work, edge: P.EdgeOut, data: dict[str, Any], last: bool) -> None:
-        key = f"{work.submit.request_id}.{work.submit.role}.{work.seq}"
-        handle = await self.connectors.put(edge.connector, edge.target, key, data)
-        work.created.append(handle)
-        edge_labels = (self.pipeline.name, self.stage, edge.target, edge.connector)
-        M.edge_chunks.labels(*edge_labels).inc()
-        M.edge_bytes.labels(*edge_labels).inc(handle.nbytes)
-        self._count_handles()
-        item = P.Input(source=self.stage, role=work.submit.role, seq=work.seq, last=last, handle=handle)
-        await self._send(work.peer, P.Output(id=work.id, seq=self._seq(work), handles=[item]))
-
-    async def _send_final(self, work: _Work, data: dict[str, Any]) -> None:
-        await self._send(work.peer, P.Output(id=work.id, seq=self._seq(work), data=True), data)
-
-    def _engine_failure_text(self, err: BaseException) -> str:
-        """What the client reads when the engine raised `err` while running its work (or died under it)."""
-        return f"stage {self.stage}: {type(err).__name__}: {err}"
-
-    async def _fail(self, work: _Work, kind: P.ErrorKind, message: str) -> None:
-        if work.failure_sent:
-            return
-        work.failure_sent = True
-        with contextlib.suppress(Exception):
-            await self._send(work.peer, P.Failed(id=work.id, kind=kind, message=message))
-
-    async def _abort_engine(self, work: _Work) -> None:
-        engine_id = work.running_engine_id
-        if engine_id is not None and self.engine is not None:
-            try:
-                await asyncio.shield(self.engine.abort(engine_id))
-            except Exception:
-                log.exception("stage %s: engine abort of %s failed", self.stage, engine_id)
-
-    async def _release_all(self, handles: Sequence[Handle]) -> None:
-        for handle in list(handles):
-            try:
-                await asyncio.shield(self.connectors.release(handle))
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:  # the payload's owner may be gone; nothing is left to free
-                log.warning("stage %s: releasing %s handle %s failed: %s", self.stage,
-                            handle.kind.value, handle.key, err)  # fmt: skip
+        self._runner.start(work, inline)
 
     # -- sending -------------------------------------------------------------------------------
-
-    def _seq(self, work: _Work) -> int:
-        work.seq += 1
-        return work.seq - 1
 
     async def _send(self, peer: bytes, message: P.Message, payload: dict[str, Any] | None = None) -> None:
         assert self._sock is not None
@@ -775,61 +491,6 @@ class StageServer:
                 M.denoising_steps_queued.labels(*self._labels).set(value)
             else:
                 M.engine_stat.labels(*self._labels, name).set(value)
-
-    def _count_handles(self) -> None:
-        n = sum(len(w.held) + len(w.created) for w in self.works.values())
-        M.handles_open.labels(*self._labels).set(n)
-
-
-_Put = Callable[[P.EdgeOut, dict[str, Any], bool], Awaitable[None]]
-"""Puts one edge's payload (`last` marks the edge's last handle) and tells the router."""
-
-
-@dataclass
-class _FinalAcc:
-    """A work's final output folded so far (non-streaming final stages) and its last engine output."""
-
-    data: dict[str, Any] | None = None
-    last: EngineOutput | None = None
-
-
-class _EdgeBuffers:
-    """Per downstream edge: the output folded so far, put as a handle every `window` items.
-
-    A chunk goes out as soon as it holds `window` items (`first_window` for the first one, when set),
-    so a per-step edge hands each step on at once; the piece that ends the work goes out marked `last`.
-    When the last chunk went out before the work ended, `flush` puts an empty one marked `last`, so
-    the target always learns the end from the producer. Window 0 puts the whole output once, at the end.
-    """
-
-    def __init__(self, edges: list[P.EdgeOut]) -> None:
-        self.edges = edges
-        self.acc: dict[str, dict[str, Any] | None] = {e.target: None for e in edges}
-        self.puts = {e.target: 0 for e in edges}
-        self.closed: set[str] = set()
-
-    async def add(self, piece: dict[str, Any], put: _Put, *, finished: bool = False) -> None:
-        for edge in self.edges:
-            t = edge.target
-            if t in self.closed:
-                continue
-            data = self.acc[t] = merge(self.acc[t], piece)
-            size = edge.first_window if edge.first_window and not self.puts[t] else edge.window
-            if edge.window > 0 and (finished or count_items(data) >= size):
-                self.acc[t] = None
-                await put(edge, data, finished)
-                self.puts[t] += 1
-                if finished:
-                    self.closed.add(t)
-
-    async def flush(self, put: _Put) -> None:
-        """Put what is left, marked `last`; every edge gets at least one handle."""
-        for edge in self.edges:
-            t = edge.target
-            if t not in self.closed:
-                await put(edge, self.acc[t] or {}, True)
-                self.closed.add(t)
-            self.acc[t] = None
 
 
 def _opens_connection(body: list[Any]) -> bool:
