@@ -23,7 +23,7 @@ from omni_operator.status.stage_status import pod_problem
 from omni_runtime.metrics import REGISTRY as METRICS
 from omni_runtime.registry import default_registry
 from omni_runtime.spec import SpecError
-from omni_runtime.stage.termination import ExitReason, Termination
+from omni_runtime.stage.termination import Termination
 
 ROOT = Path(__file__).resolve().parents[1]
 REGISTRY = default_registry()
@@ -89,6 +89,25 @@ def test_every_spec_error_reason_is_a_known_reason() -> None:
         assert Reason(cls.reason), cls
 
 
+def test_the_resolver_the_stage_and_the_operator_share_one_reason_vocabulary() -> None:
+    """A reason is spelled once (spec/reasons.py): what the resolver raises and what a stage exits with are
+    the operator's own `Reason` members, carried as they are, not strings that happen to match."""
+    import omni_runtime.spec.reasons as spec_reasons
+    from omni_runtime.registry.errors import ModelFilesNotFound, RegistryError
+    from omni_runtime.spec import NoUsableConnector, UnknownEdge, UnknownStage
+
+    assert Reason is spec_reasons.Reason
+    assert SpecError.reason is Reason.INVALID_TOPOLOGY and UnknownStage.reason is Reason.UNKNOWN_STAGE
+    assert UnknownEdge.reason is Reason.UNKNOWN_EDGE and NoUsableConnector.reason is Reason.NO_USABLE_CONNECTOR
+    assert RegistryError.reason is Reason.UNKNOWN_PIPELINE and ModelFilesNotFound.reason is Reason.MODEL_FILES_NOT_FOUND
+    told = Termination.parse(CONNECTOR_MESSAGE)
+    assert told is not None and told.reason is Reason.CONNECTOR_UNAVAILABLE
+    # a stage exits with a stage's reasons only: a spec reason in a termination message is not one
+    assert Termination.parse('{"reason": "UnknownStage", "message": "m"}') is None
+    with pytest.raises(ValidationError):
+        Termination(reason=Reason.UNKNOWN_STAGE, message="m")  # type: ignore[arg-type]
+
+
 def test_a_condition_refuses_a_reason_that_is_not_in_the_vocabulary() -> None:
     with pytest.raises(ValueError, match="NoSuchReason"):
         Condition("Degraded", "True", "NoSuchReason")  # type: ignore[arg-type]
@@ -113,7 +132,7 @@ def terminated(message: str, *, ready: bool = False, waiting: str = "CrashLoopBa
 
 
 CONNECTOR_MESSAGE = Termination(
-    reason=ExitReason.CONNECTOR_UNAVAILABLE,
+    reason=Reason.CONNECTOR_UNAVAILABLE,
     message="connector 'mooncake' (edges enhancer->dit) did not start in 120s (40 attempts): could not start "
     "the Mooncake transfer engine as 10.0.0.7:15000 (metadata http://p-mooncake.apps.svc:8080/metadata)",
 ).dumps()
@@ -142,7 +161,7 @@ def test_a_stage_whose_engine_cannot_serve_says_what_to_change() -> None:
         "stage dit: engine failed to load: stage 'dit': the self-check (one denoising step of FluxPipeline on cpu "
         "in torch.bfloat16) failed, so every request would fail: ...; set the stage's engine_args torch_dtype: float32"
     )
-    told = Termination(reason=ExitReason.ENGINE_FAILED, message=message).dumps()
+    told = Termination(reason=Reason.ENGINE_FAILED, message=message).dumps()
     cond = pod_problem([pod(terminated(told))], "dit")
     assert cond is not None and cond.reason is Reason.ENGINE_FAILED
     assert "every request would fail" in cond.message and "torch_dtype: float32" in cond.message
@@ -154,7 +173,7 @@ def test_a_crash_with_a_plain_log_tail_stays_a_crash_loop() -> None:
 
 
 def test_a_termination_message_longer_than_the_kubelet_keeps_still_parses() -> None:
-    text = Termination(reason=ExitReason.CONNECTOR_UNAVAILABLE, message="x" * 4000 + " tail").dumps()
+    text = Termination(reason=Reason.CONNECTOR_UNAVAILABLE, message="x" * 4000 + " tail").dumps()
     assert len(text.encode()) <= 4096
     told = Termination.parse(text)
     assert told is not None and told.message.endswith(" tail")

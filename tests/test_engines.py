@@ -505,7 +505,7 @@ def test_an_ar_stage_that_would_fail_every_request_never_becomes_ready(model_dir
     from omni_operator.status.stage_status import pod_problem
     from omni_runtime.connectors.mooncake_master import free_port
     from omni_runtime.stage.settings import StageSettings
-    from omni_runtime.stage.termination import ExitReason, Termination
+    from omni_runtime.stage.termination import Termination
     from omni_runtime.wire.auth import PipelineKey
 
     pipeline = _prompt_enhanced(str(model_dir), enhancer={"engine_args": {**AR_ARGS, "max_model_len": 1}})
@@ -525,7 +525,7 @@ def test_an_ar_stage_that_would_fail_every_request_never_becomes_ready(model_dir
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     told = Termination.parse(termination.read_text())
-    assert told is not None and told.reason is ExitReason.ENGINE_FAILED, termination.read_text()
+    assert told is not None and told.reason is Reason.ENGINE_FAILED, termination.read_text()
     assert "self-check" in told.message and "every request would fail" in told.message
     assert "max_model_len 1" in told.message and "raise max_model_len" in told.message
     status = {

@@ -19,12 +19,12 @@ from servelib import EchoEngine, http_get
 
 from omni_runtime.connectors.mooncake_master import MooncakeMaster, free_port
 from omni_runtime.registry import get_pipeline
-from omni_runtime.spec import ConnectorsSpec, EdgeOverride, ResolvedPipeline, resolve_pipeline
+from omni_runtime.spec import ConnectorsSpec, EdgeOverride, Reason, ResolvedPipeline, resolve_pipeline
 from omni_runtime.stage.connectors import ConnectorSettings
 from omni_runtime.stage.main import connector_settings
 from omni_runtime.stage.server import StageServer
 from omni_runtime.stage.settings import StageSettings
-from omni_runtime.stage.termination import ExitReason, Termination
+from omni_runtime.stage.termination import Termination
 from omni_runtime.wire.auth import PipelineKey
 
 pytestmark = pytest.mark.timeout(240)
@@ -121,7 +121,7 @@ def test_the_stage_process_exits_with_a_typed_termination_message(tmp_path: Path
     assert proc.returncode == 1, proc.stderr[-2000:]
     told = Termination.parse(termination.read_text())
     assert told is not None, termination.read_text()
-    assert told.reason is ExitReason.CONNECTOR_UNAVAILABLE
+    assert told.reason is Reason.CONNECTOR_UNAVAILABLE
     mc = resolved.topology.connectors.mooncake
     assert f"omnikube-no-such-master.invalid:{mc.master_port}" in told.message
     assert "enhancer->dit" in told.message
@@ -137,6 +137,6 @@ def test_the_stage_takes_its_connector_timeout_from_the_pipeline_unless_its_flag
 
 
 def test_without_a_termination_file_the_stage_writes_none(tmp_path: Path) -> None:
-    told = Termination(reason=ExitReason.CONNECTOR_UNAVAILABLE, message="m")
+    told = Termination(reason=Reason.CONNECTOR_UNAVAILABLE, message="m")
     assert told.write(str(tmp_path / "absent")) is False
     assert not (tmp_path / "absent").exists()

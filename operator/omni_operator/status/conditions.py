@@ -19,7 +19,7 @@ Status = Literal["True", "False", "Unknown"]
 
 @dataclass(frozen=True)
 class Condition:
-    """A desired condition; `reason` is typed (see reasons.py), `message` tells a person what to do."""
+    """A desired condition; `reason` is typed (`spec.reasons.Reason`), `message` tells a person what to do."""
 
     type: str
     status: Status

@@ -43,7 +43,7 @@ def spec_problem(exc: ValidationError | SpecError) -> Condition:
     `SpecError` subclass carries it), never read from the message."""
     if isinstance(exc, ValidationError):
         return Condition("Degraded", "True", Reason.INVALID_SPEC, "; ".join(validation_messages(exc)))
-    return Condition("Degraded", "True", Reason(exc.reason), str(exc))
+    return Condition("Degraded", "True", exc.reason, str(exc))
 
 
 def _stage_ready(stage: dict[str, Any]) -> bool:

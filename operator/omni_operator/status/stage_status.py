@@ -63,7 +63,7 @@ def pod_problem(pods: list[dict[str, Any]], stage: str) -> Condition | None:
                 return Condition(
                     "Degraded",
                     "True",
-                    Reason(told.reason.value),
+                    told.reason,
                     f"stage {cs.get('name', stage)}: {told.message}",
                 )
             waiting = (cs.get("state") or {}).get("waiting") or {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from omni_runtime.spec import SpecError
+from omni_runtime.spec import Reason, SpecError
 
 __all__ = ["ModelFilesNotFound", "RegistryError"]
 
@@ -14,7 +14,7 @@ class RegistryError(SpecError):
 
     A SpecError: the operator treats it as a permanent problem of the spec (Degraded, no retry storm)."""
 
-    reason: ClassVar[str] = "UnknownPipeline"
+    reason: ClassVar[Reason] = Reason.UNKNOWN_PIPELINE
 
 
 class ModelFilesNotFound(RegistryError):
@@ -23,4 +23,4 @@ class ModelFilesNotFound(RegistryError):
     Unlike other registry errors this can heal by itself (the model cache is still being filled), so a
     caller may retry it with backoff instead of marking the spec wrong."""
 
-    reason: ClassVar[str] = "ModelFilesNotFound"
+    reason: ClassVar[Reason] = Reason.MODEL_FILES_NOT_FOUND

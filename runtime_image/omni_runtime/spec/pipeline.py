@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from omni_runtime.spec.connectors import ConnectorsSpec
 from omni_runtime.spec.enums import INPUT_PROCESSORS, ConnectorKind, Modality, StageKind
+from omni_runtime.spec.reasons import Reason
 
 __all__ = [
     "CompanionSpec",
@@ -32,28 +33,28 @@ NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 class SpecError(ValueError):
     """A pipeline spec that cannot run; the message names the field and what to change.
 
-    Raised as the subclass that says what is wrong: its `reason` is the CamelCase reason of the
-    operator's Degraded condition, so nobody has to recover it from the message."""
+    Raised as the subclass that says what is wrong: its `reason` is the operator's Degraded reason, so
+    nobody has to recover it from the message."""
 
-    reason: ClassVar[str] = "InvalidTopology"
+    reason: ClassVar[Reason] = Reason.INVALID_TOPOLOGY
 
 
 class UnknownStage(SpecError):
     """The spec names a stage the topology lacks."""
 
-    reason: ClassVar[str] = "UnknownStage"
+    reason: ClassVar[Reason] = Reason.UNKNOWN_STAGE
 
 
 class UnknownEdge(SpecError):
     """The spec names an edge the topology lacks."""
 
-    reason: ClassVar[str] = "UnknownEdge"
+    reason: ClassVar[Reason] = Reason.UNKNOWN_EDGE
 
 
 class NoUsableConnector(SpecError):
     """An edge's connector cannot serve the placement of its stages (e.g. `shm` across pods)."""
 
-    reason: ClassVar[str] = "NoUsableConnector"
+    reason: ClassVar[Reason] = Reason.NO_USABLE_CONNECTOR
 
 
 class CompanionSpec(BaseModel):

@@ -13,10 +13,11 @@ import socket
 from pathlib import Path
 
 from omni_runtime.spec import ResolvedPipeline
+from omni_runtime.spec.reasons import Reason
 from omni_runtime.stage.connectors import ConnectorSettings, ConnectorUnavailable
 from omni_runtime.stage.server import StageServer
 from omni_runtime.stage.settings import StageSettings
-from omni_runtime.stage.termination import ExitReason, Termination
+from omni_runtime.stage.termination import Termination
 from omni_runtime.wire.auth import PipelineKey
 
 __all__ = ["connector_settings", "run", "serve"]
@@ -74,11 +75,9 @@ async def serve(settings: StageSettings, *, key: PipelineKey) -> int:
             await server.drain(settings.drain_timeout)
         if isinstance(err, ConnectorUnavailable):
             # The operator reads this (pod terminationMessagePath) and reports Degraded with the reason.
-            Termination(reason=ExitReason.CONNECTOR_UNAVAILABLE, message=str(err)[-3000:]).write(
-                settings.termination_log
-            )
+            Termination(reason=Reason.CONNECTOR_UNAVAILABLE, message=str(err)[-3000:]).write(settings.termination_log)
         else:  # the engine failed to load, its self-check failed, or it died: the pod's status says why
-            Termination(reason=ExitReason.ENGINE_FAILED, message=str(err)[-3000:]).write(settings.termination_log)
+            Termination(reason=Reason.ENGINE_FAILED, message=str(err)[-3000:]).write(settings.termination_log)
     elif stop.is_set():
         drain = asyncio.create_task(server.drain(settings.drain_timeout))
         forced = asyncio.create_task(force.wait())

@@ -1,16 +1,20 @@
 """Why a stage process exits, written for Kubernetes (`terminationMessagePath`) and read by the operator.
 
 The message is one JSON object, `{"reason": "ConnectorUnavailable", "message": "..."}`, so the operator
-takes the reason as a typed value instead of searching the text. Pure pydantic: the operator imports it.
+takes the reason as a typed value instead of searching the text; the reason is a member of the one
+`spec.reasons.Reason` vocabulary, which the operator's conditions carry as they are. Pure pydantic: the
+operator imports it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from enum import Enum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from omni_runtime.spec.reasons import Reason
 
 __all__ = ["MAX_MESSAGE_BYTES", "ExitReason", "Termination"]
 
@@ -20,14 +24,9 @@ MAX_MESSAGE_BYTES = 4096
 """The kubelet keeps at most 4096 bytes of a termination message."""
 
 
-class ExitReason(str, Enum):
-    """Why a stage gave up; each names a Degraded reason of the operator."""
-
-    CONNECTOR_UNAVAILABLE = "ConnectorUnavailable"
-    """A connector an edge of the stage needs could not start (e.g. the Mooncake master is unreachable)."""
-    ENGINE_FAILED = "EngineFailed"
-    """The stage's engine failed to load, or its self-check (one tiny request) failed, so every request would,
-    or a part of it died while serving (a sequence-parallel rank); the message says what to change or what died."""
+ExitReason = Literal[Reason.CONNECTOR_UNAVAILABLE, Reason.ENGINE_FAILED]
+"""The `Reason`s a stage process exits with: a connector an edge needs could not start, or the engine
+failed to load, failed its self-check or died while serving (see `Reason` for each)."""
 
 
 class Termination(BaseModel):
