@@ -260,6 +260,57 @@ def test_companion_requests_use_the_negative_prompt() -> None:
     assert companion.params == {}
 
 
+class _SteppingLLM:
+    """Stands in for vLLM's AsyncLLM where only request ids matter: each request yields one token per step
+    until its `max_tokens`, or ends `abort` once aborted, as vLLM's DELTA outputs do."""
+
+    def __init__(self) -> None:
+        self.aborted: set[str] = set()
+        self.renderer = self
+
+    async def render_cmpl_async(self, prompts: list[dict], _tok: object) -> list[dict]:
+        return [{"prompt_token_ids": [1, 2, 3]} for _ in prompts]
+
+    async def abort(self, ids: str | list[str]) -> None:
+        self.aborted.update([ids] if isinstance(ids, str) else ids)
+
+    async def generate(self, _prompt: dict, sampling, rid: str):
+        from types import SimpleNamespace as NS
+
+        for step in range(sampling.max_tokens):
+            await asyncio.sleep(0.002)
+            aborted = rid in self.aborted
+            reason = "abort" if aborted else "length" if step == sampling.max_tokens - 1 else None
+            done = NS(index=0, text="a", token_ids=[] if aborted else [5], finish_reason=reason, logprobs=None)
+            yield NS(prompt_token_ids=None, outputs=[done], finished=reason is not None)
+            if reason is not None:
+                return
+
+
+async def test_ar_abort_stops_a_request_and_its_companions_and_no_request_whose_id_only_looks_related() -> None:
+    """Ids are matched whole: aborting work `w` aborts `w` and the CFG companion that names it as its
+    primary (`companion_of`), never another work whose id merely starts with `w#` (here a chunk run's)."""
+    from omni_runtime.engines.base import chunk_request_id
+
+    pipeline = _prompt_enhanced()
+    engine = AREngine(pipeline, pipeline.topology.stage("enhancer"))
+    engine.llm, engine.max_model_len = _SteppingLLM(), 64
+    engine._sampling_fields = frozenset({"max_tokens", *engine.stage.sampling_params})
+    primary = EngineInput("w", {"prompt": "a fox"}, {"max_tokens": 40})
+    (companion,) = companion_requests(engine.stage, primary)
+    other = EngineInput(chunk_request_id("w", 2), {"prompt": "a hen"}, {"max_tokens": 40})
+    assert companion.companion_of == "w" and other.request_id.startswith("w#") and other.companion_of is None
+    runs = [asyncio.create_task(_collect(engine, r)) for r in (primary, companion, other)]
+    while len(engine._active) < 3 and not any(r.done() for r in runs):  # all three in "vLLM" (after its import)
+        await asyncio.sleep(0.002)
+    await engine.abort("w")
+    async with asyncio.timeout(10):
+        outs = await asyncio.gather(*runs)
+    assert [o[-1].finish_reason for o in outs] == ["abort", "abort", "length"]
+    assert sum(len(o.data["token_ids"]) for o in outs[2]) == 40  # the other work ran to its end
+    assert engine.llm.aborted == {"w", companion.request_id}
+
+
 def test_make_engine_picks_the_engine_by_stage_kind() -> None:
     pipeline = _prompt_enhanced()
     assert type(make_engine(pipeline, "enhancer")) is AREngine

@@ -166,7 +166,8 @@ def stage_model_path(pipeline: ResolvedPipeline, stage: StageSpec) -> str:
 
 
 def companion_id(request_id: str, role: str) -> str:
-    """The request id of a CFG companion: `f"{request_id}#{role}"`."""
+    """The request id of a CFG companion (`f"{request_id}#{role}"`); nothing splits it back: the
+    companion's `EngineInput.companion_of` names its primary."""
     return f"{request_id}#{role}"
 
 
@@ -192,7 +193,8 @@ def companion_requests(stage: StageSpec, request: EngineInput) -> list[EngineInp
             data: dict[str, Any] = {"messages": messages}
         else:
             data = {"prompt": text}
-        out.append(EngineInput(companion_id(request.request_id, companion.role), data, dict(params), companion.role))
+        companion_rid = companion_id(request.request_id, companion.role)
+        out.append(EngineInput(companion_rid, data, dict(params), companion.role, companion_of=request.request_id))
     return out
 
 
@@ -298,7 +300,8 @@ class AREngine(Engine):
         self._cmpl_tok: Any = None
         self._chat_tok: Any = None
         self._sampling_fields: frozenset[str] = frozenset()
-        self._active: set[str] = set()
+        self._active: dict[str, str | None] = {}
+        """Request ids in vLLM (or on their way), each with the primary it is a CFG companion of."""
         self._abort_pending: set[str] = set()
         """Aborted while vLLM may not have had them yet (the prompt was still being rendered)."""
         self._procs: list[Any] = []
@@ -669,7 +672,7 @@ class AREngine(Engine):
                     f"apply {' and '.join(ignored)}; got {got}. "
                     "Leave them out (temperature, top_p, top_k and the repetition penalties work)"
                 )
-        self._active.add(rid)
+        self._active[rid] = request.companion_of
         try:
             data_in = request.data
             if tools is not None:
@@ -681,11 +684,11 @@ class AREngine(Engine):
                 room = self.max_model_len - len(prompt["prompt_token_ids"])  # >= 1: render_prompt checked
                 sampling.max_tokens = max(1, min(int(context_cap), room))
         except BaseException:
-            self._active.discard(rid)
+            self._active.pop(rid, None)
             self._abort_pending.discard(rid)
             raise
         if rid in self._abort_pending:  # aborted while its prompt was being rendered
-            self._active.discard(rid)
+            self._active.pop(rid, None)
             self._abort_pending.discard(rid)
             yield EngineOutput(rid, {"text": "", "token_ids": []}, finished=True, finish_reason="abort")
             return
@@ -757,7 +760,7 @@ class AREngine(Engine):
         except Exception as exc:
             raise EngineError(f"stage {self.stage.name!r} failed on request {rid!r}: {exc}") from exc
         finally:
-            self._active.discard(rid)
+            self._active.pop(rid, None)
             self._abort_pending.discard(rid)
             if self._rows is not None:
                 self._rows.close(rid)
@@ -823,10 +826,11 @@ class AREngine(Engine):
             data["hidden_states"] = taken
 
     async def abort(self, request_id: str) -> None:
-        """Abort `request_id` and its companions (`f"{request_id}#{role}"`) in vLLM."""
+        """Abort `request_id` and its companions (requests whose `companion_of` is `request_id`) in vLLM;
+        no other request, whatever its id looks like."""
         if self.llm is None:
             return
-        ids = [r for r in self._active if r == request_id or r.startswith(f"{request_id}#")]
+        ids = [r for r, primary in self._active.items() if request_id in (r, primary)]
         if ids:
             self._abort_pending.update(ids)
             await self.llm.abort(ids)

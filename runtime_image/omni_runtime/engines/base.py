@@ -24,6 +24,7 @@ __all__ = [
     "EngineInput",
     "EngineOutput",
     "InvalidRequest",
+    "chunk_request_id",
     "refuse_unknown_params",
     "self_check",
 ]
@@ -42,6 +43,13 @@ class InvalidRequest(ValueError):
     """The request cannot run on this engine (too long a prompt, bad size...): 4xx to the client.
 
     The message says what was wrong and what to change."""
+
+
+def chunk_request_id(work_id: str, chunk_index: int) -> str:
+    """The request id of the engine run for chunk `chunk_index` of work `work_id`, fed through a windowed
+    edge to an engine that runs once per chunk (wire/PROTOCOL.md, "Ordering"). Unique per chunk; nothing
+    reads the work back out of it (the stage keeps which run is its work's)."""
+    return f"{work_id}#{chunk_index}"
 
 
 def refuse_unknown_params(stage: str, params: dict[str, Any], known: Iterable[str]) -> None:
@@ -66,7 +74,9 @@ class EngineInput:
     `{"prompt": str}` or `{"messages": [...]}`, for a diffusion stage `{"prompt": str,
     "negative_prompt": str | None}` or `{"prompt_embeds": tensor, ...}`, for a generation stage the
     upstream tensors. `params` are the merged sampling parameters (stage defaults < request).
-    `role` is "primary" or a companion role (e.g. "cfg_text"); companions share `request_id`'s group.
+    `role` is "primary" or a companion role (e.g. "cfg_text"); a companion run by the same engine as
+    its primary names that primary's `request_id` in `companion_of`. Engines match request ids whole
+    (they never split one): what belongs together is said by `companion_of`, not by the id's shape.
     """
 
     request_id: str
@@ -77,6 +87,9 @@ class EngineInput:
     """Later input chunks of a streamed upstream edge (each already through the edge's input
     processor), ending after the producer's last one; `data` is the first chunk. Only set for
     engines with `streams_input`; None when the whole input is in `data`."""
+    companion_of: str | None = None
+    """The `request_id` of the primary this CFG companion runs beside (aborting that primary aborts this
+    too); None for a primary."""
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from omni_runtime.connectors import ConnectorError, Handle
-from omni_runtime.engines.base import Engine, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.engines.base import Engine, EngineInput, EngineOutput, InvalidRequest, chunk_request_id
 from omni_runtime.metrics import Stage as M
 from omni_runtime.processors import ProcessorError
 from omni_runtime.spec import ResolvedPipeline
@@ -205,7 +205,7 @@ class WorkRunner:
             chunk_params = dict(params)
             if s.more_inputs:
                 chunk_params.update(chunk_index=chunk_index, last_chunk=is_last)
-            engine_id = work.id if not s.more_inputs else f"{work.id}#{chunk_index}"
+            engine_id = work.id if not s.more_inputs else chunk_request_id(work.id, chunk_index)
             request = EngineInput(request_id=engine_id, data=data, params=chunk_params, role=s.role)
             await self._engine_run(work, request, edges, acc, ends_work=is_last)
             work.phase = "outputs"
