@@ -17,6 +17,7 @@ import pytest
 from servelib import chat_topology, echo_cluster, echo_pipeline
 
 from omni_runtime.router.protocol.chat import (
+    CHAT_FIELDS,
     FORWARDED,
     REFUSED,
     RENDER_ONLY,
@@ -25,7 +26,9 @@ from omni_runtime.router.protocol.chat import (
     ChatCompletionRequest,
 )
 from omni_runtime.router.protocol.completions import COMPLETION_FORWARDED, COMPLETION_REFUSED, CompletionRequest
+from omni_runtime.router.protocol.fields import FieldRoute, Forwarded, by_name, routed_to
 from omni_runtime.router.protocol.images import IMAGE_REFUSED
+from omni_runtime.router.serving.inputs import AR_FIELDS, TEXT_FIELDS
 from omni_runtime.router.serving.logprobs import chat_logprobs, completion_logprobs
 from omni_runtime.spec import EdgeSpec, PipelineSpec, RouterLimits, StageSpec
 
@@ -113,6 +116,23 @@ def test_the_lists_cover_the_request_models() -> None:
     assert set(FORWARDED) == set(CHAT_VALUES) | set(RENDER_VALUES) | set(TOOL_VALUES) | ROUTER_SIDE
     assert set(RENDER_VALUES) == RENDER_ONLY and TEXT_ONLY <= set(CHAT_VALUES) | {"echo"}
     assert set(TOOL_VALUES) == TOOL_FIELDS
+
+
+def test_where_a_field_goes_is_declared_once_and_read_by_the_checks_and_the_routing() -> None:
+    """The 400 checks and the routing follow each field's typed route, never the words describing it."""
+    assert set(CHAT_FIELDS) == set(FORWARDED)
+    assert all(FORWARDED[k].startswith(f.route.value) for k, f in CHAT_FIELDS.items())
+    text = {k for k, f in CHAT_FIELDS.items() if f.route is FieldRoute.TEXT}
+    assert TEXT_ONLY == text | {"echo"} and CHAT_FIELDS["echo"].route is FieldRoute.ROUTER
+    assert set(TEXT_FIELDS) == {k for k in text if CHAT_FIELDS[k].by_name}
+    assert set(TEXT_FIELDS) == {"logit_bias", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+                                "spaces_between_special_tokens", "bad_words", "allowed_token_ids"}  # fmt: skip
+    assert set(AR_FIELDS) == {"temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k",
+                              "min_p", "min_tokens", "ignore_eos", "repetition_penalty"}  # fmt: skip
+    assert RENDER_ONLY == routed_to(CHAT_FIELDS, FieldRoute.RENDER) and TOOL_FIELDS == set(TOOL_VALUES)
+    # a field's description is prose only: rewording it moves nothing
+    reworded = {**CHAT_FIELDS, "logit_bias": Forwarded(FieldRoute.TEXT, "now described otherwise")}
+    assert by_name(reworded, FieldRoute.TEXT) == TEXT_FIELDS and "logit_bias" not in AR_FIELDS
 
 
 async def test_every_forwarded_chat_field_reaches_the_stage() -> None:

@@ -4,9 +4,9 @@ Besides OpenAI's fields the request accepts vLLM's sampling and structured-outpu
 `min_p`, `ignore_eos`, `structured_outputs`, ...), vLLM-Omni's `sampling_params_list` (one dict per
 stage, in the pipeline's topological order) and, for image-producing pipelines, `negative_prompt`,
 `size`, `height`/`width`, `num_inference_steps` and `guidance_scale` (send them with the SDK's
-`extra_body`). `FORWARDED` says where each accepted field goes, `REFUSED` which of vLLM's fields get a
-400 and why; any other field is a 400 naming it, unless the pipeline sets `router.unknownFields:
-ignore`.
+`extra_body`). `CHAT_FIELDS` declares where each accepted field goes (`FORWARDED` says it in words),
+`REFUSED` which of vLLM's fields get a 400 and why; any other field is a 400 naming it, unless the
+pipeline sets `router.unknownFields: ignore`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from omni_runtime.router.protocol.fields import FieldRoute, Forwarded, routed_to
 from omni_runtime.router.protocol.sampling import SamplingFields
 
 __all__ = [
     "AUDIO_FORMATS",
+    "CHAT_FIELDS",
     "FORWARDED",
     "REFUSED",
+    "RENDER_ONLY",
     "TEXT_ONLY",
     "TOOL_FIELDS",
     "ChatLogProbs",
@@ -174,70 +177,71 @@ class ChatCompletionStreamResponse(BaseModel):
     usage: Usage | None = None
 
 
-_SAMPLING = "the sampling parameters of every AR stage the request runs"
-_TEXT = "the AR stage that produces the reply's text (400 when the pipeline's text comes from no AR stage)"
-_RENDER = "the prompt rendering of the entry AR stage (400 when the entry stage is not AR)"
-_TOOL = (
-    "the AR stage that renders the chat and produces the reply's text (400 when no stage is both): its chat "
-    "template, vLLM's structured outputs for required/named, and its engine_args.tool_call_parser"
-)
+_R, _S, _T, _D = FieldRoute.ROUTER, FieldRoute.SAMPLING, FieldRoute.TEXT, FieldRoute.DIFFUSION
+_RENDER, _TOOL = FieldRoute.RENDER, FieldRoute.TOOL
 
-FORWARDED: dict[str, str] = {
-    "model": "checked against the served model name",
-    "messages": "the entry stage's input (a chat for an AR stage, the last user text for the others)",
-    "modalities": "which final stages run",
-    "audio": "the speech stages' voice and the reply's audio encoding",
-    "n": "one pipeline run per choice (at most router.limits.maxN)",
-    "stream": "server-sent events, one chunk per output piece",
-    "stream_options": "include_usage: a usage chunk at the end; continuous_usage_stats: usage in every chunk",
-    "max_tokens": _SAMPLING + " (at most router.limits.maxTokens)",
-    "max_completion_tokens": _SAMPLING + " (as max_tokens)",
-    "temperature": _SAMPLING,
-    "top_p": _SAMPLING,
-    "seed": _SAMPLING + ", and the diffusion stages (plus the choice index)",
-    "stop": _SAMPLING,
-    "presence_penalty": _SAMPLING,
-    "frequency_penalty": _SAMPLING,
-    "top_k": _SAMPLING,
-    "min_p": _SAMPLING,
-    "min_tokens": _SAMPLING,
-    "ignore_eos": _SAMPLING,
-    "repetition_penalty": _SAMPLING,
-    "user": "accepted and recorded nowhere; it changes no reply (as in OpenAI's and vLLM's servers)",
-    "logprobs": _TEXT,
-    "top_logprobs": _TEXT,
-    "logit_bias": _TEXT,
-    "response_format": _TEXT + ", as vLLM's structured_outputs",
-    "structured_outputs": _TEXT,
-    "stop_token_ids": _TEXT,
-    "include_stop_str_in_output": _TEXT,
-    "skip_special_tokens": _TEXT,
-    "spaces_between_special_tokens": _TEXT,
-    "bad_words": _TEXT,
-    "allowed_token_ids": _TEXT,
-    "echo": "the router: the reply starts with the last message when that has the reply's role",
-    "add_generation_prompt": _RENDER,
-    "continue_final_message": _RENDER,
-    "add_special_tokens": _RENDER,
-    "chat_template_kwargs": _RENDER,
-    "tools": _TOOL,
-    "tool_choice": _TOOL,
-    "parallel_tool_calls": _TOOL,
-    "sampling_params_list": "per stage, in topological order, over the fields above",
-    "negative_prompt": "the diffusion stages and CFG companions",
-    "size": "the diffusion stages (height and width)",
-    "height": "the diffusion stages",
-    "width": "the diffusion stages",
-    "num_inference_steps": "the diffusion stages",
-    "guidance_scale": "the diffusion stages",
+CHAT_FIELDS: dict[str, Forwarded] = {
+    "model": Forwarded(_R, "checked against the served model name"),
+    "messages": Forwarded(_R, "the entry stage's input (a chat for an AR stage, the last user text for the others)"),
+    "modalities": Forwarded(_R, "which final stages run"),
+    "audio": Forwarded(_R, "the speech stages' voice and the reply's audio encoding"),
+    "n": Forwarded(_R, "one pipeline run per choice (at most router.limits.maxN)"),
+    "stream": Forwarded(_R, "server-sent events, one chunk per output piece"),
+    "stream_options": Forwarded(
+        _R, "include_usage: a usage chunk at the end; continuous_usage_stats: usage in every chunk"
+    ),
+    "max_tokens": Forwarded(_S, "at most router.limits.maxTokens", by_name=False),
+    "max_completion_tokens": Forwarded(_S, "as max_tokens", by_name=False),
+    "temperature": Forwarded(_S),
+    "top_p": Forwarded(_S),
+    "seed": Forwarded(_S, "and the diffusion stages (plus the choice index)"),
+    "stop": Forwarded(_S),
+    "presence_penalty": Forwarded(_S),
+    "frequency_penalty": Forwarded(_S),
+    "top_k": Forwarded(_S),
+    "min_p": Forwarded(_S),
+    "min_tokens": Forwarded(_S),
+    "ignore_eos": Forwarded(_S),
+    "repetition_penalty": Forwarded(_S),
+    "user": Forwarded(_R, "accepted and recorded nowhere; it changes no reply (as in OpenAI's and vLLM's servers)"),
+    "logprobs": Forwarded(_T, "as vLLM's logprobs, top_logprobs of them", by_name=False),
+    "top_logprobs": Forwarded(_T, "with logprobs", by_name=False),
+    "logit_bias": Forwarded(_T),
+    "response_format": Forwarded(_T, "as vLLM's structured_outputs", by_name=False),
+    "structured_outputs": Forwarded(_T, "overridden by response_format", by_name=False),
+    "stop_token_ids": Forwarded(_T),
+    "include_stop_str_in_output": Forwarded(_T),
+    "skip_special_tokens": Forwarded(_T),
+    "spaces_between_special_tokens": Forwarded(_T),
+    "bad_words": Forwarded(_T),
+    "allowed_token_ids": Forwarded(_T),
+    "echo": Forwarded(_R, "the reply starts with the last message when that has the reply's role", needs_text=True),
+    "add_generation_prompt": Forwarded(_RENDER, "in chat_template_kwargs", by_name=False),
+    "continue_final_message": Forwarded(_RENDER, "in chat_template_kwargs", by_name=False),
+    "add_special_tokens": Forwarded(_RENDER),
+    "chat_template_kwargs": Forwarded(_RENDER),
+    "tools": Forwarded(_TOOL),
+    "tool_choice": Forwarded(_TOOL),
+    "parallel_tool_calls": Forwarded(_TOOL),
+    "sampling_params_list": Forwarded(_R, "per stage, in topological order, over the fields above"),
+    "negative_prompt": Forwarded(_D, "and the CFG companions, in their input", by_name=False),
+    "size": Forwarded(_D, "as height and width", by_name=False),
+    "height": Forwarded(_D),
+    "width": Forwarded(_D),
+    "num_inference_steps": Forwarded(_D),
+    "guidance_scale": Forwarded(_D),
 }
-"""Every request field the router accepts, and where it goes."""
+"""Every request field the router accepts, and where it goes: the one declaration the field checks, the
+routing (`router.serving.inputs`) and the field list's prose (`FORWARDED`) are read from."""
 
-TEXT_ONLY = frozenset({"echo", *(k for k, v in FORWARDED.items() if v.startswith(_TEXT))})
+FORWARDED: dict[str, str] = {k: f.prose for k, f in CHAT_FIELDS.items()}
+"""Every request field the router accepts, and where it goes, in words."""
+
+TEXT_ONLY = frozenset(k for k, f in CHAT_FIELDS.items() if f.text_only)
 """Fields only the AR stage producing the reply's text can honour."""
-RENDER_ONLY = frozenset(k for k, v in FORWARDED.items() if v == _RENDER)
+RENDER_ONLY = routed_to(CHAT_FIELDS, FieldRoute.RENDER)
 """Fields only an AR entry stage (one that renders the chat) can honour."""
-TOOL_FIELDS = frozenset(k for k, v in FORWARDED.items() if v == _TOOL)
+TOOL_FIELDS = routed_to(CHAT_FIELDS, FieldRoute.TOOL)
 """Fields only an AR stage that both renders the chat and produces the reply's text can honour."""
 
 _NOT_SERVED = "not served by this router"

@@ -14,6 +14,8 @@ from typing import Any
 
 from omni_runtime.router.errors import BadRequest
 from omni_runtime.router.plan import Plan
+from omni_runtime.router.protocol.chat import CHAT_FIELDS
+from omni_runtime.router.protocol.fields import FieldRoute, by_name
 from omni_runtime.spec import Modality, PipelineSpec, StageKind
 
 __all__ = [
@@ -26,16 +28,10 @@ __all__ = [
     "text_stages",
 ]
 
-AR_FIELDS = (
-    "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-    "min_tokens", "ignore_eos", "repetition_penalty",
-)  # fmt: skip
-IMAGE_FIELDS = ("height", "width", "seed", "num_inference_steps", "guidance_scale")
-TEXT_FIELDS = (
-    "logit_bias", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-    "spaces_between_special_tokens", "bad_words", "allowed_token_ids",
-)  # fmt: skip
-"""Sampling fields (vLLM names) that only the stage producing the reply's text gets."""
+AR_FIELDS = by_name(CHAT_FIELDS, FieldRoute.SAMPLING)
+"""Sampling fields (vLLM names) that every AR stage gets as they are (`max_tokens` is sized apart)."""
+TEXT_FIELDS = by_name(CHAT_FIELDS, FieldRoute.TEXT)
+"""Sampling fields (vLLM names) that only the stage producing the reply's text gets as they are."""
 
 
 def text_stages(topology: PipelineSpec, plan: Plan) -> list[str]:
