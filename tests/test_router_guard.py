@@ -193,6 +193,7 @@ async def test_n_and_max_tokens_are_capped_by_the_pipeline_limits() -> None:
                     model="echo", messages=user("x"), extra_body={"sampling_params_list": [{"max_tokens": 10**9}]}
                 )
             assert "sampling_params_list[0].max_tokens is 1000000000" in err.value.body["message"]
+            assert err.value.body["param"] == "sampling_params_list"
             with pytest.raises(openai.BadRequestError) as err:
                 await api.images.generate(model="echo", prompt="a cat", n=1000)
             assert "n is 1000" in err.value.body["message"]

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Protocol
 
 from omni_runtime.connectors import ConnectorError, Handle
@@ -30,9 +31,20 @@ from omni_runtime.stage.outputs import client_fields, count_items, merge, summar
 from omni_runtime.wire import protocol as P
 from omni_runtime.wire.audio import audio_seconds
 
-__all__ = ["Send", "Work", "WorkRunner"]
+__all__ = ["Outcome", "Send", "Work", "WorkRunner"]
 
 log = logging.getLogger(__name__)
+
+
+class Outcome(str, Enum):
+    """How a work ended: decides its cleanup, and is the `status` label of `omnikube_stage_requests`."""
+
+    OK = "ok"
+    ABORTED = "aborted"
+    """Its router aborted it, or this stage stopped it (`Work.stopped_because`)."""
+    INVALID_REQUEST = "invalid_request"
+    CONNECTOR_ERROR = "connector_error"
+    ENGINE_ERROR = "engine_error"
 
 
 class Send(Protocol):
@@ -114,22 +126,22 @@ class WorkRunner:
     # -- running a work ------------------------------------------------------------------------
 
     async def _run(self, work: Work, inline: dict[str, Any] | None) -> None:
-        status = "ok"
+        status = Outcome.OK
         try:
             await self._execute(work, inline)
         except asyncio.CancelledError:
-            status = "aborted"
+            status = Outcome.ABORTED
         except InvalidRequest as err:
-            status = "invalid_request"
+            status = Outcome.INVALID_REQUEST
             await self.fail(work, "invalid_request", str(err))
         except ConnectorError as err:
-            status = "connector_error"
+            status = Outcome.CONNECTOR_ERROR
             await self.fail(work, "connector_error", f"stage {self.stage}: {err}")
         except ProcessorError as err:
-            status = "engine_error"
+            status = Outcome.ENGINE_ERROR
             await self.fail(work, "engine_error", f"stage {self.stage}: {err}")
         except Exception as err:
-            status = "engine_error"
+            status = Outcome.ENGINE_ERROR
             log.exception("stage %s: work %s failed", self.stage, work.id)
             await self.fail(work, "engine_error", self.engine_failure_text(err))
         finally:
@@ -144,19 +156,19 @@ class WorkRunner:
         if work.closing or self.works.get(work.id) is not work:
             return
         work.closing = True
-        closer = asyncio.create_task(self._close_work(work, "aborted"), name=f"close-{work.id}")
+        closer = asyncio.create_task(self._close_work(work, Outcome.ABORTED), name=f"close-{work.id}")
         self.closers.add(closer)
         closer.add_done_callback(self.closers.discard)
 
-    async def _close_work(self, work: Work, status: str) -> None:
+    async def _close_work(self, work: Work, status: Outcome) -> None:
         """Abort the engine and release created handles unless the work finished; then release every
         input handle it holds (chunks fed after it stopped reading included) and forget it. A work this
         stage stopped on its own is failed to its router first, which otherwise waits for it until its
         request times out."""
-        if status == "aborted" and work.stopped_because is not None:
+        if status is Outcome.ABORTED and work.stopped_because is not None:
             await self.fail(work, "unavailable", work.stopped_because)
         work.phase = "releasing"
-        if status != "ok":
+        if status is not Outcome.OK:
             await self._abort_engine(work)
             await self.release_all(work.created)
             work.created.clear()
@@ -167,7 +179,7 @@ class WorkRunner:
             await self.release_all([i.handle for i in feed.inputs])
         self.works.pop(work.id, None)
         M.running.labels(*self._labels).set(len(self.works))
-        M.requests.labels(*self._labels, status).inc()
+        M.requests.labels(*self._labels, status.value).inc()
         M.latency.labels(*self._labels).observe(time.perf_counter() - work.started)
         self.count_handles()
 

@@ -76,13 +76,14 @@ class ServingBase:
                 param="n",
             )
 
-    def check_max_tokens(self, value: Any, where: str) -> None:
-        """`where` names the field for the message (`max_tokens`, `sampling_params_list[0].max_tokens`)."""
+    def check_max_tokens(self, value: Any, param: str, where: str | None = None) -> None:
+        """400 when `value` exceeds `router.limits.maxTokens`: `param` is the request field the error names,
+        `where` the place in it the message names (`sampling_params_list[0].max_tokens`; default `param`)."""
         if isinstance(value, int) and not isinstance(value, bool) and value > self.limits.max_tokens:
             raise BadRequest(
-                f"{where} is {value}; this pipeline generates at most {self.limits.max_tokens} tokens per "
-                "request (router.limits.maxTokens); ask for fewer",
-                param=where.split(".")[0].split("[")[0],
+                f"{where or param} is {value}; this pipeline generates at most {self.limits.max_tokens} tokens "
+                "per request (router.limits.maxTokens); ask for fewer",
+                param=param,
             )
 
     def check_fields(self, body: BaseModel, refused_list: dict[str, tuple[str, object]] = REFUSED) -> None:
@@ -130,7 +131,8 @@ class ServingBase:
         """vLLM-Omni's `sampling_params_list` must not lift the limits the top-level fields obey."""
         for i, params in enumerate(per_stage or []):
             for key in ("max_tokens", "max_completion_tokens"):
-                self.check_max_tokens((params or {}).get(key), f"sampling_params_list[{i}].{key}")
+                where = f"sampling_params_list[{i}].{key}"
+                self.check_max_tokens((params or {}).get(key), "sampling_params_list", where)
             if isinstance((params or {}).get("n"), int):
                 self.check_n(params["n"])
 
