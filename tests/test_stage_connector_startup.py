@@ -19,7 +19,8 @@ from servelib import EchoEngine, http_get
 
 from omni_runtime.connectors.mooncake_master import MooncakeMaster, free_port
 from omni_runtime.registry import get_pipeline
-from omni_runtime.spec import ConnectorsSpec, EdgeOverride, Reason, ResolvedPipeline, resolve_pipeline
+from omni_runtime.spec import ConnectorsSpec, EdgeOverride, ResolvedPipeline, resolve_pipeline
+from omni_runtime.spec.reasons import Reason
 from omni_runtime.stage.connectors import ConnectorSettings
 from omni_runtime.stage.main import connector_settings
 from omni_runtime.stage.server import StageServer

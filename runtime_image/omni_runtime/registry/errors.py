@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from omni_runtime.spec import Reason, SpecError
+from omni_runtime.spec import SpecError
+from omni_runtime.spec.reasons import Reason
 
 __all__ = ["ModelFilesNotFound", "RegistryError"]
 

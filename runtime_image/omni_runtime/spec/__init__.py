@@ -32,7 +32,6 @@ from omni_runtime.spec.placement import (
     StageDiscovery,
     pod_groups,
 )
-from omni_runtime.spec.reasons import Reason
 from omni_runtime.spec.resolved import (
     DRAIN_TIMEOUT_S,
     ROUTER_PORT,
@@ -66,7 +65,6 @@ __all__ = [
     "PipelineSpec",
     "Placement",
     "PodGroups",
-    "Reason",
     "ResolvedPipeline",
     "MediaLimits",
     "VideoLimits",
