@@ -4,6 +4,13 @@ Pure pydantic; importing it never loads torch or an engine.
 """
 
 from omni_runtime.spec.connectors import ConnectorsSpec, MooncakeSpec
+from omni_runtime.spec.engine_args import (
+    ENGINE_ARGS_MODELS,
+    EngineArgs,
+    InvalidEngineArgs,
+    check_engine_args,
+    engine_args_for,
+)
 from omni_runtime.spec.enums import (
     INPUT_PROCESSORS,
     ConnectorKind,
@@ -46,6 +53,7 @@ from omni_runtime.spec.resolved import (
 
 __all__ = [
     "DRAIN_TIMEOUT_S",
+    "ENGINE_ARGS_MODELS",
     "INPUT_PROCESSORS",
     "ROUTER_PORT",
     "STAGE_HTTP_PORT",
@@ -55,6 +63,8 @@ __all__ = [
     "ConnectorsSpec",
     "EdgeOverride",
     "EdgeSpec",
+    "EngineArgs",
+    "InvalidEngineArgs",
     "Modality",
     "ModelMatch",
     "MooncakeMode",
@@ -76,6 +86,8 @@ __all__ = [
     "StageSpec",
     "UnknownEdge",
     "UnknownStage",
+    "check_engine_args",
+    "engine_args_for",
     "pod_groups",
     "resolve_pipeline",
 ]
