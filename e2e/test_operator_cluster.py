@@ -388,6 +388,34 @@ def test_spec_problems_the_schema_cannot_see_are_degraded(cluster, operator, nam
     assert not kubectl_json(cluster, "get", "omnistages", "-n", namespace)["items"], "nothing is created"
 
 
+def test_an_invalid_engine_arg_is_degraded_and_starts_no_pod(cluster, operator, namespace) -> None:
+    """An SD3 stage with `engineArgs: {quantization: fp9}` (fp8 is the only quantization): the operator reports
+    it at reconcile, naming the stage and the key, and creates nothing that would start a pod (the pipeline used
+    to turn Ready and its pod to exit EngineFailed)."""
+    stages = [{"name": "dit", "engineArgs": {"quantization": "fp9"}}]
+    apply(cluster, namespace, pipeline("sd3", "stable-diffusion-3", stages))
+
+    def degraded():
+        cond = condition(get(cluster, namespace, "omnipipeline", "sd3") or {}, "Degraded")
+        return cond if cond.get("status") == "True" else None
+
+    cond = wait_for(degraded, 30, "Degraded InvalidEngineArgs", operator.log)
+    assert cond["reason"] == "InvalidEngineArgs"
+    assert all(w in cond["message"] for w in ("stage 'dit'", "quantization", "'fp9'", "'fp8'")), cond["message"]
+    ready = condition(get(cluster, namespace, "omnipipeline", "sd3"), "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidEngineArgs")
+    for kind in ("omnistages", "deployments", "pods"):
+        assert not kubectl_json(cluster, "get", kind, "-n", namespace)["items"], f"no {kind} are created"
+    selector = "involvedObject.name=sd3,reason=InvalidEngineArgs"
+    events = wait_for(  # the operator posts the Event after it wrote the status
+        lambda: kubectl_json(cluster, "get", "events", "-n", namespace, "--field-selector", selector)["items"] or None,
+        30,
+        "an InvalidEngineArgs Event",
+        operator.log,
+    )
+    assert events[0]["type"] == "Warning"
+
+
 def test_unknown_pipeline_and_missing_connector_are_degraded(cluster, operator, namespace) -> None:
     apply(cluster, namespace, pipeline("nopipe", "no-such-topology", []))
     # shm between two stages in different pods cannot work.

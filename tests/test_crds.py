@@ -332,7 +332,8 @@ def test_convert_qwen3_omni_sample() -> None:
         "max_model_len": 32768,
         "gpu_memory_utilization": 0.9,
     }
-    assert args.stages[2].engine_args == {"enforce_eager": True}
+    assert args.stages[1].engine_args == {"max_requests": 32}
+    assert args.stages[2].engine_args == {"left_context": 25}
     assert [(e.source, e.target, e.connector, e.window) for e in args.edges] == [
         ("thinker", "talker", ConnectorKind.MOONCAKE, None),
         ("talker", "code2wav", ConnectorKind.SHM, None),

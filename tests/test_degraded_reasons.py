@@ -15,6 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from omni_operator.api import OmniPipeline
+from omni_operator.render import RenderError, render_pipeline
 from omni_operator.resolve import resolve_cluster_pipeline
 from omni_operator.status.conditions import Condition
 from omni_operator.status.pipeline_status import PipelineObservation, pipeline_conditions, spec_problem
@@ -69,14 +70,59 @@ def problem_of(**spec: Any) -> Condition:
             ["loop"],
         ),
         ({"stages": [{"name": "dit", "replicas": -1}]}, Reason.INVALID_SPEC, ["replicas"]),
+        (
+            {"pipeline": "stable-diffusion-3", "stages": [{"name": "dit", "engineArgs": {"quantization": "fp9"}}]},
+            Reason.INVALID_ENGINE_ARGS,
+            ["stage 'dit'", "quantization", "'fp9'", "'fp8'"],
+        ),
+        (
+            {"pipeline": "qwen3-omni", "stages": [{"name": "code2wav", "engineArgs": {"enforce_eager": True}}]},
+            Reason.INVALID_ENGINE_ARGS,
+            ["stage 'code2wav'", "enforce_eager", "qwen3_omni_code2wav", "left_context"],
+        ),
     ],
-    ids=["unknown-pipeline", "unknown-stage", "unknown-colocate", "unknown-edge", "shm-across-pods", "loop", "invalid"],
+    ids=[
+        "unknown-pipeline",
+        "unknown-stage",
+        "unknown-colocate",
+        "unknown-edge",
+        "shm-across-pods",
+        "loop",
+        "invalid",
+        "engine-arg-value",
+        "engine-arg-a-runner-does-not-read",
+    ],
 )
 def test_each_spec_problem_has_its_own_reason(spec: dict, reason: Reason, words: list[str]) -> None:
     cond = problem_of(**spec)
     assert (cond.type, cond.status, cond.reason) == ("Degraded", "True", reason)
     for word in words:
         assert word in cond.message
+
+
+def test_an_invalid_engine_arg_degrades_the_pipeline_before_anything_is_built() -> None:
+    """The reconcile's own path: resolving raises, so no OmniStage, Deployment or pod is made for the pipeline
+    (the cluster tier checks the same against a real API server: test_operator_cluster's
+    test_an_invalid_engine_arg_is_degraded_and_starts_no_pod)."""
+    manifest = {
+        "apiVersion": "omnikube.io/v1alpha1",
+        "kind": "OmniPipeline",
+        "metadata": {"name": "sd3", "namespace": "apps"},
+        "spec": {
+            "model": "some/model",
+            "pipeline": "stable-diffusion-3",
+            "stages": [{"name": "dit", "engineArgs": {"quantization": "fp9"}}],
+        },
+    }
+    with pytest.raises(SpecError) as info:
+        resolve_cluster_pipeline(OmniPipeline.model_validate(manifest), REGISTRY)
+    _, _, conditions = pipeline_conditions(PipelineObservation(spec_problem=spec_problem(info.value)))
+    by_type = {c.type: c for c in conditions}
+    assert (by_type["Degraded"].status, by_type["Degraded"].reason) == ("True", Reason.INVALID_ENGINE_ARGS)
+    assert "stage 'dit'" in by_type["Degraded"].message and "quantization" in by_type["Degraded"].message
+    assert (by_type["Ready"].status, by_type["Ready"].reason) == ("False", Reason.INVALID_ENGINE_ARGS)
+    with pytest.raises(RenderError, match="quantization"):
+        render_pipeline(manifest, REGISTRY)  # `omnikube render` builds nothing either
 
 
 def test_every_spec_error_reason_is_a_known_reason() -> None:

@@ -471,7 +471,7 @@ def test_changing_one_stages_engine_args_rolls_only_that_stage():
 def test_changing_a_colocated_stages_engine_args_rolls_its_group():
     before = hashes(render(load("qwen3-omni.yaml")))
     manifest = load("qwen3-omni.yaml")
-    manifest["spec"]["stages"][2]["engineArgs"]["enforce_eager"] = False  # code2wav, in the talker's pods
+    manifest["spec"]["stages"][2]["engineArgs"]["left_context"] = 50  # code2wav, in the talker's pods
     after = hashes(render(manifest))
     assert after["qwen3-omni-talker"]["template"] != before["qwen3-omni-talker"]["template"]
     assert after["qwen3-omni-thinker"] == before["qwen3-omni-thinker"]

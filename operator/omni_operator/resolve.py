@@ -26,6 +26,7 @@ from omni_runtime.spec import (
     PodGroups,
     ResolvedPipeline,
     StageDiscovery,
+    check_engine_args,
     pod_groups,
 )
 
@@ -110,6 +111,11 @@ def cluster_placement(pipeline: OmniPipeline) -> Placement:
 def resolve_cluster_pipeline(
     pipeline: OmniPipeline, registry: PipelineRegistry, model_root: Path | None = None
 ) -> ResolvedPipeline:
-    """Resolve for the cluster: each stage is found through its pod group's headless Service."""
+    """Resolve for the cluster: each stage is found through its pod group's headless Service.
+
+    Raises SpecError (InvalidEngineArgs among them) when the pipeline cannot run, before anything is built."""
     topology = topology_for(pipeline, registry, model_root)
-    return resolve(pipeline, topology, model_path=model_path_in_pod(pipeline), placement=cluster_placement(pipeline))
+    placement = cluster_placement(pipeline)
+    resolved = resolve(pipeline, topology, model_path=model_path_in_pod(pipeline), placement=placement)
+    check_engine_args(resolved.topology)  # omnikube's own keys; vLLM's are checked when the stage starts
+    return resolved

@@ -34,6 +34,9 @@ class Reason(str, Enum):
     UNKNOWN_EDGE = "UnknownEdge"
     NO_USABLE_CONNECTOR = "NoUsableConnector"
     INVALID_TOPOLOGY = "InvalidTopology"
+    INVALID_ENGINE_ARGS = "InvalidEngineArgs"
+    """A stage's engine args that its engine would refuse (an omnikube key's value, a combination, a key a
+    runner does not read), found when the pipeline is resolved, before any pod starts."""
     SECRET_MISSING = "SecretMissing"
     NAME_COLLISION = "NameCollision"
     """An object the operator would create exists and is not the pipeline's; it is left alone."""
