@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from omni_operator import crdgen
 from omni_operator.api import (
@@ -35,6 +35,7 @@ from omni_runtime.spec import (
     SpecError,
     StageSpec,
 )
+from omni_runtime.spec.engine_args import ENGINE_ARGS_MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
 CRDS = ROOT / "crds"
@@ -284,6 +285,33 @@ def test_rules_in_the_schema_are_the_models_rules(crds: list[dict[str, Any]]) ->
         field = message.split(":", 1)[0]
         assert field and " " not in field, f"message {message!r} should start with the field it names"
         assert "self" in rule
+
+
+def _engine_args_fields() -> Iterator[tuple[str, Any]]:
+    """(model.key, FieldInfo) of every key of every engine args model, nested models' keys too."""
+    seen: set[type] = set()
+    todo: list[type[BaseModel]] = list(ENGINE_ARGS_MODELS.values())
+    while todo:
+        model = todo.pop()
+        if model in seen:
+            continue
+        seen.add(model)
+        for name, info in model.model_fields.items():
+            yield f"{model.__name__}.{name}", info
+            todo += [
+                a for a in getattr(info.annotation, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)
+            ]
+
+
+def test_the_engine_args_text_is_written_from_every_keys_description(crds: list[dict[str, Any]]) -> None:
+    pipeline = next(c for c in crds if c["spec"]["names"]["kind"] == "OmniPipeline")
+    text = _schema(pipeline)["properties"]["spec"]["properties"]["stages"]["items"]["properties"]["engineArgs"]
+    described = text["description"]
+    for key, info in _engine_args_fields():
+        assert info.description, f"{key} has no description"
+        assert " ".join(info.description.split()).rstrip(".") in described, f"{key} is not in the CRD text"
+        assert f"`{key.split('.')[1]}`" in described
+    assert "InvalidEngineArgs" in described and "Other keys are refused" in described
 
 
 # --- samples and conversion -----------------------------------------------------------------------

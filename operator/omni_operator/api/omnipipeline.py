@@ -45,6 +45,7 @@ from omni_operator.api.common import (
     grace_field,
     unique_env_rule,
 )
+from omni_operator.api.engine_args_doc import engine_args_description
 from omni_runtime.spec import ROUTER_PORT, ConnectorKind, MooncakeMode, MooncakeProtocol, RouterLimits
 
 __all__ = [
@@ -429,23 +430,7 @@ class PipelineStage(Placement):
         description="Stage name from the pipeline topology (RFC 1123 label: lowercase letters, digits and '-')."
     )
     replicas: Int = Field(1, ge=0, description="Pods of this stage; ignored with colocateWith or autoscaling.")
-    engine_args: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Engine arguments merged over the topology's (vLLM engine args for ar stages, "
-        "diffusers settings for diffusion stages). For ar stages also omnikube's `tool_call_parser`: the vLLM "
-        "tool-call parser (as `vllm serve --tool-call-parser`, e.g. `hermes` for Qwen2.5/Qwen3) that reads "
-        "tool calls from the stage's text and constrains `tool_choice` required or a named function; "
-        "without it requests with tools are refused unless `tool_choice` is `none`. A name that is not a "
-        "vLLM parser fails the stage at start with the list of names. Diffusion stages also take omnikube's speed "
-        "options: `enforce_eager` (true: never torch.compile; on GPUs the repeated transformer blocks are "
-        "compiled at start-up by default), `quantization: fp8` (FP8 matmuls; Ada/Hopper GPUs only, refused "
-        "elsewhere), `step_cache_threshold` (first block cache, e.g. 0.08; 0 or unset: off; a request turns it "
-        "off with `step_cache: false`), `step_cache` (a schedule-based step cache instead, e.g. `{policy: "
-        "taylorseer, interval: 3, warmup: 4}`: after the warm-up steps one in `interval` runs in full, the others "
-        "extrapolate; a request turns it off the same way), `cuda_graphs` (true: the compiled denoiser step replays "
-        "CUDA graphs, one per input shape; GPUs only) and `attention_backend` (auto: FlashAttention-3, cuDNN "
-        "or SDPA by GPU).",
-    )
+    engine_args: dict[str, Any] = Field(default_factory=dict, description=engine_args_description())
     sampling_params: dict[str, Any] = Field(
         default_factory=dict,
         description="Default sampling parameters merged over the topology's; a request may override them.",
