@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 
 from omni_runtime.spec.enums import StageKind
 from omni_runtime.spec.pipeline import PipelineSpec, SpecError, StageSpec
+from omni_runtime.spec.reasons import Reason
 
 __all__ = [
     "ENGINE_ARGS_MODELS",
@@ -49,7 +50,7 @@ class InvalidEngineArgs(SpecError):
     """A stage's engine args that its engine would refuse: a key of omnikube's with a wrong value, two keys
     that cannot be combined, or a key a runner does not read. `stage` and `field` say where."""
 
-    reason: ClassVar[str] = "InvalidEngineArgs"
+    reason: ClassVar[Reason] = Reason.INVALID_ENGINE_ARGS
 
     def __init__(self, message: str, *, stage: str, field: str) -> None:
         super().__init__(message)
