@@ -512,7 +512,7 @@ def test_every_vllm_process_holds_the_amx_tiles_its_cpu_attention_uses() -> None
     if sys.platform != "linux":
         pytest.skip("arch_prctl is Linux's")
     out = subprocess.run(
-        [sys.executable, "-c", _AMX_PERMISSION_CHECK], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", _AMX_PERMISSION_CHECK], capture_output=True, text=True, timeout=600, check=True
     )
     has_amx, before, after = (int(v) for v in out.stdout.split()[-3:])
     assert not before, "a fresh process holds no AMX tile state (what made vLLM's kernel fault)"

@@ -165,6 +165,24 @@ def test_bad_local_specs_say_what_to_change(t2i_folder, tmp_path) -> None:
         LocalRun.prepare(load_local_spec(t2i_folder), run_dir=tmp_path / "run2", replicas={"nope": 2})
 
 
+def test_serve_refuses_an_engine_arg_its_engine_would_refuse_before_starting_anything(
+    t2i_folder, tmp_path, capsys
+) -> None:
+    """`omnikube serve` with an omnikube engine arg of the wrong value exits 2 naming the stage and the key,
+    and writes no run (no process started), as the operator reports it Degraded before any pod."""
+    from omni_runtime.cli import main
+
+    path = write(
+        tmp_path / "p.yaml",
+        {"model": str(t2i_folder), "stages": [{"name": "dit", "engine_args": {"quantization": "fp9"}}]},
+    )
+    run_dir = tmp_path / "run"
+    assert main(["serve", path, "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "stage 'dit': engine_args.quantization is 'fp9'" in err and "'fp8'" in err
+    assert not (run_dir / "processes.json").exists()
+
+
 # -- discovery -----------------------------------------------------------------------------------
 
 

@@ -40,6 +40,7 @@ from omni_runtime.spec import (
     SpecError,
     StageDiscovery,
     StageOverride,
+    check_engine_args,
     resolve_pipeline,
 )
 from omni_runtime.stage.settings import StageSettings
@@ -185,6 +186,8 @@ class LocalRun:
             limits=spec.limits,
             placement=Placement(discovery=on_this_machine, mooncake_master=master_here),
         )
+        # omnikube's own engine args, before a process starts (vLLM's keys are checked when its stage starts)
+        check_engine_args(resolved.topology)
         for stage_name, count in (replicas or {}).items():
             if stage_name not in names:
                 raise SpecError(
