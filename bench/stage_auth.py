@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from omni_runtime.connectors.base import ShmHandle
+from omni_runtime.connectors.shm import ShmHandle
 from omni_runtime.wire import protocol as P
 from omni_runtime.wire.auth import Channel, PipelineKey, open_hello
 

@@ -25,17 +25,16 @@ from servelib import process_exists, shm_segments
 from omni_runtime.connectors import (
     Connector,
     ConnectorError,
-    InlineHandle,
     PayloadGone,
     PayloadTooLarge,
-    ShmHandle,
     decode_handle,
     encode_handle,
     make_connector,
 )
 from omni_runtime.connectors.codec import decode_payload, encode_payload
+from omni_runtime.connectors.inline import InlineHandle
 from omni_runtime.connectors.mooncake_master import MooncakeMaster, free_port
-from omni_runtime.connectors.shm import SHM_DIR, ShmConnector, segment_prefix, sweep_orphans
+from omni_runtime.connectors.shm import SHM_DIR, ShmConnector, ShmHandle, segment_prefix, sweep_orphans
 from omni_runtime.spec import ConnectorKind, ConnectorsSpec
 
 pytestmark = pytest.mark.timeout(180)

@@ -12,7 +12,9 @@ import zmq
 import zmq.asyncio
 from servelib import EchoEngine, echo_cluster, echo_pipeline
 
-from omni_runtime.connectors import InlineHandle, MooncakeHandle, ShmHandle
+from omni_runtime.connectors.inline import InlineHandle
+from omni_runtime.connectors.mooncake import MooncakeHandle
+from omni_runtime.connectors.shm import ShmHandle
 from omni_runtime.spec import PipelineSpec, StageSpec
 from omni_runtime.stage.outputs import count_items, merge, summarize
 from omni_runtime.wire import protocol as P

@@ -15,26 +15,19 @@ import concurrent.futures
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from enum import Enum
 from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
-from omni_runtime.spec.enums import ConnectorKind
-
 __all__ = [
-    "AnyHandle",
     "Connector",
     "ConnectorError",
     "Handle",
-    "InlineHandle",
-    "MooncakeHandle",
-    "MooncakePeerHandle",
     "Payload",
     "PayloadGone",
     "PayloadTooLarge",
-    "ShmHandle",
-    "decode_handle",
-    "encode_handle",
+    "ReleasedBy",
 ]
 
 Payload = Mapping[str, Any]
@@ -57,8 +50,28 @@ class PayloadGone(ConnectorError):
     """The payload behind a handle no longer exists (released, swept, or its owner closed)."""
 
 
+class ReleasedBy(Enum):
+    """Who can free the payload behind a handle: what the router may do with a handle nobody will read."""
+
+    NOBODY = "nobody"
+    """The payload rides in the handle: there is nothing to free."""
+    PRODUCER = "producer"
+    """Only the producing process (the payload is in its memory, and only it can unlink it)."""
+    ANY_STAGE = "any-stage"
+    """Any stage process of the pipeline (a shared store, or a remote write into the producer's memory), so
+    the router may hand the release to another replica when the producer is gone."""
+
+
 class Handle(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
-    """All that travels through the router for one payload. `kind` is the msgpack tag."""
+    """All that travels through the router for one payload.
+
+    Each kind's module subclasses it with a msgpack `tag` (naming the handle class on the wire) and sets
+    the two class variables; `connectors.registry` builds the union the wire decodes from those classes."""
+
+    kind: ClassVar[str]
+    """The connector kind whose connector reads it (a `ConnectorKind` for the kinds edges may name)."""
+    released_by: ClassVar[ReleasedBy]
+    """Who can free its payload."""
 
     key: str
     """The caller's key (request id, chunk id); also part of segment names and store keys."""
@@ -69,66 +82,6 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     nbytes: int
     """Bytes of encoded payload (msgpack header plus raw tensor frames)."""
 
-    @property
-    def kind(self) -> ConnectorKind:
-        return ConnectorKind(self.__struct_config__.tag)
-
-
-class InlineHandle(Handle, frozen=True, kw_only=True, tag="inline"):
-    """The payload itself: msgpack header plus raw frames."""
-
-    header: bytes
-    frames: list[bytes]
-
-
-class ShmHandle(Handle, frozen=True, kw_only=True, tag="shm"):
-    """A block in a POSIX shared-memory segment owned by the producer's connector."""
-
-    segment: str
-    """File name under /dev/shm (`omnikube-...`)."""
-    generation: int
-    """Which use of the (pooled) segment this handle refers to; stale handles are detected."""
-    layout: list[int]
-    """Header length followed by each frame's length; offsets follow from `codec.frame_offsets`."""
-
-
-class MooncakeHandle(Handle, frozen=True, kw_only=True, tag="mooncake"):
-    """One object in the Mooncake Store (mooncake mode `store`)."""
-
-    store_key: str
-    layout: list[int]
-
-
-class MooncakePeerHandle(Handle, frozen=True, kw_only=True, tag="mooncake-p2p"):
-    """A block in the producer's memory, read with the transfer engine (mooncake mode `p2p`)."""
-
-    segment: str
-    """The producer's transfer-engine segment name (`host:port`), looked up in the metadata server."""
-    address: int
-    """Address of the block in the producer's process; the block starts with a 64-byte header."""
-    generation: int
-    """Which use of the (pooled) block this handle refers to; stale handles are detected."""
-    layout: list[int]
-
-    @property
-    def kind(self) -> ConnectorKind:
-        return ConnectorKind.MOONCAKE
-
-
-AnyHandle = InlineHandle | ShmHandle | MooncakeHandle | MooncakePeerHandle
-"""Decode target for any handle (the `kind` tag picks the class)."""
-
-_handle_encoder = msgspec.msgpack.Encoder()
-_handle_decoder = msgspec.msgpack.Decoder(AnyHandle)
-
-
-def encode_handle(handle: Handle) -> bytes:
-    return _handle_encoder.encode(handle)
-
-
-def decode_handle(data: bytes | memoryview) -> AnyHandle:
-    return _handle_decoder.decode(data)
-
 
 class Connector(ABC):
     """One kind of transport between stages. Methods are coroutines; `close` is not.
@@ -136,12 +89,13 @@ class Connector(ABC):
     Payloads returned by `get` own their memory unless the kind says otherwise (see `ShmConnector`).
     """
 
-    kind: ClassVar[ConnectorKind]
+    kind: ClassVar[str]
+    """The connector kind it implements (a `ConnectorKind` for the kinds edges may name)."""
 
     @abstractmethod
-    async def put(self, source_stage: str, target_stage: str, key: str, payload: Payload) -> AnyHandle:
+    async def put(self, source_stage: str, target_stage: str, key: str, payload: Payload) -> Handle:
         """Store `payload` for `target_stage`. On failure or cancellation nothing is left behind. The handle
-        is one of `AnyHandle`'s classes: the only ones the wire can carry."""
+        is one of the kind's declared handle classes (`KindDeclaration.handles`): the wire carries those."""
 
     @abstractmethod
     async def get(self, handle: Handle) -> dict[str, Any]:
@@ -160,8 +114,8 @@ class Connector(ABC):
     def _check_handle(self, handle: Handle, cls: type[T]) -> T:
         if not isinstance(handle, cls):
             raise TypeError(
-                f"{type(self).__name__} got a {handle.kind.value!r} handle for {handle.key!r}; "
-                f"hand it to the connector of kind {handle.kind.value!r}"
+                f"{type(self).__name__} got a {str(handle.kind)!r} handle for {handle.key!r}; "
+                f"hand it to the connector of kind {str(handle.kind)!r}"
             )
         return handle
 

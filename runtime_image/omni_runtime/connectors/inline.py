@@ -4,18 +4,28 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from omni_runtime.connectors.base import Connector, Handle, InlineHandle, Payload, PayloadTooLarge
+from omni_runtime.connectors.base import Connector, Handle, Payload, PayloadTooLarge, ReleasedBy
 from omni_runtime.connectors.codec import decode_payload, encode_payload, payload_nbytes
-from omni_runtime.spec.connectors import ConnectorsSpec
-from omni_runtime.spec.enums import ConnectorKind
+from omni_runtime.connectors.kind import KindDeclaration
+from omni_runtime.spec.connectors import ConnectorKind, ConnectorsSpec
 
-__all__ = ["InlineConnector"]
+__all__ = ["KIND", "InlineConnector", "InlineHandle"]
+
+
+class InlineHandle(Handle, frozen=True, kw_only=True, tag="inline"):
+    """The payload itself: msgpack header plus raw frames."""
+
+    kind: ClassVar[str] = ConnectorKind.INLINE
+    released_by: ClassVar[ReleasedBy] = ReleasedBy.NOBODY
+
+    header: bytes
+    frames: list[bytes]
 
 
 class InlineConnector(Connector):
     """Copies the payload into the handle; `release` has nothing to free."""
 
-    kind: ClassVar[ConnectorKind] = ConnectorKind.INLINE
+    kind: ClassVar[str] = ConnectorKind.INLINE
 
     def __init__(self, spec: ConnectorsSpec | None = None) -> None:
         self.max_bytes = (spec or ConnectorsSpec()).inline_max_bytes
@@ -48,3 +58,8 @@ class InlineConnector(Connector):
 
 def _size(n: int) -> str:
     return f"{n} bytes" if n < 1024**2 else f"{n / 1024**2:.2f} MiB ({n} bytes)"
+
+
+KIND = KindDeclaration(
+    name=ConnectorKind.INLINE, handles=(InlineHandle,), connector_class=lambda _spec: InlineConnector
+)

@@ -27,8 +27,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
-__all__ = ["MooncakeMaster", "MooncakeMasterError", "find_master_binary", "free_port"]
+__all__ = ["MooncakeMaster", "MooncakeMasterError", "find_master_binary", "free_port", "metadata_url"]
 
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -54,6 +55,11 @@ def find_master_binary() -> str:
     if found is None:
         raise MooncakeMasterError(f"no mooncake_master binary next to {mooncake.__file__} or on PATH")
     return found
+
+
+def metadata_url(host: str, port: int) -> str:
+    """The URL clients reach an HTTP metadata server at."""
+    return f"http://{host}:{port}/metadata"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -99,11 +105,21 @@ class MooncakeMaster:
 
     @property
     def metadata_server(self) -> str:
-        return f"http://{self.host}:{self.metadata_port}/metadata"
+        return metadata_url(self.host, self.metadata_port)
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in (self.master, self.metadata) if p is not None]
+
+    def process_info(self) -> dict[str, Any]:
+        """Its entry in a local run's `processes.json`."""
+        return {
+            "name": "mooncake master",
+            "pids": self.pids,
+            "master": self.master_address,
+            "metadata": self.metadata_server,
+            "metrics": f"http://{self.host}:{self.metrics_port}/metrics",
+        }
 
     def master_command(self) -> list[str]:
         cmd = [

@@ -40,7 +40,6 @@ from omni_runtime.connectors.base import (
     Connector,
     ConnectorError,
     Handle,
-    MooncakePeerHandle,
     Payload,
     PayloadGone,
     PayloadTooLarge,
@@ -48,9 +47,9 @@ from omni_runtime.connectors.base import (
     wait_settled,
 )
 from omni_runtime.connectors.codec import decode_payload, encode_payload, frame_offsets, size_class
+from omni_runtime.connectors.mooncake import MooncakePeerHandle, default_metadata_server, mooncake_module
 from omni_runtime.connectors.mooncake_master import free_port
-from omni_runtime.spec.connectors import ConnectorsSpec
-from omni_runtime.spec.enums import ConnectorKind
+from omni_runtime.spec.connectors import ConnectorKind, ConnectorsSpec
 
 __all__ = ["MooncakePeerConnector"]
 
@@ -166,7 +165,7 @@ class _BlockPool:
 class MooncakePeerConnector(Connector):
     """Transfer-engine peer-to-peer connector; one per process (one engine), for every mooncake edge."""
 
-    kind: ClassVar[ConnectorKind] = ConnectorKind.MOONCAKE
+    kind: ClassVar[str] = ConnectorKind.MOONCAKE
 
     def __init__(
         self,
@@ -190,18 +189,12 @@ class MooncakePeerConnector(Connector):
         the event loop, where a thread hop would cost a good part of the call."""
         mc = (spec or ConnectorsSpec()).mooncake
         self.pipeline = pipeline
-        self.metadata_server = metadata_server or f"http://{master_host}:{mc.metadata_port}/metadata"
+        self.metadata_server = metadata_server or default_metadata_server(master_host, mc)
         self.protocol = mc.protocol
         self.thread_min_bytes = thread_min_bytes
-        try:
-            from mooncake.engine import TransferEngine
-        except ImportError as e:
-            raise ConnectorError(
-                "connector 'mooncake' needs the mooncake package; install mooncake-transfer-engine "
-                "(mooncake-transfer-engine-non-cuda without CUDA) or use 'shm'/'inline' for this edge"
-            ) from e
+        engine_module = mooncake_module("engine")
         for attempt in range(3):  # a port found free may be taken before the engine binds it
-            self.engine = TransferEngine()
+            self.engine = engine_module.TransferEngine()
             self.segment = f"{local_hostname}:{port or free_port(local_hostname)}"
             rc = self.engine.initialize(self.segment, self.metadata_server, mc.protocol.value, mc.device_name)
             if rc == 0:

@@ -29,7 +29,6 @@ from omni_runtime.connectors.base import (
     Connector,
     ConnectorError,
     Handle,
-    MooncakeHandle,
     Payload,
     PayloadGone,
     PayloadTooLarge,
@@ -37,8 +36,9 @@ from omni_runtime.connectors.base import (
     wait_settled,
 )
 from omni_runtime.connectors.codec import decode_payload, encode_payload, frame_offsets
-from omni_runtime.spec.connectors import ConnectorsSpec
-from omni_runtime.spec.enums import ConnectorKind, MooncakeProtocol
+from omni_runtime.connectors.mooncake import MooncakeHandle, default_metadata_server, mooncake_module
+from omni_runtime.spec.connectors import ConnectorKind, ConnectorsSpec
+from omni_runtime.spec.enums import MooncakeProtocol
 
 __all__ = ["KEY_PREFIX", "MooncakeStoreConnector"]
 
@@ -60,7 +60,7 @@ _ZEROS = np.zeros(64, np.uint8)
 class MooncakeStoreConnector(Connector):
     """Mooncake Store connector; one per process (one store client), for every mooncake edge."""
 
-    kind: ClassVar[ConnectorKind] = ConnectorKind.MOONCAKE
+    kind: ClassVar[str] = ConnectorKind.MOONCAKE
 
     def __init__(
         self,
@@ -84,22 +84,16 @@ class MooncakeStoreConnector(Connector):
         put is a local copy and the payload crosses the network once, on `get`."""
         mc = (spec or ConnectorsSpec()).mooncake
         self.master_address = master_address or f"{master_host}:{mc.master_port}"
-        self.metadata_server = metadata_server or f"http://{master_host}:{mc.metadata_port}/metadata"
+        self.metadata_server = metadata_server or default_metadata_server(master_host, mc)
         self.protocol = mc.protocol
         rdma = mc.protocol is MooncakeProtocol.RDMA
         self.register_buffers = rdma if register_buffers is None else register_buffers
         self.prefix = f"{KEY_PREFIX}{_safe(pipeline)}/"
-        try:
-            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
-        except ImportError as e:
-            raise ConnectorError(
-                "connector 'mooncake' needs the mooncake package; install mooncake-transfer-engine "
-                "(mooncake-transfer-engine-non-cuda without CUDA) or use 'shm'/'inline' for this edge"
-            ) from e
+        store_module = mooncake_module("store")
         self._owns_store = store is None
         if store is None:
             _check_reachable(self.master_address, self.metadata_server)
-            store = MooncakeDistributedStore()
+            store = store_module.MooncakeDistributedStore()
             rc = store.setup(
                 local_hostname, self.metadata_server, mc.global_segment_size, mc.local_buffer_size,
                 mc.protocol.value, mc.device_name, self.master_address,
@@ -114,7 +108,7 @@ class MooncakeStoreConnector(Connector):
         self.store = store
         if self.register_buffers:
             store.register_buffer(_ZEROS.ctypes.data, _ZEROS.nbytes)  # padding source, for good
-        self._config = ReplicateConfig()
+        self._config = store_module.ReplicateConfig()
         self._config.with_hard_pin = True
         if prefer_local_segment:
             self._config.preferred_segment = store.get_hostname()  # falls back to others when full

@@ -47,15 +47,16 @@ from omni_runtime.connectors.base import (
     Payload,
     PayloadGone,
     PayloadTooLarge,
-    ShmHandle,
+    ReleasedBy,
     run_blocking,
     wait_settled,
 )
 from omni_runtime.connectors.codec import decode_payload, encode_payload, frame_offsets, size_class
-from omni_runtime.spec.connectors import ConnectorsSpec
-from omni_runtime.spec.enums import ConnectorKind
+from omni_runtime.connectors.kind import ConnectorSettings, KindDeclaration
+from omni_runtime.spec import ResolvedPipeline
+from omni_runtime.spec.connectors import ConnectorKind, ConnectorsSpec
 
-__all__ = ["SHM_DIR", "SEGMENT_PREFIX", "ShmConnector", "segment_prefix", "sweep_orphans"]
+__all__ = ["KIND", "SHM_DIR", "SEGMENT_PREFIX", "ShmConnector", "ShmHandle", "segment_prefix", "sweep_orphans"]
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "omnikube-"
@@ -65,6 +66,20 @@ _STATE_AT = 8
 _WORD = struct.Struct("<Q")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _OWNER_RE = re.compile(r"-p(\d+)-[0-9a-f]{16}$")
+
+
+class ShmHandle(Handle, frozen=True, kw_only=True, tag="shm"):
+    """A block in a POSIX shared-memory segment owned by the producer's connector."""
+
+    kind: ClassVar[str] = ConnectorKind.SHM
+    released_by: ClassVar[ReleasedBy] = ReleasedBy.PRODUCER
+
+    segment: str
+    """File name under /dev/shm (`omnikube-...`)."""
+    generation: int
+    """Which use of the (pooled) segment this handle refers to; stale handles are detected."""
+    layout: list[int]
+    """Header length followed by each frame's length; offsets follow from `codec.frame_offsets`."""
 
 
 @dataclass(eq=False)
@@ -81,7 +96,7 @@ class _Segment:
 class ShmConnector(Connector):
     """Shared-memory connector; one per process, used for every shm edge the process has."""
 
-    kind: ClassVar[ConnectorKind] = ConnectorKind.SHM
+    kind: ClassVar[str] = ConnectorKind.SHM
 
     def __init__(
         self,
@@ -403,3 +418,17 @@ def _close_mapping(mm: mmap.mmap) -> None:
         mm.close()
     except BufferError:
         pass  # views handed out by `get` in this process still use it; it goes when they do
+
+
+def _runtime_info(pipeline: ResolvedPipeline, settings: ConnectorSettings) -> dict[str, Any]:
+    return {"pipeline": pipeline.name, "owner": settings.owner, "pool_max_bytes": settings.shm_pool_bytes}
+
+
+KIND = KindDeclaration(
+    name=ConnectorKind.SHM,
+    handles=(ShmHandle,),
+    connector_class=lambda _spec: ShmConnector,
+    runtime_info=_runtime_info,
+    trim_on_tick=True,  # consumers release in other processes: the owner sees it on its next put, or on the tick
+    sweep=lambda pipeline: sweep_orphans(segment_prefix(pipeline)),
+)

@@ -16,12 +16,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from omni_runtime.connectors import ReleasedBy
 from omni_runtime.metrics import Router as M
 from omni_runtime.router.client import ReplicaClient
 from omni_runtime.router.errors import BadRequest, StageLost, StageUnavailable, from_stage_failure
 from omni_runtime.router.plan import PRIMARY, Plan, companion_inputs
 from omni_runtime.router.pool import StagePool
-from omni_runtime.spec import ConnectorKind, ResolvedPipeline
+from omni_runtime.spec import ResolvedPipeline
 from omni_runtime.wire import protocol as P
 
 __all__ = ["Orchestrator", "PipelineRequest", "RunResult", "StageEvent"]
@@ -310,18 +311,19 @@ class _Run:
         return found
 
     def _release(self, items: list[tuple[P.Input, ReplicaClient]]) -> None:
-        """Ask each handle's producer to release it; for Mooncake any live replica can."""
+        """Ask each handle's producer to release it; where the handle says any stage can (a Mooncake
+        store or peer block), any live replica can when the producer is gone."""
         by_producer: dict[int, tuple[ReplicaClient, list]] = {}
         for item, producer in items:
-            if item.handle.kind is ConnectorKind.INLINE:
+            if item.handle.released_by is ReleasedBy.NOBODY:
                 continue
             by_producer.setdefault(id(producer), (producer, []))[1].append(item.handle)
         for producer, handles in by_producer.values():
             if producer.try_send(P.Release(handles=handles)):
                 continue
-            movable = [h for h in handles if h.kind is ConnectorKind.MOONCAKE]
+            movable = [h for h in handles if h.released_by is ReleasedBy.ANY_STAGE]
             if movable and any(c.usable and c.try_send(P.Release(handles=movable)) for c in self.orch.pool.clients()):
-                handles = [h for h in handles if h.kind is not ConnectorKind.MOONCAKE]
+                handles = [h for h in handles if h.released_by is not ReleasedBy.ANY_STAGE]
             if handles:
                 log.warning(
                     "request %s: %d handle(s) from stage %s could not be released: its replica %s is gone "

@@ -3,7 +3,14 @@
 Pure pydantic; importing it never loads torch or an engine.
 """
 
-from omni_runtime.spec.connectors import ConnectorsSpec, MooncakeSpec
+from omni_runtime.spec.connectors import (
+    CONNECTOR_KINDS,
+    ConnectorKind,
+    ConnectorKindFacts,
+    ConnectorServer,
+    ConnectorsSpec,
+    MooncakeSpec,
+)
 from omni_runtime.spec.engine_args import (
     ENGINE_ARGS_MODELS,
     EngineArgs,
@@ -13,7 +20,6 @@ from omni_runtime.spec.engine_args import (
 )
 from omni_runtime.spec.enums import (
     INPUT_PROCESSORS,
-    ConnectorKind,
     Modality,
     MooncakeMode,
     MooncakeProtocol,
@@ -52,6 +58,7 @@ from omni_runtime.spec.resolved import (
 )
 
 __all__ = [
+    "CONNECTOR_KINDS",
     "DRAIN_TIMEOUT_S",
     "ENGINE_ARGS_MODELS",
     "INPUT_PROCESSORS",
@@ -60,6 +67,8 @@ __all__ = [
     "STAGE_PORT",
     "CompanionSpec",
     "ConnectorKind",
+    "ConnectorKindFacts",
+    "ConnectorServer",
     "ConnectorsSpec",
     "EdgeOverride",
     "EdgeSpec",

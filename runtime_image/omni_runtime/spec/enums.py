@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["ConnectorKind", "Modality", "MooncakeProtocol", "StageKind", "INPUT_PROCESSORS"]
+__all__ = ["Modality", "MooncakeMode", "MooncakeProtocol", "StageKind", "INPUT_PROCESSORS"]
 
 
 class StageKind(str, Enum):
@@ -16,17 +16,6 @@ class StageKind(str, Enum):
     """Diffusion pipeline on diffusers (DiT + VAE)."""
     GENERATION = "generation"
     """Non-autoregressive module run chunk by chunk (codec-to-waveform, VAE decode)."""
-
-
-class ConnectorKind(str, Enum):
-    """How a stage output travels to the next stage."""
-
-    INLINE = "inline"
-    """Payload rides inside the control message; for small payloads."""
-    SHM = "shm"
-    """POSIX shared memory; only between stages in one pod (colocated)."""
-    MOONCAKE = "mooncake"
-    """Mooncake (the pipeline's own master pod) over TCP or RDMA; between pods."""
 
 
 class MooncakeProtocol(str, Enum):

@@ -10,8 +10,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from omni_runtime.spec.connectors import ConnectorsSpec
-from omni_runtime.spec.enums import INPUT_PROCESSORS, ConnectorKind, Modality, StageKind
+from omni_runtime.spec.connectors import ConnectorKind, ConnectorsSpec
+from omni_runtime.spec.enums import INPUT_PROCESSORS, Modality, StageKind
 from omni_runtime.spec.reasons import Reason
 
 __all__ = [

@@ -7,12 +7,11 @@ server read it (`--config resolved.json`). It is the only configuration the runt
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, assert_never
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from omni_runtime.spec.connectors import ConnectorsSpec
-from omni_runtime.spec.enums import ConnectorKind
+from omni_runtime.spec.connectors import CONNECTOR_KINDS, ConnectorKind, ConnectorServer, ConnectorsSpec
 from omni_runtime.spec.pipeline import NoUsableConnector, PipelineSpec, SpecError, UnknownEdge, UnknownStage
 from omni_runtime.spec.placement import Placement, StageDiscovery, pod_groups
 
@@ -142,10 +141,24 @@ class ResolvedPipeline(BaseModel):
         """The pod group a stage runs in: its own name, or the stage it is colocated with."""
         return self.colocation.get(name, name)
 
+    def connector_servers(self) -> list[ConnectorServer]:
+        """The per-pipeline servers the connectors of its edges need (Mooncake's master when an edge uses
+        `mooncake`), each once: the operator deploys them, the local launcher runs them."""
+        topo = self.topology
+        needed = {CONNECTOR_KINDS[topo.edge_connector(e)].server for e in topo.edges}
+        return [server for server in ConnectorServer if server in needed]
+
     def uses_mooncake(self) -> bool:
         """Whether any edge moves data through Mooncake (then the pipeline runs a Mooncake master)."""
-        topo = self.topology
-        return any(topo.edge_connector(e) is ConnectorKind.MOONCAKE for e in topo.edges)
+        return ConnectorServer.MOONCAKE in self.connector_servers()
+
+    def set_server_host(self, server: ConnectorServer, host: str) -> None:
+        """Tell the stages where the pipeline's `server` runs (a Service's DNS name, or the launcher's host)."""
+        match server:
+            case ConnectorServer.MOONCAKE:
+                self.mooncake_master_host = host
+            case _:  # a new server needs a field the stages read its host from
+                assert_never(server)
 
 
 def resolve_pipeline(
@@ -246,11 +259,13 @@ def _place(resolved: ResolvedPipeline, placement: Placement) -> None:
 
 def _check_connectors(resolved: ResolvedPipeline) -> None:
     spec = resolved.topology
+    # Kinds that reach across pods, the last declared (the most capable) first.
+    across_pods = " or ".join(repr(k.value) for k, facts in list(CONNECTOR_KINDS.items())[::-1] if not facts.one_pod)
     for i, edge in enumerate(spec.edges):
         kind = spec.edge_connector(edge)
         same_pod = resolved.stage_group(edge.source) == resolved.stage_group(edge.target)
-        if kind is ConnectorKind.SHM and not same_pod:
+        if CONNECTOR_KINDS[kind].one_pod and not same_pod:
             raise NoUsableConnector(
-                f"edges[{i}] {edge.source}->{edge.target}: connector 'shm' needs both stages in one pod; "
-                f"set colocateWith on one of them, or use 'mooncake' or 'inline' for this edge"
+                f"edges[{i}] {edge.source}->{edge.target}: connector {kind.value!r} needs both stages in one "
+                f"pod; set colocateWith on one of them, or use {across_pods} for this edge"
             )

@@ -1,14 +1,17 @@
-"""The connectors one stage process uses, one per kind, made on first use and timed into metrics."""
+"""The connectors one stage process uses, one per kind, made on first use and timed into metrics.
+
+Which kinds exist and how each is made is the connectors registry's business (`connectors.registry`);
+this module only keeps the stage's connectors, starts those its edges need, and times every call.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from omni_runtime.connectors import AnyHandle, Connector, ConnectorError, Handle, make_connector
+from omni_runtime.connectors import Connector, ConnectorError, ConnectorSettings, Handle, registry
 from omni_runtime.metrics import Stage as M
 from omni_runtime.spec import ConnectorKind, ResolvedPipeline
 
@@ -24,23 +27,6 @@ class ConnectorUnavailable(ConnectorError):
     """A connector an edge of the stage needs could not start within the start-up time."""
 
 
-@dataclass
-class ConnectorSettings:
-    """What only the running stage process knows about its connectors."""
-
-    owner: str = "stage"
-    """Names this process's shm segments (`omnikube-<pipeline>-<owner>-p<pid>-...`)."""
-    shm_pool_bytes: int = 64 * 1024**2
-    """Idle shm bytes kept for reuse; 0 unlinks each segment soon after it is released."""
-    mooncake_host: str = "127.0.0.1"
-    """This pod's address as other pods reach it (Mooncake transfer engine). The master's host is the
-    pipeline's (`ResolvedPipeline.mooncake_master_host`), its ports the spec's."""
-    start_timeout_s: float = 120.0
-    """How long `start` keeps trying to make the connectors the stage's edges need."""
-    extra: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Additional `make_connector` keyword arguments by kind."""
-
-
 class ConnectorSet:
     """Lazily built connectors of a stage process, by kind; `put`/`get`/`release` through them."""
 
@@ -48,18 +34,18 @@ class ConnectorSet:
         self.pipeline = pipeline
         self.stage = stage
         self.settings = settings
-        self._connectors: dict[ConnectorKind, Connector] = {}
+        self._connectors: dict[str, Connector] = {}
 
-    def connector(self, kind: ConnectorKind | str) -> Connector:
-        kind = ConnectorKind(kind)
-        found = self._connectors.get(kind)
+    def connector(self, kind: str) -> Connector:
+        """This process's connector of `kind`, made on first use (an unknown kind is a ValueError)."""
+        name = str(kind)
+        found = self._connectors.get(name)
         if found is None:
-            found = self._connectors[kind] = make_connector(
-                kind, self.pipeline.topology.connectors, **self._runtime_info(kind)
-            )
+            info = registry.runtime_info(name, self.pipeline, self.settings)
+            found = self._connectors[name] = registry.make_connector(name, self.pipeline.topology.connectors, **info)
             stats = getattr(found, "stats", None)  # pooled connectors know what is still lent out
             if stats is not None:
-                gauge = M.connector_unreleased.labels(self.pipeline.name, self.stage, kind.value)
+                gauge = M.connector_unreleased.labels(self.pipeline.name, self.stage, name)
                 gauge.set_function(lambda: stats()["busy"])
         return found
 
@@ -98,20 +84,7 @@ class ConnectorSet:
                     log.warning("stage %s: connector %s not started yet (%s); retrying", self.stage, kind.value, err)
                     await asyncio.sleep(START_RETRY_S)
 
-    def _runtime_info(self, kind: ConnectorKind) -> dict[str, Any]:
-        s = self.settings
-        info: dict[str, Any] = {}
-        if kind is ConnectorKind.SHM:
-            info = {"pipeline": self.pipeline.name, "owner": s.owner, "pool_max_bytes": s.shm_pool_bytes}
-        elif kind is ConnectorKind.MOONCAKE:
-            info = {
-                "pipeline": self.pipeline.name,
-                "local_hostname": s.mooncake_host,
-                "master_host": self.pipeline.mooncake_master_host or "127.0.0.1",
-            }
-        return {**info, **s.extra.get(kind.value, {})}
-
-    async def put(self, kind: str, target: str, key: str, payload: dict[str, Any]) -> AnyHandle:
+    async def put(self, kind: str, target: str, key: str, payload: dict[str, Any]) -> Handle:
         started = time.perf_counter()
         handle = await self.connector(kind).put(self.stage, target, key, payload)
         self._observe(kind, "put", handle.nbytes, started)
@@ -120,7 +93,7 @@ class ConnectorSet:
     async def get(self, handle: Handle) -> dict[str, Any]:
         started = time.perf_counter()
         data = await self.connector(handle.kind).get(handle)
-        self._observe(handle.kind.value, "get", handle.nbytes, started)
+        self._observe(handle.kind, "get", handle.nbytes, started)
         return data
 
     async def release(self, handle: Handle) -> None:
@@ -139,11 +112,12 @@ class ConnectorSet:
         return total
 
     def trim(self) -> None:
-        """Let the shm pool unlink idle segments beyond its limit (consumers release in other
-        processes; the owner notices on its next put, or here)."""
-        shm = self._connectors.get(ConnectorKind.SHM)
-        if shm is not None:
-            shm.trim()
+        """Let the pools of the kinds that ask for it (`KindDeclaration.trim_on_tick`: shm) give back idle
+        memory beyond their limit (consumers release in other processes; the owner notices on its next
+        put, or here)."""
+        for name, conn in self._connectors.items():
+            if registry.declaration(name).trim_on_tick:
+                conn.trim()
 
     def close(self) -> None:
         for conn in self._connectors.values():
@@ -151,6 +125,6 @@ class ConnectorSet:
         self._connectors.clear()
 
     def _observe(self, kind: str, op: str, nbytes: int, started: float) -> None:
-        labels = (self.pipeline.name, self.stage, kind, op)
+        labels = (self.pipeline.name, self.stage, str(kind), op)
         M.connector_bytes.labels(*labels).inc(nbytes)
         M.connector_seconds.labels(*labels).observe(time.perf_counter() - started)

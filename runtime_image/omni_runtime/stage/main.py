@@ -32,7 +32,7 @@ def connector_settings(settings: StageSettings, pipeline: ResolvedPipeline, repl
     return ConnectorSettings(
         owner=f"{settings.stage}-{replica}",
         shm_pool_bytes=settings.shm_pool_bytes,
-        mooncake_host=settings.advertise_host,
+        advertise_host=settings.advertise_host,
         start_timeout_s=float(pipeline.topology.connectors.start_timeout_seconds if timeout is None else timeout),
     )
 

@@ -5,8 +5,9 @@ front). `auth` proves the message comes from this pipeline's router or stage (`w
 with the pipeline key, per-connection sessions and counters); `encode`/`decode` here handle what follows
 it. `header` is one of the tagged structs below, msgpack-encoded; `frames` are the raw frames of the one
 payload the message carries (`Submit.data`, `Output.data`), produced by `connectors.codec`. Handles
-travel inside the header: an `InlineHandle` carries its bytes there, `shm`/`mooncake` handles a few
-hundred bytes of addressing. PROTOCOL.md next to this file is the prose version.
+travel inside the header, as any handle class a connector kind declares (`connectors.AnyHandle`): an
+inline handle carries its bytes there, the others a few hundred bytes of addressing. PROTOCOL.md next to
+this file is the prose version.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from omni_runtime.connectors.base import AnyHandle
+from omni_runtime.connectors import AnyHandle
 from omni_runtime.connectors.codec import decode_payload, encode_payload
 
 __all__ = [
@@ -72,7 +73,7 @@ class EdgeOut(msgspec.Struct, frozen=True, kw_only=True):
 
     target: str
     connector: str
-    """Connector kind: inline, shm or mooncake."""
+    """Connector kind (`spec.ConnectorKind`): inline, shm or mooncake."""
     window: int = 0
     """Items per chunk handle; 0 puts one handle with the whole output at the end."""
     first_window: int = 0
