@@ -25,7 +25,7 @@ from omni_runtime.local.spec import LocalPipelineFile
 from omni_runtime.registry import default_registry
 from omni_runtime.router.settings import RouterSettings
 from omni_runtime.settings import ProcessSettings
-from omni_runtime.spec import ResolvedPipeline
+from omni_runtime.spec import ConnectorServer, ResolvedPipeline
 from omni_runtime.stage.settings import StageSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,7 +204,7 @@ def test_every_rendered_container_command_parses_to_the_intended_settings(case: 
     assert stages_seen == set(resolved.topology.stage_names())
     assert sum(isinstance(s, RouterSettings) for _, _, s in commands) == 1
     mooncake = [o for o in objects if o["metadata"]["name"] == f"{name}-mooncake"]
-    if resolved.uses_mooncake():
+    if ConnectorServer.MOONCAKE in resolved.connector_servers():
         # One master per pipeline, found by its headless Service's DNS name; not on the router Service.
         mc = resolved.topology.connectors.mooncake
         assert resolved.mooncake_master_host == f"{name}-mooncake.{namespace}.svc"

@@ -17,12 +17,11 @@ from pydantic import ValidationError
 
 from omni_operator.api import API_VERSION, OmniPipeline, OmniStage
 from omni_operator.builders.autoscaler import HPA_API_VERSION, KEDA_API_VERSION, build_stage_autoscaler
+from omni_operator.builders.connector_servers import build_connector_server_objects, unneeded_connector_server_objects
 from omni_operator.builders.meta import HASH_ANNOTATION, LABEL_COMPONENT, LABEL_PIPELINE
-from omni_operator.builders.mooncake import build_mooncake_objects
 from omni_operator.builders.pipeline_objects import (
     build_omnistages,
     build_pipeline_configmap,
-    mooncake_name,
     router_name,
 )
 from omni_operator.builders.router import build_router_objects, router_endpoint
@@ -289,7 +288,7 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> None:
                     status["routerGeneration"] = router["metadata"].get("generation")
             else:
                 await ensure(_ensure, desired)
-        await _ensure_mooncake(ctx, live, pipeline, resolved, ensure)
+        await _ensure_connector_servers(ctx, live, pipeline, resolved, ensure)
         if collisions:
             observation.collision_problem = collisions[0].condition()
         groups = {s: resolved.stage_group(s) for s in resolved.topology.stage_names()}
@@ -317,22 +316,20 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> None:
         await _post_events(ctx, live, flipped)
 
 
-async def _ensure_mooncake(
+async def _ensure_connector_servers(
     ctx: Context, live: dict[str, Any], pipeline: OmniPipeline, resolved: Any, ensure: Any
 ) -> None:
-    """The pipeline's Mooncake master while an edge uses mooncake; removed (if ours) when none does.
-    `ensure` applies an object and notes a name collision instead of raising it."""
-    desired = build_mooncake_objects(live, pipeline, resolved)
-    for obj in desired:
+    """The connector servers the pipeline's edges need (a Mooncake master while an edge uses mooncake);
+    those of servers no edge needs any more are removed (if ours). `ensure` applies an object and notes a
+    name collision instead of raising it."""
+    for obj in build_connector_server_objects(live, pipeline, resolved):
         await ensure(_ensure, obj)
-    if desired:
-        return
-    namespace, name = live["metadata"]["namespace"], mooncake_name(live["metadata"]["name"])
-    for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service")):
+    namespace = live["metadata"]["namespace"]
+    for server, api_version, kind, name in unneeded_connector_server_objects(live["metadata"]["name"], resolved):
         existing = await ctx.kube.get(api_version, kind, name, namespace)
         if existing is not None and _owned_by(existing, live["metadata"]["uid"]):
             ctx.writes += 1
-            log.info("deleting %s %s/%s: no edge uses mooncake any more", kind, namespace, name)
+            log.info("deleting %s %s/%s: no edge needs the %s server any more", kind, namespace, name, server.value)
             await ctx.kube.delete(api_version, kind, name, namespace)
 
 

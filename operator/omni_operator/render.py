@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from omni_operator.api import OmniPipeline, OmniStage, validation_messages
 from omni_operator.builders.autoscaler import build_stage_autoscaler
-from omni_operator.builders.mooncake import build_mooncake_objects
+from omni_operator.builders.connector_servers import build_connector_server_objects
 from omni_operator.builders.pipeline_objects import build_omnistages, build_pipeline_configmap
 from omni_operator.builders.router import build_router_objects
 from omni_operator.builders.stage_workload import build_stage_deployment, build_stage_service
@@ -91,7 +91,7 @@ def render_pipeline(
         if autoscaler is not None:
             objects.append(autoscaler)
     objects += build_router_objects(owner, pipeline, resolved)
-    objects += build_mooncake_objects(owner, pipeline, resolved)
+    objects += build_connector_server_objects(owner, pipeline, resolved)
     if not owner_references:
         for obj in objects:
             obj["metadata"].pop("ownerReferences", None)

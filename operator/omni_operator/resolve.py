@@ -21,6 +21,7 @@ from omni_runtime.spec import (
     STAGE_HTTP_PORT,
     STAGE_PORT,
     MooncakeMasterAddress,
+    ConnectorServer,
     PipelineSpec,
     Placement,
     PodGroups,
@@ -33,12 +34,13 @@ from omni_runtime.spec import (
 __all__ = [
     "DEFAULT_MOUNT",
     "cluster_placement",
+    "connector_server_host",
+    "connector_server_name",
     "group_members",
     "resolve_cluster_pipeline",
     "service_discovery",
     "stage_ports",
     "model_path_in_pod",
-    "mooncake_host",
 ]
 
 DEFAULT_MOUNT = "/models"
@@ -79,10 +81,16 @@ def stage_ports(index_in_group: int) -> tuple[int, int]:
     return STAGE_PORT + index_in_group * PORT_STRIDE, STAGE_HTTP_PORT + index_in_group * PORT_STRIDE
 
 
-def mooncake_host(pipeline: str, namespace: str) -> str:
-    """The DNS name of the pipeline's Mooncake master: its headless Service `<pipeline>-mooncake`,
-    which resolves to the master pod's IP."""
-    return f"{child_name(pipeline, 'mooncake')}.{namespace}.svc"
+def connector_server_name(pipeline: str, server: ConnectorServer) -> str:
+    """The name of a connector server's objects (`<pipeline>-mooncake`: its Deployment and its
+    headless Service)."""
+    return child_name(pipeline, server.value)
+
+
+def connector_server_host(pipeline: str, namespace: str, server: ConnectorServer) -> str:
+    """The DNS name of a connector server of the pipeline: its headless Service, which resolves to the
+    server pod's IP."""
+    return f"{connector_server_name(pipeline, server)}.{namespace}.svc"
 
 
 def service_discovery(pipeline: str, namespace: str, groups: PodGroups) -> dict[str, StageDiscovery]:
@@ -101,7 +109,9 @@ def cluster_placement(pipeline: OmniPipeline) -> Placement:
     namespace = namespace_of(pipeline)
     return Placement(
         discovery=partial(service_discovery, name, namespace),
-        mooncake_master=partial(MooncakeMasterAddress, host=mooncake_host(name, namespace)),
+        mooncake_master=partial(
+            MooncakeMasterAddress, host=connector_server_host(name, namespace, ConnectorServer.MOONCAKE)
+        ),
         scale_from_zero=frozenset(
             s.name for s in pipeline.spec.stages if s.autoscaling and s.autoscaling.min_replicas == 0
         ),
@@ -117,5 +127,4 @@ def resolve_cluster_pipeline(
     topology = topology_for(pipeline, registry, model_root)
     placement = cluster_placement(pipeline)
     resolved = resolve(pipeline, topology, model_path=model_path_in_pod(pipeline), placement=placement)
-    check_engine_args(resolved.topology)  # omnikube's own keys; vLLM's are checked when the stage starts
     return resolved

@@ -1,5 +1,8 @@
 """OmniPipeline -> its one Mooncake master: a Deployment of one replica and a headless Service.
 
+The builder of `ConnectorServer.MOONCAKE`, reached through `builders.connector_servers` when the
+resolved pipeline needs that server (`ResolvedPipeline.connector_servers()`).
+
 Every transfer engine of a pipeline must register with the same metadata server, so the master is
 one pod per pipeline (not a sidecar of each router replica), replaced with `Recreate` so two never
 run at once. Stages reach it by the Service's DNS name, written into the resolved config
@@ -19,25 +22,25 @@ from omni_operator.builders.meta import (
     selector_labels,
     with_hash,
 )
-from omni_operator.builders.pipeline_objects import mooncake_name
 from omni_operator.builders.stage_workload import container_security_context, pod_security_context
-from omni_runtime.spec import ResolvedPipeline
+from omni_operator.resolve import connector_server_name
+from omni_runtime.spec import ConnectorServer, ResolvedPipeline
 
 __all__ = ["MOONCAKE_COMPONENT", "build_mooncake_objects"]
 
-MOONCAKE_COMPONENT = "mooncake"
+MOONCAKE_COMPONENT = ConnectorServer.MOONCAKE.value
 METRICS_PORT = 9003
 
 
 def build_mooncake_objects(
     owner: dict[str, Any], pipeline: OmniPipeline, resolved: ResolvedPipeline
 ) -> list[dict[str, Any]]:
-    """The master's Deployment and headless Service, each with its content hash; none when the resolved
-    pipeline has no Mooncake master (no edge uses mooncake)."""
-    if resolved.mooncake_master_host is None:
+    """The master's Deployment and headless Service, each with its content hash; none when the pipeline
+    needs no Mooncake master."""
+    if ConnectorServer.MOONCAKE not in resolved.connector_servers():
         return []
     name = owner["metadata"]["name"]
-    obj_name = mooncake_name(name)
+    obj_name = connector_server_name(name, ConnectorServer.MOONCAKE)
     runtime = pipeline.spec.runtime
     mc = resolved.topology.connectors.mooncake
     lbl = labels(name, MOONCAKE_COMPONENT)

@@ -23,7 +23,6 @@ __all__ = [
     "build_pipeline_configmap",
     "build_omnistages",
     "configmap_name",
-    "mooncake_name",
     "omnistage_name",
     "omnistage_spec",
     "router_name",
@@ -47,11 +46,6 @@ def omnistage_name(pipeline: str, stage: str) -> str:
 
 def router_name(pipeline: str) -> str:
     return child_name(pipeline, "router")
-
-
-def mooncake_name(pipeline: str) -> str:
-    """The pipeline's Mooncake master: its Deployment and its headless Service (see resolve.mooncake_host)."""
-    return child_name(pipeline, "mooncake")
 
 
 def build_pipeline_configmap(owner: dict[str, Any], resolved: ResolvedPipeline) -> dict[str, Any]:

@@ -148,10 +148,6 @@ class ResolvedPipeline(BaseModel):
         needed = {CONNECTOR_KINDS[topo.edge_connector(e)].server for e in topo.edges}
         return [server for server in ConnectorServer if server in needed]
 
-    def uses_mooncake(self) -> bool:
-        """Whether any edge moves data through Mooncake (then the pipeline runs a Mooncake master)."""
-        return ConnectorServer.MOONCAKE in self.connector_servers()
-
     def set_server_host(self, server: ConnectorServer, host: str) -> None:
         """Tell the stages where the pipeline's `server` runs (a Service's DNS name, or the launcher's host)."""
         match server:
@@ -249,7 +245,7 @@ def _place(resolved: ResolvedPipeline, placement: Placement) -> None:
     resolved.scale_from_zero = [
         stage for root, members in groups.items() if root in placement.scale_from_zero for stage in members
     ]
-    if resolved.uses_mooncake():
+    if ConnectorServer.MOONCAKE in resolved.connector_servers():
         master = placement.mooncake_master()
         mooncake = resolved.topology.connectors.mooncake
         mooncake.master_port = master.master_port or mooncake.master_port
