@@ -20,14 +20,13 @@ from omni_runtime.registry import (
 from omni_runtime.spec import (
     STAGE_HTTP_PORT,
     STAGE_PORT,
-    MooncakeMasterAddress,
     ConnectorServer,
+    MooncakeMasterAddress,
     PipelineSpec,
     Placement,
     PodGroups,
     ResolvedPipeline,
     StageDiscovery,
-    check_engine_args,
     pod_groups,
 )
 
@@ -126,5 +125,4 @@ def resolve_cluster_pipeline(
     Raises SpecError (InvalidEngineArgs among them) when the pipeline cannot run, before anything is built."""
     topology = topology_for(pipeline, registry, model_root)
     placement = cluster_placement(pipeline)
-    resolved = resolve(pipeline, topology, model_path=model_path_in_pod(pipeline), placement=placement)
-    return resolved
+    return resolve(pipeline, topology, model_path=model_path_in_pod(pipeline), placement=placement)

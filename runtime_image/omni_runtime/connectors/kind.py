@@ -55,13 +55,9 @@ class LocalServer(Protocol):
 
     server: ConnectorServer
 
-    def place(self, resolved: ResolvedPipeline, *, host: str, next_port: Callable[[], int]) -> None:
-        """Choose the server's ports (`next_port()`) and address on this machine and write them into
-        `resolved`, before it is written for the stages."""
-        ...
-
     def start(self, resolved: ResolvedPipeline, *, log_dir: Path) -> RunningServer:
-        """Start the server where `place` put it; return once it answers."""
+        """Start the server where the resolution placed it (`resolve_pipeline` with the launcher's
+        `Placement`); return once it answers."""
         ...
 
 

@@ -91,12 +91,6 @@ class _LocalMaster:
 
     server = ConnectorServer.MOONCAKE
 
-    def place(self, resolved: ResolvedPipeline, *, host: str, next_port: Callable[[], int]) -> None:
-        mc = resolved.topology.connectors.mooncake
-        mc.master_port = next_port()
-        mc.metadata_port = next_port()
-        resolved.set_server_host(self.server, host)  # the launcher starts the master on this machine
-
     def start(self, resolved: ResolvedPipeline, *, log_dir: Path) -> MooncakeMaster:
         mc = resolved.topology.connectors.mooncake
         host = resolved.mooncake_master_host or "127.0.0.1"

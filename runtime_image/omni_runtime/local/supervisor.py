@@ -22,8 +22,9 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from omni_runtime.connectors.kind import RunningServer
+from omni_runtime.connectors.registry import local_servers, sweep_leftovers
 from omni_runtime.local.run import LocalProcess, LocalRun
 
 __all__ = ["MAX_RESTARTS", "RESTART_WINDOW_S", "Supervisor"]
@@ -54,23 +55,16 @@ class Supervisor:
     def __init__(self, run: LocalRun) -> None:
         self.run = run
         self.procs: list[_Running] = []
-        self.mooncake: Any = None
+        self.servers: list[RunningServer] = []
+        """The per-pipeline servers its connectors need (Mooncake's master), started before the stages."""
 
     def start(self, *, ready_timeout_s: float = 600.0, stop_requested: Callable[[], bool] | None = None) -> None:
         """Start every process and wait until all are ready; on failure stop what started and raise.
         `stop_requested` is polled while waiting: when it turns true, stop and raise KeyboardInterrupt."""
         run = self.run
         try:
-            if run.resolved.mooncake_master_host is not None:  # the resolver placed it on this machine
-                from omni_runtime.connectors.mooncake_master import MooncakeMaster
-
-                mc = run.resolved.topology.connectors.mooncake
-                self.mooncake = MooncakeMaster(
-                    host=run.host,
-                    rpc_port=mc.master_port,
-                    metadata_port=mc.metadata_port,
-                    log_dir=str(run.run_dir),
-                ).start()
+            for server in local_servers(run.resolved):  # the resolver placed them on this machine
+                self.servers.append(server.start(run.resolved, log_dir=run.run_dir))
             self.procs = [_Running(p) for p in run.processes()]
             for proc in self.procs:
                 self._spawn(proc)
@@ -91,17 +85,7 @@ class Supervisor:
             }
             for p in self.procs
         ]
-        if self.mooncake is not None:
-            mc = self.mooncake
-            info.append(
-                {
-                    "name": "mooncake master",
-                    "pids": mc.pids,
-                    "master": mc.master_address,
-                    "metadata": mc.metadata_server,
-                    "metrics": f"http://{self.run.host}:{mc.metrics_port}/metrics",
-                }
-            )
+        info += [server.process_info() for server in self.servers]
         (self.run.run_dir / "processes.json").write_text(json.dumps(info, indent=2))
 
     def wait_ready(self, timeout_s: float, stop_requested: Callable[[], bool] | None = None) -> None:
@@ -203,18 +187,16 @@ class Supervisor:
             _signal_group(proc.popen, signal.SIGKILL)  # its children (vLLM engine core) too
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.popen.wait(5)
-        if self.mooncake is not None:
-            self.mooncake.stop()
-            self.mooncake = None
+        while self.servers:
+            self.servers.pop().stop()
         self.sweep()
 
     def sweep(self) -> list[str]:
-        """Remove the shm segments of this pipeline that no live process owns; returns their names."""
-        from omni_runtime.connectors.shm import segment_prefix, sweep_orphans
-
-        removed = sweep_orphans(segment_prefix(self.run.resolved.name))
+        """Remove what stopped stages of this pipeline left on this machine (shm segments no live process
+        owns); returns their names."""
+        removed = sweep_leftovers(self.run.resolved.name)
         if removed:
-            log.info("removed %d shm segment(s) left by stopped stages", len(removed))
+            log.info("removed %d leftover(s) of stopped stages: %s", len(removed), ", ".join(removed))
         return removed
 
     def __enter__(self) -> Supervisor:

@@ -7,7 +7,7 @@ server read it (`--config resolved.json`). It is the only configuration the runt
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, assert_never
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -147,14 +147,6 @@ class ResolvedPipeline(BaseModel):
         topo = self.topology
         needed = {CONNECTOR_KINDS[topo.edge_connector(e)].server for e in topo.edges}
         return [server for server in ConnectorServer if server in needed]
-
-    def set_server_host(self, server: ConnectorServer, host: str) -> None:
-        """Tell the stages where the pipeline's `server` runs (a Service's DNS name, or the launcher's host)."""
-        match server:
-            case ConnectorServer.MOONCAKE:
-                self.mooncake_master_host = host
-            case _:  # a new server needs a field the stages read its host from
-                assert_never(server)
 
 
 def resolve_pipeline(

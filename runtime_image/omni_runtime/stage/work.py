@@ -371,7 +371,7 @@ class WorkRunner:
                 raise
             except Exception as err:  # the payload's owner may be gone; nothing is left to free
                 log.warning("stage %s: releasing %s handle %s failed: %s", self.stage,
-                            handle.kind.value, handle.key, err)  # fmt: skip
+                            handle.kind, handle.key, err)  # fmt: skip
 
     def count_handles(self) -> None:
         """Set the open-handles gauge: what the works hold and what they created."""
