@@ -27,6 +27,7 @@ from omni_runtime.spec import (
     PodGroups,
     ResolvedPipeline,
     StageDiscovery,
+    check_engine_args,
     pod_groups,
 )
 
@@ -125,4 +126,6 @@ def resolve_cluster_pipeline(
     Raises SpecError (InvalidEngineArgs among them) when the pipeline cannot run, before anything is built."""
     topology = topology_for(pipeline, registry, model_root)
     placement = cluster_placement(pipeline)
-    return resolve(pipeline, topology, model_path=model_path_in_pod(pipeline), placement=placement)
+    resolved = resolve(pipeline, topology, model_path=model_path_in_pod(pipeline), placement=placement)
+    check_engine_args(resolved.topology)  # omnikube's own keys; vLLM's are checked when the stage starts
+    return resolved
