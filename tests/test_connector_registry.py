@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
-from servelib import echo_pipeline, windowed_topology
+from servelib import windowed_topology
 
 from omni_runtime.connectors import (
     AnyHandle,
@@ -42,8 +42,11 @@ from omni_runtime.spec import (
     ConnectorKind,
     ConnectorServer,
     ConnectorsSpec,
+    MooncakeMasterAddress,
     PipelineSpec,
+    Placement,
     ResolvedPipeline,
+    StageOverride,
     resolve_pipeline,
 )
 from omni_runtime.stage.connectors import ConnectorSet
@@ -221,17 +224,24 @@ def test_each_handle_decodes_from_the_wire_and_says_who_may_release_it(handle: H
 
 
 @pytest.mark.parametrize("connector", list(ConnectorKind))
-def test_the_launcher_runs_the_servers_the_pipeline_needs_where_it_places_them(connector: ConnectorKind) -> None:
-    if CONNECTOR_KINDS[connector].one_pod:
-        resolved = echo_pipeline(windowed_topology(connector.value, window=0))
-    else:
-        resolved = two_stages(connector)
+def test_the_resolver_places_the_servers_the_pipeline_needs_where_the_launcher_runs_them(
+    connector: ConnectorKind,
+) -> None:
+    """The launcher's Placement puts Mooncake's master on its machine, on ports it picks, only when an
+    edge uses mooncake; the registry then offers the launcher exactly the servers the pipeline needs."""
+    topology = windowed_topology(connector.value, window=0)
+    one_pod = [StageOverride(name="b", colocate_with="a")] if CONNECTOR_KINDS[connector].one_pod else []
+    ports = iter(range(40000, 40100))
+    placed = Placement(
+        discovery=lambda groups: {},
+        mooncake_master=lambda: MooncakeMasterAddress(
+            host="10.1.2.3", master_port=next(ports), metadata_port=next(ports)
+        ),
+    )
+    resolved = resolve_pipeline(topology, name="toyline", model="/nonexistent", stages=one_pod, placement=placed)
     servers = registry.local_servers(resolved)
     assert [s.server for s in servers] == resolved.connector_servers()
     assert resolved.connector_servers() == ([ConnectorServer.MOONCAKE] if connector is ConnectorKind.MOONCAKE else [])
-    ports = iter(range(40000, 40100))
-    for server in servers:
-        server.place(resolved, host="10.1.2.3", next_port=lambda: next(ports))
     mc = resolved.topology.connectors.mooncake
     if connector is ConnectorKind.MOONCAKE:
         assert (mc.master_port, mc.metadata_port, resolved.mooncake_master_host) == (40000, 40001, "10.1.2.3")
@@ -239,6 +249,7 @@ def test_the_launcher_runs_the_servers_the_pipeline_needs_where_it_places_them(c
         assert (info["master_host"], info["local_hostname"]) == ("10.1.2.3", "10.9.9.9")
     else:
         assert resolved.mooncake_master_host is None and mc == ConnectorsSpec().mooncake
+        assert next(ports) == 40000, "no port is taken for a server nobody needs"
 
 
 def test_a_pipeline_without_edges_needs_no_server() -> None:
