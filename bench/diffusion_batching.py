@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "runtime_image"))
 
 from omni_runtime.engines.base import EngineInput  # noqa: E402
-from omni_runtime.engines.diffusion import DiffusionEngine  # noqa: E402
+from omni_runtime.engines.diffusion.engine import DiffusionEngine  # noqa: E402
 from omni_runtime.spec import Modality, ResolvedPipeline, StageKind, StageSpec  # noqa: E402
 from omni_runtime.spec.pipeline import PipelineSpec  # noqa: E402
 

@@ -35,10 +35,10 @@ from diffusion_batching import FLUX_TEXT_TOKENS as TEXT_TOKENS  # noqa: E402
 from diffusion_batching import FLUX_TRANSFORMER as FLUX  # noqa: E402
 from diffusion_batching import FLUX_VAE  # noqa: E402
 
-from omni_runtime.engines import diffusion as engine_module  # noqa: E402
-from omni_runtime.engines import png  # noqa: E402
 from omni_runtime.engines.base import EngineError, EngineInput  # noqa: E402
-from omni_runtime.engines.diffusion import DiffusionEngine  # noqa: E402
+from omni_runtime.engines.diffusion import engine as engine_module  # noqa: E402
+from omni_runtime.engines.diffusion import png  # noqa: E402
+from omni_runtime.engines.diffusion.engine import DiffusionEngine  # noqa: E402
 from omni_runtime.spec import Modality, ResolvedPipeline, StageKind, StageSpec  # noqa: E402
 from omni_runtime.spec.pipeline import PipelineSpec  # noqa: E402
 

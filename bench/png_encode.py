@@ -1,4 +1,4 @@
-"""PNG encode of one 1024x1024 image: Pillow on one core vs the stage's encoder (`omni_runtime.engines.png`).
+"""PNG encode of one 1024x1024 image: Pillow on one core vs the stage's encoder (`omni_runtime.engines.diffusion.png`).
 
     .venv/bin/python bench/png_encode.py            # threads: 1, 2, 4, ... up to this process's CPUs
 
@@ -23,8 +23,8 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime_image"))
-from omni_runtime.engines import png  # noqa: E402
-from omni_runtime.engines.diffusion import PNG_COMPRESS_LEVEL  # noqa: E402
+from omni_runtime.engines.diffusion import png  # noqa: E402
+from omni_runtime.engines.diffusion.engine import PNG_COMPRESS_LEVEL  # noqa: E402
 
 
 def images(side: int) -> dict[str, Any]:

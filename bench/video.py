@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "runtime_image"))
 
 from omni_runtime.engines.base import EngineInput  # noqa: E402
-from omni_runtime.engines.diffusion import DiffusionEngine  # noqa: E402
-from omni_runtime.engines.video import encode_mp4  # noqa: E402
+from omni_runtime.engines.diffusion.engine import DiffusionEngine  # noqa: E402
+from omni_runtime.engines.diffusion.video import encode_mp4  # noqa: E402
 from omni_runtime.registry import get_pipeline  # noqa: E402
 from omni_runtime.spec import StageOverride  # noqa: E402
 from omni_runtime.spec.resolved import resolve_pipeline  # noqa: E402

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from omni_runtime.engines.ar import AREngine
-from omni_runtime.engines.ar_tools import TOOL_CALL_PARSER_ARG
+from omni_runtime.engines.ar.engine import AREngine
+from omni_runtime.engines.ar.tools import TOOL_CALL_PARSER_ARG
 from omni_runtime.engines.base import EngineError
 from omni_runtime.registry import get_pipeline
 from omni_runtime.spec import StageOverride, resolve_pipeline

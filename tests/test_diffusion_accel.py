@@ -20,8 +20,8 @@ import torch
 from servelib import diffusion_image
 
 from omni_runtime.engines.base import EngineError, InvalidRequest
-from omni_runtime.engines.diffusion import DiffusionEngine
-from omni_runtime.engines.diffusion_accel import Accel, Fp8Linear
+from omni_runtime.engines.diffusion.accel import Accel, Fp8Linear
+from omni_runtime.engines.diffusion.engine import DiffusionEngine
 from omni_runtime.registry import get_pipeline
 from omni_runtime.spec import StageOverride
 from omni_runtime.spec.resolved import resolve_pipeline
@@ -167,7 +167,7 @@ def test_split_single_block_proj_out_computes_the_same_as_the_whole_layer() -> N
     to the float model as the whole FP8 layer does."""
     import copy
 
-    from omni_runtime.engines import diffusion_accel
+    from omni_runtime.engines.diffusion import accel as diffusion_accel
 
     model, inputs = _tiny_flux(torch.float32)
     split = copy.deepcopy(model)
@@ -207,7 +207,7 @@ def test_the_cuda_graph_wrapper_runs_what_it_cannot_capture_as_is() -> None:
     """The denoiser step's CUDA-graph wrapper (captured on GPUs only, measured by bench/diffusion_speed.py)
     passes every call it cannot key straight to the forward: CPU tensors, outside inference mode,
     return_dict=True; nothing is captured or replayed then."""
-    from omni_runtime.engines.diffusion_accel import _GraphedForward
+    from omni_runtime.engines.diffusion.accel import _GraphedForward
 
     linear = torch.nn.Linear(4, 4)
 

@@ -36,9 +36,9 @@ import pytest
 import pytest_asyncio
 from servelib import REPO, Serve, diffusion_image, http_get, pid_alive, process_tree
 
-from omni_runtime.engines import diffusion_parallel as P
 from omni_runtime.engines.base import EngineError, EngineInput
-from omni_runtime.engines.diffusion import DiffusionEngine
+from omni_runtime.engines.diffusion import parallel as P
+from omni_runtime.engines.diffusion.engine import DiffusionEngine
 from omni_runtime.registry import get_pipeline
 from omni_runtime.spec import StageOverride
 from omni_runtime.spec.resolved import resolve_pipeline
@@ -110,7 +110,7 @@ async def test_settings_that_cannot_run_are_refused_before_loading(args: dict, m
 
 
 DIED = r"stage 'dit': sequence-parallel rank 1 \(pid {pid}\) died \(exit code -9: killed by SIGKILL"
-PARALLEL_LOG = "omni_runtime.engines.diffusion_parallel"
+PARALLEL_LOG = "omni_runtime.engines.diffusion.parallel"
 
 
 def _worker(engine: DiffusionEngine) -> multiprocessing.Process:
@@ -395,7 +395,7 @@ async def test_a_self_check_that_fails_on_every_rank_fails_the_start_and_leaves_
 HOLD_RANK0 = """
 import asyncio, json, logging, multiprocessing, sys, time
 from omni_runtime.engines.base import EngineInput
-from omni_runtime.engines.diffusion import DiffusionEngine
+from omni_runtime.engines.diffusion.engine import DiffusionEngine
 from omni_runtime.registry import get_pipeline
 from omni_runtime.spec import StageOverride
 from omni_runtime.spec.resolved import resolve_pipeline
@@ -413,7 +413,7 @@ async def main():
     pipeline = resolve_pipeline(get_pipeline("flux"), name="t", model=sys.argv[1], stages=[stage])
     engine = DiffusionEngine(pipeline, pipeline.topology.stage("dit"))
     await engine.start()
-    logger = logging.getLogger("omni_runtime.engines.diffusion_parallel")
+    logger = logging.getLogger("omni_runtime.engines.diffusion.parallel")
     logger.setLevel(logging.DEBUG)
     logger.addHandler(Hold(logging.DEBUG))
     async for _ in engine.generate(EngineInput("r", {"prompt": "a red cube"}, {"seed": 5})):

@@ -38,12 +38,12 @@ from omni_runtime.spec.engine_args import (
 
 ENGINE_MODULES = {
     "factory": "omni_runtime.engines.factory",
-    "ar": "omni_runtime.engines.ar",
-    "ar_tools": "omni_runtime.engines.ar_tools",
-    "diffusion": "omni_runtime.engines.diffusion",
-    "accel": "omni_runtime.engines.diffusion_accel",
-    "video": "omni_runtime.engines.video",
-    "parallel": "omni_runtime.engines.diffusion_parallel",
+    "ar": "omni_runtime.engines.ar.engine",
+    "ar_tools": "omni_runtime.engines.ar.tools",
+    "diffusion": "omni_runtime.engines.diffusion.engine",
+    "accel": "omni_runtime.engines.diffusion.accel",
+    "video": "omni_runtime.engines.diffusion.video",
+    "parallel": "omni_runtime.engines.diffusion.parallel",
     "generation": "omni_runtime.engines.generation",
     "talker": "omni_runtime.engines.speech.talker",
     "code2wav": "omni_runtime.engines.speech.code2wav",

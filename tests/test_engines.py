@@ -21,7 +21,7 @@ import pytest_asyncio
 import torch
 from servelib import diffusion_image
 
-from omni_runtime.engines.ar import (
+from omni_runtime.engines.ar.engine import (
     CPU_ENGINE_DEFAULTS,
     REGISTRY_ONLY_ENGINE_ARGS,
     AREngine,
@@ -29,7 +29,7 @@ from omni_runtime.engines.ar import (
     cpu_defaults,
 )
 from omni_runtime.engines.base import EngineError, EngineInput, EngineOutput, InvalidRequest
-from omni_runtime.engines.diffusion import DiffusionEngine
+from omni_runtime.engines.diffusion.engine import DiffusionEngine
 from omni_runtime.engines.factory import make_engine
 from omni_runtime.engines.generation import VAEDecodeEngine
 from omni_runtime.processors import (
@@ -844,7 +844,7 @@ def test_a_stage_runs_in_a_dtype_its_device_has() -> None:
     served test, where the topology's bfloat16 reaches it)."""
     import torch
 
-    from omni_runtime.engines.diffusion import device_dtype
+    from omni_runtime.engines.diffusion.engine import device_dtype
 
     assert device_dtype("cpu", torch.bfloat16, cpu_bf16=True) == (torch.bfloat16, "")
     dtype, why = device_dtype("cpu", torch.bfloat16, cpu_bf16=False)

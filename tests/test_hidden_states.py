@@ -1,4 +1,4 @@
-"""Hidden-state rows streamed out of a running vLLM request (`omni_runtime.engines.hidden_states`).
+"""Hidden-state rows streamed out of a running vLLM request (`omni_runtime.engines.ar.hidden_states`).
 
 Fast tests pin the vLLM 0.32 internals the connector relies on (they fail loudly when vLLM changes
 them), the engine-arg checks and the receiver (a real ZeroMQ PUSH socket stands in for the worker).
@@ -24,9 +24,8 @@ import pytest_asyncio
 import torch
 import zmq
 
-from omni_runtime.engines.ar import HIDDEN_STATE_ARG, MEDIA_HIDDEN_ARG, AREngine
-from omni_runtime.engines.base import EngineError, EngineInput, EngineOutput, InvalidRequest
-from omni_runtime.engines.hidden_states import (
+from omni_runtime.engines.ar.engine import HIDDEN_STATE_ARG, MEDIA_HIDDEN_ARG, AREngine
+from omni_runtime.engines.ar.hidden_states import (
     CONNECTOR_NAME,
     HiddenStatesConnector,
     HiddenStatesError,
@@ -34,6 +33,7 @@ from omni_runtime.engines.hidden_states import (
     split_request_id,
     vllm_engine_args,
 )
+from omni_runtime.engines.base import EngineError, EngineInput, EngineOutput, InvalidRequest
 from omni_runtime.registry import get_pipeline
 from omni_runtime.spec import StageOverride, resolve_pipeline
 
@@ -184,7 +184,7 @@ def test_media_hidden_layer_never_reaches_vllm_and_refuses_what_it_cannot_run_wi
         _thinker("/models/none", media_hidden_layer=2, mm_processor_cache_gb=4).engine_args()
     with pytest.raises(EngineError, match="enable_prefix_caching"):
         _thinker("/models/none", media_hidden_layer=2, enable_prefix_caching=True).engine_args()
-    from omni_runtime.engines.ar import media_grids
+    from omni_runtime.engines.ar.engine import media_grids
 
     with pytest.raises(EngineError, match="came from vLLM's processor cache"):
         media_grids({"mm_kwargs": {"image": [None]}})
@@ -195,7 +195,7 @@ def test_route_args_name_this_module_as_the_connector() -> None:
     kv = args["kv_transfer_config"]
     assert (kv["kv_connector"], kv["kv_connector_module_path"]) == (
         CONNECTOR_NAME,
-        "omni_runtime.engines.hidden_states",
+        "omni_runtime.engines.ar.hidden_states",
     )
     assert args["speculative_config"]["method"] == "extract_hidden_states"
     assert args["enable_prefix_caching"] is False and args["async_scheduling"] is False
@@ -446,7 +446,7 @@ def test_vllm_cpu_expand_stand_in_drops_its_result_and_ours_expands() -> None:
     float32/int32 output and never copies it back (so temperature/top_k/top_p expand to garbage and the
     first sampled request of the hidden-state route kills EngineCore). When this fails, vLLM fixed it:
     delete `install_cpu_expand_fix`."""
-    from omni_runtime.engines.vllm_plugins import expand_kernel
+    from omni_runtime.engines.ar.vllm_plugins import expand_kernel
 
     _cpu_kernels()
     # a fresh copy of vLLM's module: the plugin may already have replaced the function in this process
@@ -474,7 +474,7 @@ def test_the_plugin_installs_the_expand_fix_and_refuses_another_vllm(monkeypatch
     plugins; another vLLM version is a clear error. The version is monkeypatched: no second vLLM here."""
     import vllm
 
-    from omni_runtime.engines import vllm_plugins
+    from omni_runtime.engines.ar import vllm_plugins
 
     cpu = _cpu_kernels()
     monkeypatch.setattr(cpu, "_expand_kernel_impl", cpu._expand_kernel_impl)  # restored after the test
@@ -529,7 +529,7 @@ def test_the_plugin_entry_point_is_installed_and_registers_the_wrapper() -> None
     from vllm.model_executor.models.interfaces import supports_eagle3
     from vllm.model_executor.models.qwen2_5_omni_thinker import Qwen2_5OmniThinkerForConditionalGeneration
 
-    from omni_runtime.engines.vllm_plugins import QWEN2_5_OMNI_ARCHITECTURES, entry_point_installed, register
+    from omni_runtime.engines.ar.vllm_plugins import QWEN2_5_OMNI_ARCHITECTURES, entry_point_installed, register
 
     assert entry_point_installed()
     assert not supports_eagle3(Qwen2_5OmniThinkerForConditionalGeneration)  # why the wrapper exists

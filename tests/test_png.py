@@ -1,4 +1,5 @@
-"""The stage's PNG encoder (`omni_runtime.engines.png`): pieces deflated on several threads make one valid PNG.
+"""The stage's PNG encoder (`omni_runtime.engines.diffusion.png`): pieces deflated on several threads make
+one valid PNG.
 
 Every PNG is read back with Pillow (which checks each chunk's CRC) and its zlib stream with `zlib.decompress`
 (which checks the Adler-32): the pixels must be the image's, exactly.
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from omni_runtime.engines import png as PNG
+from omni_runtime.engines.diffusion import png as PNG
 
 
 def _photo_like(h: int, w: int, channels: int, seed: int = 0) -> np.ndarray:

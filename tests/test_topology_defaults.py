@@ -10,7 +10,7 @@ because every serve starts them with a smaller max_model_len and KV cache to sav
 topology is started from the registry with nothing given, as `omnikube serve <folder>` starts it (one that
 another's start proves is named in `SAME_START`). A start that
 returns has served one request: the engine's self-check runs a greedy token through `generate` before
-`start()` returns (engines/ar.py). One vLLM engine at a time.
+`start()` returns (engines/ar/engine.py). One vLLM engine at a time.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_an_ar_stage_serves_with_its_topologys_engine_args(topology: str, stage:
     request (a start that returns has); then it stops, its vLLM processes with it."""
     import asyncio
 
-    from omni_runtime.engines.ar import AREngine
+    from omni_runtime.engines.ar.engine import AREngine
     from omni_runtime.tiny_models import ensure
 
     pipeline = resolve_pipeline(get_pipeline(topology), name="defaults", model=str(ensure(TINY_MODELS[topology])))

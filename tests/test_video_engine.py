@@ -14,8 +14,8 @@ import pytest_asyncio
 from PIL import Image
 
 from omni_runtime.engines.base import EngineInput, EngineOutput, InvalidRequest
-from omni_runtime.engines.diffusion import DiffusionEngine
-from omni_runtime.engines.video import encode_mp4
+from omni_runtime.engines.diffusion.engine import DiffusionEngine
+from omni_runtime.engines.diffusion.video import encode_mp4
 from omni_runtime.registry import get_pipeline
 from omni_runtime.spec import StageOverride
 from omni_runtime.spec.resolved import resolve_pipeline

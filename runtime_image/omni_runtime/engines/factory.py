@@ -19,8 +19,8 @@ from omni_runtime.spec import ResolvedPipeline, StageKind
 __all__ = ["ENGINES", "engine_class", "make_engine", "runners"]
 
 ENGINES: Mapping[tuple[StageKind, str | None], str] = {
-    (StageKind.AR, None): "omni_runtime.engines.ar:AREngine",
-    (StageKind.DIFFUSION, None): "omni_runtime.engines.diffusion:DiffusionEngine",
+    (StageKind.AR, None): "omni_runtime.engines.ar.engine:AREngine",
+    (StageKind.DIFFUSION, None): "omni_runtime.engines.diffusion.engine:DiffusionEngine",
     (StageKind.GENERATION, "vae_decode"): "omni_runtime.engines.generation:VAEDecodeEngine",
     (StageKind.GENERATION, "qwen3_omni_talker"): "omni_runtime.engines.speech.talker:Qwen3TalkerEngine",
     (StageKind.GENERATION, "qwen2_5_omni_talker"): "omni_runtime.engines.speech.talker:Qwen25TalkerEngine",

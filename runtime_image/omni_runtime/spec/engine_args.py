@@ -188,7 +188,7 @@ class StepCacheSettings(BaseModel):
 
 
 class AccelSettings(BaseModel):
-    """The speed options of a diffusion stage (engines/diffusion_accel.py applies them)."""
+    """The speed options of a diffusion stage (engines/diffusion/accel.py applies them)."""
 
     model_config = ConfigDict(frozen=True)
 

@@ -53,7 +53,7 @@ from omni_runtime.engines.base import (
     refuse_unknown_params,
     self_check,
 )
-from omni_runtime.engines.speech.stage_args import checked_engine_args, stage_device, stage_model_path
+from omni_runtime.engines.common import checked_engine_args, stage_device, stage_model_path
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 
 __all__ = ["Qwen25Token2Wav", "Token2WavEngine", "WindowJob"]

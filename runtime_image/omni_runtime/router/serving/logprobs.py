@@ -1,4 +1,4 @@
-"""OpenAI's logprobs shapes from the rows an AR stage sends (`engines.ar_extras.logprob_rows`).
+"""OpenAI's logprobs shapes from the rows an AR stage sends (`engines.ar.extras.logprob_rows`).
 
 A row is one generated token: `[token_id, logprob, decoded]` entries in vLLM's order, the sampled
 token first. The cuts follow vLLM's server exactly: chat returns the first `top_logprobs` entries,

@@ -2,7 +2,7 @@
 
 vLLM's engine core is a spawned process, so registering a model in the stage process is not enough:
 vLLM calls `load_general_plugins()` in each of its processes, which runs every `vllm.general_plugins`
-entry point (ours: `omnikube = omni_runtime.engines.vllm_plugins:register`, in pyproject.toml; an
+entry point (ours: `omnikube = omni_runtime.engines.ar.vllm_plugins:register`, in pyproject.toml; an
 editable install must be re-installed to pick it up).
 
 `register` makes vLLM's Qwen2.5-Omni thinker `SupportsEagle3` (same class, same weights, same
@@ -45,7 +45,7 @@ ENTRY_POINT = "omnikube"
 QWEN2_5_OMNI_ARCHITECTURES = ("Qwen2_5OmniModel", "Qwen2_5OmniForConditionalGeneration")
 """The architecture names vLLM maps to its Qwen2.5-Omni thinker."""
 
-WRAPPER = "omni_runtime.engines.qwen2_5_omni_eagle:Qwen2_5OmniThinkerWithAuxStates"
+WRAPPER = "omni_runtime.engines.ar.qwen2_5_omni_eagle:Qwen2_5OmniThinkerWithAuxStates"
 
 EXPAND_FIX_VLLM_VERSION = "0.32.0"
 """The vLLM whose CPU `_expand_kernel_impl` is broken and replaced by `expand_kernel`."""
@@ -126,7 +126,7 @@ def install_cpu_expand_fix() -> bool:
             f"omnikube replaces vLLM {EXPAND_FIX_VLLM_VERSION}'s CPU expand_kernel stand-in "
             f"(vllm.utils.cpu_triton_utils._expand_kernel_impl), but this is vLLM {vllm.__version__}; "
             "check whether its stand-in still drops the result (tests/test_hidden_states.py), then update "
-            "or delete omni_runtime.engines.vllm_plugins.install_cpu_expand_fix"
+            "or delete omni_runtime.engines.ar.vllm_plugins.install_cpu_expand_fix"
         )
     cpu_triton_utils._expand_kernel_impl = expand_kernel
     log.debug("vLLM's CPU expand_kernel stand-in replaced by %s.expand_kernel", __name__)

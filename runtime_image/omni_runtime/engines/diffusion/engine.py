@@ -27,8 +27,8 @@ Output: `{"images": [png bytes, ...]}`; a stage whose `output_modality` is `hidd
 `{"latents": tensor (n, C, h, w)}` instead (for a separate VAE stage, see `dit_to_vae`).
 
 Video pipelines (their `__call__` takes `num_frames`) take `fps` too and give an MP4 per request, with
-progress outputs while they denoise: see `engines/video.py` (its engine args: `max_frames`,
-`default_fps`, `max_fps`). Speed options are engine args too, see `engines/diffusion_accel.py`:
+progress outputs while they denoise: see `engines/diffusion/video.py` (its engine args: `max_frames`,
+`default_fps`, `max_fps`). Speed options are engine args too, see `engines/diffusion/accel.py`:
 `enforce_eager`, `quantization`, `step_cache_threshold`, `step_cache`, `attention_backend` (a request's
 `step_cache: false` turns the step cache off). Every pipeline that takes `callback_on_step_end` stops
 between two denoising steps once every request of its batch is aborted, and reports its step time
@@ -61,11 +61,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omni_runtime.engines import diffusion_parallel as P
-from omni_runtime.engines import png as PNG
-from omni_runtime.engines import video as V
 from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
-from omni_runtime.engines.diffusion_accel import ACCEL_ENGINE_ARGS, Accel
+from omni_runtime.engines.diffusion import parallel as P
+from omni_runtime.engines.diffusion import png as PNG
+from omni_runtime.engines.diffusion import video as V
+from omni_runtime.engines.diffusion.accel import ACCEL_ENGINE_ARGS, Accel
 from omni_runtime.metrics import Stage as StageMetrics
 from omni_runtime.spec import Modality, ResolvedPipeline, StageSpec
 

@@ -9,7 +9,7 @@ vLLM when asked (or when the consumer of `generate` goes away). CFG companions (
 primary, so vLLM's continuous batching schedules both together; `companion_requests` builds them.
 
 With `hidden_state_layers` in the stage's engine args (omnikube's, not vLLM's) the pieces also carry
-hidden-state rows of those layers while the request runs (`omni_runtime.engines.hidden_states`):
+hidden-state rows of those layers while the request runs (`omni_runtime.engines.ar.hidden_states`):
 `data["hidden_states"] = {str(layer): float32 tensor (rows, hidden)}`; across the pieces of a request
 the rows are contiguous, row i belonging to token i of `prompt_token_ids + token_ids` (the token that
 was the input at position i; the last generated token has none). The first piece has every prompt
@@ -49,8 +49,8 @@ from collections.abc import AsyncIterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from omni_runtime.engines.ar_extras import TOKEN_OPS, detokenize, logprob_rows, structured_outputs, tokenize
-from omni_runtime.engines.ar_tools import (
+from omni_runtime.engines.ar.extras import TOKEN_OPS, detokenize, logprob_rows, structured_outputs, tokenize
+from omni_runtime.engines.ar.tools import (
     TOOL_CALL_PARSER_ARG,
     check_parser_name,
     open_session,
@@ -100,7 +100,7 @@ HIDDEN_STATE_ARG = "hidden_state_layers"
 """omnikube's engine arg (never passed to vLLM): the layers whose rows each request streams out, as
 HF `output_hidden_states` indices (0 the embeddings, k the output of layer k-1, N the last layer
 *before* the final norm; -1 means N). vLLM's `speculative_config` (extract_hidden_states) and
-`kv_transfer_config` are then ours; see `omni_runtime.engines.hidden_states` for the costs. vLLM's media
+`kv_transfer_config` are then ours; see `omni_runtime.engines.ar.hidden_states` for the costs. vLLM's media
 processor cache is off (`mm_processor_cache_gb` 0: a cached media item carries no grid for the talker)."""
 
 MEDIA_HIDDEN_ARG = "media_hidden_layer"
@@ -392,7 +392,7 @@ class AREngine(Engine):
         from transformers import AutoConfig
 
         full = AutoConfig.from_pretrained(self.model_path)
-        from omni_runtime.engines.vllm_plugins import QWEN2_5_OMNI_ARCHITECTURES, entry_point_installed
+        from omni_runtime.engines.ar.vllm_plugins import QWEN2_5_OMNI_ARCHITECTURES, entry_point_installed
 
         if set(full.architectures or ()) & set(QWEN2_5_OMNI_ARCHITECTURES) and not entry_point_installed():
             raise EngineError(
@@ -473,7 +473,7 @@ class AREngine(Engine):
         kwargs = self.engine_args()
         requested = self.requested_hidden_layers()
         if requested is not None:
-            from omni_runtime.engines.hidden_states import RowReceiver, vllm_engine_args
+            from omni_runtime.engines.ar.hidden_states import RowReceiver, vllm_engine_args
 
             self.hidden_layers, hidden_size = await asyncio.to_thread(self._resolve_hidden_layers, requested)
             self._media_ids = await asyncio.to_thread(self._media_token_ids)
@@ -482,7 +482,7 @@ class AREngine(Engine):
             kwargs.update(vllm_engine_args(self.hidden_layers, self._rows.address))
         media = self.requested_media_layer()
         if media is not None:
-            from omni_runtime.engines.hidden_states import RowReceiver, vllm_engine_args
+            from omni_runtime.engines.ar.hidden_states import RowReceiver, vllm_engine_args
 
             layer, hidden_size, self._media_ids = await asyncio.to_thread(self._resolve_media_layer, media)
             self.media_layer = layer
@@ -775,7 +775,7 @@ class AREngine(Engine):
 
     async def _attach_media_rows(self, rows: Any, data: dict[str, Any], prompt: dict[str, Any], out: Any) -> None:
         """Put the media positions' rows and the media grids into the first piece's `data`."""
-        from omni_runtime.engines.hidden_states import HiddenStatesError
+        from omni_runtime.engines.ar.hidden_states import HiddenStatesError
 
         ids = prompt["prompt_token_ids"]
         if out.finished and out.outputs and out.outputs[0].finish_reason == "abort":
@@ -807,7 +807,7 @@ class AREngine(Engine):
         Waits for the rows this step surely produced: every prompt row with the first token; later
         at least up to the second-to-last token (the row of a token whose draft was accepted is
         sent one step later); when finished, all of them (one per input position)."""
-        from omni_runtime.engines.hidden_states import HiddenStatesError
+        from omni_runtime.engines.ar.hidden_states import HiddenStatesError
 
         reason = out.outputs[0].finish_reason if out.outputs else None
         if out.finished:
