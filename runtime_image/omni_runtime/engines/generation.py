@@ -8,8 +8,8 @@ engine here, a `GenerationEngine` subclass that names it (`VAEDecodeEngine`); th
 
 Engine args: `runner` (required), `chunk_size` (items per chunk along `chunk_dim`; the runner's
 default), `chunk_dim` (the runner's default), `torch_dtype` (default float32), `device` (cuda when
-available, else cpu). Other keys are left to the runner (vLLM-style keys in the registry's speech
-topologies are ignored until their runners exist).
+available, else cpu). Other keys are left to the runner (`ModuleRunner.args`). The speech runners
+(talkers, code2wav, token2wav) are engines of their own in `engines.speech`, which refuse unknown keys.
 
 Input: `{"input": tensor}` (split here) or `{"chunks": [tensor, ...]}` (already split upstream).
 Output per chunk: the runner's payload plus `chunk_index` and `num_chunks`.
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
+from omni_runtime.engines.common import default_device, named_dtype, release_device_memory, stage_model_path
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 
 __all__ = ["GenerationEngine", "ModuleRunner", "VAEDecodeEngine", "VAEDecodeRunner"]
@@ -112,8 +113,7 @@ class GenerationEngine(Engine):
 
     def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
         super().__init__(pipeline, stage)
-        path = Path(pipeline.model)
-        self.model_path = path / stage.model_subfolder if stage.model_subfolder else path
+        self.model_path = stage_model_path(pipeline, stage)
         args = dict(stage.engine_args)
         args.pop("runner", None)  # the factory chose this engine (and so its runner) by it
         self.chunk_size = int(args.pop("chunk_size", self.runner_cls.default_chunk_size))
@@ -131,15 +131,8 @@ class GenerationEngine(Engine):
         self._stats = {"chunks_total": 0.0, "last_chunk_seconds": 0.0}
 
     async def start(self) -> None:
-        import torch
-
-        dtype = getattr(torch, self._dtype_name, None)
-        if not isinstance(dtype, torch.dtype):
-            raise EngineError(
-                f"stage {self.stage.name!r}: torch_dtype {self._dtype_name!r} is not a torch dtype; "
-                "use float32, bfloat16 or float16"
-            )
-        device = self._device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = named_dtype(self.stage.name, self._dtype_name, "use float32, bfloat16 or float16")
+        device = default_device(self._device)
         runner = self.runner_cls(self.model_path, device, dtype, self._runner_args)
         started = time.monotonic()
         try:
@@ -228,13 +221,7 @@ class GenerationEngine(Engine):
             self.runner = None
         finally:
             self._lock.release()
-        import gc
-
-        import torch
-
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_device_memory()
 
     def stats(self) -> dict[str, float]:
         return {"running_requests": float(len(self._running)), **self._stats}
