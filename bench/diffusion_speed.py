@@ -36,7 +36,6 @@ from diffusion_batching import FLUX_TRANSFORMER as FLUX  # noqa: E402
 from diffusion_batching import FLUX_VAE  # noqa: E402
 
 from omni_runtime.engines.base import EngineError, EngineInput  # noqa: E402
-from omni_runtime.engines.diffusion import engine as engine_module  # noqa: E402
 from omni_runtime.engines.diffusion import png  # noqa: E402
 from omni_runtime.engines.diffusion.engine import DiffusionEngine  # noqa: E402
 from omni_runtime.spec import Modality, ResolvedPipeline, StageKind, StageSpec  # noqa: E402
@@ -220,7 +219,7 @@ async def run_mode(name: str, args: argparse.Namespace, ref: dict[str, Any]) -> 
         if "cache" in name:  # the request's switch: every step in full, i.e. the mode without its cache
             report(f"{name}(off)", await measure(engine, args, step_cache=False), ref, engine, args)
             for threshold in args.more_thresholds:  # same compiled engine, other thresholds (the hooks' own)
-                for hook in engine.accel._cache_hooks:
+                for hook in engine.accel.cache.threshold_hooks:
                     hook.threshold = threshold
                 report(f"{name}@{threshold}", await measure(engine, args), ref, engine, args)
         if name in args.concurrency_modes:
@@ -399,7 +398,7 @@ async def shape_check(name: str, pipe: Any, engine: DiffusionEngine, args: argpa
 
 async def measure(engine: DiffusionEngine, args: argparse.Namespace, step_cache: bool = True) -> dict[str, Any]:
     pipe = engine.pipe
-    checks, hits = engine.accel.cache_checks, engine.accel.cached_steps
+    checks, hits = engine.accel.cache.checks, engine.accel.cache.hits
     times, image, splits = [], b"", []
     for _ in range(args.repeats):
         extra = {} if step_cache else {"step_cache": False}
@@ -412,7 +411,7 @@ async def measure(engine: DiffusionEngine, args: argparse.Namespace, step_cache:
         splits.append(parts.split(t0, t1))
     res: dict[str, Any] = {"latency": statistics.median(times), "times": times, "image": image}
     res["split"] = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
-    res["cached"] = (engine.accel.cached_steps - hits, engine.accel.cache_checks - checks)
+    res["cached"] = (engine.accel.cache.hits - hits, engine.accel.cache.checks - checks)
     res["latents"] = latents(engine, args, step_cache)
     return res
 
@@ -426,7 +425,7 @@ def report(name: str, res: dict[str, Any], ref: dict[str, Any], engine: Diffusio
         line += f" fused_qkv={engine.accel.fused_attentions}"
     if engine.accel.split_proj_out:
         line += f" split_proj_out={engine.accel.split_proj_out} sigmoid_gelu={engine.accel.fast_gelu}"
-    if engine.accel._graphed:
+    if engine.accel.graphed:
         line += f" graph_replays={engine.accel.graph_replays}"
     if res["cached"][1]:
         line += f"  steps from cache {res['cached'][0]}/{res['cached'][1]}"
@@ -451,7 +450,7 @@ async def png_levels(data: bytes, workers: int) -> None:
 
     image = Image.open(io.BytesIO(data))
     image.load()
-    level = engine_module.PNG_COMPRESS_LEVEL
+    level = png.PNG_COMPRESS_LEVEL
     line = "png encode of the eager image:"
     for pillow_level in (6, level):
         t0 = time.perf_counter()
@@ -493,7 +492,7 @@ async def main_async(args: argparse.Namespace) -> int:
         results[name] = res
         if name == "eager":
             ref = res
-            await png_levels(res["image"], engine_module.encode_workers())
+            await png_levels(res["image"], png.encode_workers())
     if "eager" in results and "rps" in results["eager"]:
         base = results["eager"]["rps"]
         for name, res in results.items():

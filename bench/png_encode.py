@@ -24,7 +24,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime_image"))
 from omni_runtime.engines.diffusion import png  # noqa: E402
-from omni_runtime.engines.diffusion.engine import PNG_COMPRESS_LEVEL  # noqa: E402
+from omni_runtime.engines.diffusion.png import PNG_COMPRESS_LEVEL  # noqa: E402
 
 
 def images(side: int) -> dict[str, Any]:

@@ -20,8 +20,9 @@ import torch
 from servelib import diffusion_image
 
 from omni_runtime.engines.base import EngineError, InvalidRequest
-from omni_runtime.engines.diffusion.accel import Accel, Fp8Linear
+from omni_runtime.engines.diffusion.accel import Accel
 from omni_runtime.engines.diffusion.engine import DiffusionEngine
+from omni_runtime.engines.diffusion.fp8 import Fp8Linear, to_fp8
 from omni_runtime.registry import get_pipeline
 from omni_runtime.spec import StageOverride
 from omni_runtime.spec.resolved import resolve_pipeline
@@ -167,13 +168,13 @@ def test_split_single_block_proj_out_computes_the_same_as_the_whole_layer() -> N
     to the float model as the whole FP8 layer does."""
     import copy
 
-    from omni_runtime.engines.diffusion import accel as diffusion_accel
+    from omni_runtime.engines.diffusion import flux
 
     model, inputs = _tiny_flux(torch.float32)
     split = copy.deepcopy(model)
     blocks = [*split.transformer_blocks, *split.single_transformer_blocks]
-    assert diffusion_accel._split_single_proj_out(blocks) == 2
-    assert diffusion_accel._fast_gelu(blocks) == 2  # the double block: ff and ff_context
+    assert flux.split_single_proj_out(blocks) == 2
+    assert flux.fast_gelu(blocks) == 2  # the double block: ff and ff_context
     assert type(split.single_transformer_blocks[0]).__name__ == "FluxSingleTransformerBlock"  # name lists still match
     with torch.inference_mode():
         want, got = model(**inputs).sample, split(**inputs).sample
@@ -181,7 +182,7 @@ def test_split_single_block_proj_out_computes_the_same_as_the_whole_layer() -> N
 
     bf16, bf16_inputs = _tiny_flux(torch.bfloat16)
     whole = copy.deepcopy(bf16)
-    Accel._fp8([*whole.transformer_blocks, *whole.single_transformer_blocks])  # FP8 with proj_out in one piece
+    to_fp8([*whole.transformer_blocks, *whole.single_transformer_blocks])  # FP8 with proj_out in one piece
     accel = Accel("dit", {"quantization": "fp8", "attention_backend": "native"})
     accel.apply(type("P", (), {"transformer": bf16})(), "cpu")
     assert accel.split_proj_out == 2
@@ -207,14 +208,14 @@ def test_the_cuda_graph_wrapper_runs_what_it_cannot_capture_as_is() -> None:
     """The denoiser step's CUDA-graph wrapper (captured on GPUs only, measured by bench/diffusion_speed.py)
     passes every call it cannot key straight to the forward: CPU tensors, outside inference mode,
     return_dict=True; nothing is captured or replayed then."""
-    from omni_runtime.engines.diffusion.accel import _GraphedForward
+    from omni_runtime.engines.diffusion.graphs import GraphedForward
 
     linear = torch.nn.Linear(4, 4)
 
     def forward(hidden_states: torch.Tensor, return_dict: bool = True) -> tuple[torch.Tensor]:
         return (linear(hidden_states),)
 
-    graphed = _GraphedForward("dit", forward)
+    graphed = GraphedForward("dit", forward)
     x = torch.randn(2, 4)
     with torch.inference_mode():
         for _ in range(3):

@@ -39,13 +39,14 @@ on its own contiguous rows; and GELU's tanh approximation runs as `x * sigmoid(2
 instead of a tanh, computed twice by the kernel that takes the rows' amax and casts to FP8).
 
 Each choice is logged at start. The CPU path is unchanged unless a stage asks for the step cache.
+
+This module reads the options and applies them in order (`Accel.apply`); the pieces live beside it: `fp8`
+(the FP8 Linear), `flux` (the Flux rewrites), `step_cache` (both step caches), `graphs` (CUDA-graph replay).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import functools
 import importlib.util
 import logging
 import time
@@ -54,27 +55,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from omni_runtime.engines.base import EngineError, InvalidRequest
+from omni_runtime.engines.base import EngineError
+from omni_runtime.engines.diffusion import flux
+from omni_runtime.engines.diffusion.fp8 import to_fp8
+from omni_runtime.engines.diffusion.graphs import GraphedForward
+from omni_runtime.engines.diffusion.step_cache import StepCache, StepCacheSettings
 
-__all__ = ["ACCEL_ENGINE_ARGS", "REQUEST_PARAM", "Accel", "AccelSettings", "Fp8Linear"]
+__all__ = ["ACCEL_ENGINE_ARGS", "Accel", "AccelSettings"]
 
 log = logging.getLogger(__name__)
-
-REQUEST_PARAM = "step_cache"
-"""Request parameter (bool) that turns the stage's step cache off for that request."""
-
-
-class StepCacheSettings(BaseModel):
-    """A schedule-based step cache (engine arg `step_cache`): which steps skip the transformer blocks."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    policy: Literal["taylorseer"] = Field(
-        description="taylorseer: diffusers' TaylorSeer cache (skipped steps extrapolate the denoiser's output)."
-    )
-    interval: int = Field(3, ge=2, le=50, description="After the warm-up, one step in `interval` runs in full.")
-    warmup: int = Field(4, ge=1, le=1000, description="The first steps, all run in full (Taylor factors).")
-    order: int = Field(1, ge=0, le=3, description="Taylor order of the extrapolation (0: reuse the last output).")
 
 
 class AccelSettings(BaseModel):
@@ -128,63 +117,6 @@ def _settings(stage: str, engine_args: dict[str, Any]) -> AccelSettings:
     return settings
 
 
-class Fp8Linear:
-    """Builds FP8 replacements for `torch.nn.Linear`: weights quantized once per output row, activations per
-    token at each call, one `torch._scaled_mm` (Hopper's FP8 tensor cores) with bf16 output."""
-
-    FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-    @staticmethod
-    def convertible(linear: Any) -> bool:
-        """`_scaled_mm` needs both matrix dimensions to be multiples of 16."""
-        return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
-
-    @staticmethod
-    def build(linear: Any) -> Any:
-        """The FP8 module replacing `linear` (its weights are quantized here, once)."""
-        return _fp8_module_class()(linear)
-
-
-@functools.cache
-def _fp8_module_class() -> Any:
-    """One class for every FP8 layer, made once: torch.compile guards on a module's class, so a class per
-    layer would compile each block anew (torch is imported only when a stage asks for fp8)."""
-    import torch
-
-    fp8_max = Fp8Linear.FP8_MAX
-
-    class Fp8LinearModule(torch.nn.Module):
-        def __init__(self, src: torch.nn.Linear) -> None:
-            super().__init__()
-            w = src.weight.detach()
-            scale = w.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / fp8_max
-            # (out, in) row-major, so .t() below is the column-major operand _scaled_mm wants.
-            self.register_buffer("weight_fp8", (w.float() / scale).to(torch.float8_e4m3fn))
-            self.register_buffer("weight_scale", scale.reshape(1, -1).contiguous())
-            self.bias = None if src.bias is None else torch.nn.Parameter(src.bias.detach(), requires_grad=False)
-            self.in_features, self.out_features = src.in_features, src.out_features
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            flat = x.reshape(-1, x.shape[-1])
-            x_scale = flat.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / fp8_max
-            xq = (flat.float() / x_scale).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
-            # use_fast_accum: Hopper's FP8 MMA accumulates without the periodic FP32 promotion (faster; the
-            # error stays within the bench's latents bound, as torchao does for forward matmuls).
-            out = torch._scaled_mm(
-                xq,
-                self.weight_fp8.t(),
-                scale_a=x_scale,
-                scale_b=self.weight_scale,
-                out_dtype=x.dtype,
-                use_fast_accum=xq.is_cuda,
-            )
-            if self.bias is not None:
-                out = out + self.bias
-            return out.reshape(*x.shape[:-1], self.out_features)
-
-    return Fp8LinearModule
-
-
 def _repeated_blocks(model: Any) -> list[Any]:
     """The denoiser's repeated transformer blocks: the classes it names in `_repeated_blocks` (diffusers'
     regional-compilation list), else the members of its top-level ModuleLists (e.g. SD3's `transformer_blocks`)."""
@@ -214,27 +146,21 @@ class Accel:
         self.attention_backend = "default"
         self.compile_seconds = 0.0
         self.fp8_layers = 0
-        self._cache_hooks: list[Any] = []
-        """First Block Cache: the hooks that decide whether the other blocks run."""
-        self._taylor_hooks: list[Any] = []
-        """TaylorSeer: every hook (blocks and proj_out); each counts the steps itself."""
+        self.cache = StepCache(stage, self.settings.step_cache_threshold, self.settings.step_cache)
+        """The step cache (threshold or schedule), on the denoiser once applied."""
         self.fused_attentions = 0
+        """Attentions whose q/k/v projections run as one matmul."""
         self.split_proj_out = 0
         """Flux single blocks whose proj_out runs as two matmuls (attention part, MLP part) with no cat."""
         self.fast_gelu = 0
         """Flux feed-forwards whose GELU (tanh) runs in its sigmoid form."""
-        self._graphed: list[_GraphedForward] = []
-        """Attentions whose q/k/v projections run as one matmul."""
-        self._cached_model: Any = None
-        self.cache_checks = 0
-        """Denoising steps the step cache looked at."""
-        self.cached_steps = 0
-        """Of those, steps that reused the previous step's output of all blocks but the first."""
+        self.graphed: list[GraphedForward] = []
+        """The denoisers' forwards that replay CUDA graphs."""
 
     @property
     def step_cache(self) -> bool:
         """Whether the stage has a step cache (threshold or schedule)."""
-        return self.settings.step_cache_threshold > 0 or self.settings.step_cache is not None
+        return self.cache.enabled
 
     def check_device(self, device: str) -> None:
         """Refuse, before loading anything, options this device cannot run."""
@@ -259,7 +185,7 @@ class Accel:
             raise EngineError(f"stage {self.stage!r}: step_cache_threshold must be below 1")
 
     def apply(self, pipe: Any, device: str, parallel: Callable[[Any], None] | None = None) -> None:
-        """Attention backend, FP8, `parallel(pipe)` (context parallelism, see diffusion_parallel), compilation
+        """Attention backend, FP8, `parallel(pipe)` (context parallelism, see `parallel_plan`), compilation
         and the step cache, in that order (in the loading thread). FP8 comes first so that no parallel hook sits
         on a replaced layer; compilation after, so the compiled blocks include the parallel all-to-alls.
 
@@ -285,19 +211,19 @@ class Accel:
             self._attention(second, device)
             blocks += _repeated_blocks(second)
         gpu_compiled = device.startswith("cuda") and not self.settings.enforce_eager
-        if (gpu_compiled or self.settings.quantization == "fp8") and type(model).__name__ in _FUSE_QKV:
-            fused = _fuse_qkv(model) + (_fuse_qkv(second) if second is not None and second is not model else 0)
+        if (gpu_compiled or self.settings.quantization == "fp8") and type(model).__name__ in flux.FUSE_QKV:
+            fused = flux.fuse_qkv(model) + (flux.fuse_qkv(second) if second is not None and second is not model else 0)
             self.fused_attentions = fused
             log.info("stage %s: fused the q/k/v projections of %d attentions", self.stage, fused)
         if self.settings.quantization == "fp8":
-            if type(model).__name__ in _FUSE_QKV:  # Flux: the single blocks' proj_out without its input's cat
-                self.split_proj_out = _split_single_proj_out(blocks)
-                self.fast_gelu = _fast_gelu(blocks)
+            if type(model).__name__ in flux.FUSE_QKV:  # Flux: the single blocks' proj_out without its input's cat
+                self.split_proj_out = flux.split_single_proj_out(blocks)
+                self.fast_gelu = flux.fast_gelu(blocks)
                 log.info(
                     "stage %s: %d single blocks' proj_out split in two (no cat), GELU (tanh) as x*sigmoid in %d "
                     "feed-forwards", self.stage, self.split_proj_out, self.fast_gelu,
                 )  # fmt: skip
-            self.fp8_layers = self._fp8(blocks)
+            self.fp8_layers = to_fp8(blocks)
             log.info(
                 "stage %s: fp8 matmuls (torch._scaled_mm, per-row scales) in %d layers", self.stage, self.fp8_layers
             )
@@ -319,105 +245,24 @@ class Accel:
                     "from engineArgs"
                 )
             for denoiser in {id(m): m for m in (model, second) if m is not None}.values():
-                graphed = _GraphedForward(self.stage, denoiser.forward)
+                graphed = GraphedForward(self.stage, denoiser.forward)
                 denoiser.forward = graphed
-                self._graphed.append(graphed)
+                self.graphed.append(graphed)
             log.info("stage %s: the denoiser's step replays CUDA graphs (one per input shape)", self.stage)
-        if self.step_cache and type(model).__name__ in _NO_STEP_CACHE:
-            raise EngineError(
-                f"stage {self.stage!r}: step caching does not apply to {type(model).__name__} (diffusers' "
-                "step caches break on its last block, which returns no text states); remove "
-                "step_cache_threshold / step_cache from engineArgs (Flux, Qwen-Image and Wan stages take them)"
-            )
-        if self.settings.step_cache is not None:
-            self._taylorseer(model, self.settings.step_cache)
-        if self.settings.step_cache_threshold > 0:
-            from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
-
-            # The hook itself, not `enable_cache`: models without diffusers' CacheMixin (SD3) take it too.
-            try:
-                apply_first_block_cache(model, FirstBlockCacheConfig(threshold=self.settings.step_cache_threshold))
-            except (ValueError, TypeError, KeyError) as err:
-                raise EngineError(
-                    f"stage {self.stage!r}: step caching does not apply to {type(model).__name__} ({err}); "
-                    "remove step_cache_threshold from engineArgs"
-                ) from err
-            self._cache_hooks = _head_hooks(model)
-            self._cached_model = model
-            for hook in self._cache_hooks:
-                hook._should_compute_remaining_blocks = self._counted(hook._should_compute_remaining_blocks)
-            log.info("stage %s: first block cache, threshold %s", self.stage, self.settings.step_cache_threshold)
-
-    def _taylorseer(self, model: Any, cfg: StepCacheSettings) -> None:
-        """diffusers' TaylorSeer cache, lite variant: on a skipped step every transformer block returns zeros
-        at once and `proj_out` (the denoiser's output projection) returns its Taylor extrapolation from the last
-        full steps; so a skipped step costs next to nothing, whatever the blocks are."""
-        import torch
-        from diffusers.hooks import TaylorSeerCacheConfig
-        from diffusers.hooks.taylorseer_cache import apply_taylorseer_cache
-
-        config = TaylorSeerCacheConfig(
-            cache_interval=cfg.interval,
-            disable_cache_before_step=cfg.warmup,
-            max_order=cfg.order,
-            taylor_factors_dtype=torch.float32,  # the extrapolated output is small (latent channels only)
-            use_lite_mode=True,
-        )
-        try:
-            apply_taylorseer_cache(model, config)
-        except (ValueError, TypeError, KeyError) as err:
-            raise EngineError(
-                f"stage {self.stage!r}: step_cache {cfg.policy} does not apply to {type(model).__name__} ({err}); "
-                "remove step_cache from engineArgs"
-            ) from err
-        hooks = _taylor_hooks(model)
-        heads = [hook for name, hook in hooks if name == "proj_out"]
-        if len(heads) != 1 or len(hooks) < 2:
-            raise EngineError(
-                f"stage {self.stage!r}: step_cache {cfg.policy} needs a denoiser with transformer blocks and an "
-                f"output projection named proj_out; {type(model).__name__} has {len(hooks) - len(heads)} hooked "
-                "blocks and no single proj_out. Remove step_cache from engineArgs"
-            )
-        self._taylor_hooks = [hook for _name, hook in hooks]
-        self._cached_model = model
-        head = heads[0]
-        decide = head._measure_should_compute
-
-        def counted() -> tuple[bool, Any]:
-            compute, state = decide()
-            self.cache_checks += 1
-            self.cached_steps += not compute
-            return compute, state
-
-        head._measure_should_compute = counted  # the instance attribute wins over the hook's method
-        log.info(
-            "stage %s: taylorseer step cache (diffusers, lite): warm-up %d steps, then 1 in %d in full, order %d",
-            self.stage, cfg.warmup, cfg.interval, cfg.order,
-        )  # fmt: skip
-
-    def _counted(self, decide: Callable[[Any], bool]) -> Callable[[Any], bool]:
-        def counted(residual: Any) -> bool:
-            compute = decide(residual)
-            self.cache_checks += 1
-            self.cached_steps += not compute
-            return compute
-
-        return counted
+        self.cache.apply(model)
 
     @property
     def graph_replays(self) -> int:
         """Denoiser steps that ran as a CUDA graph replay."""
-        return sum(g.replays for g in self._graphed)
+        return sum(g.replays for g in self.graphed)
 
     def stats(self) -> dict[str, float]:
         """For the engine's stats: `step_cache_checks_total`, `step_cache_hits_total` (steps served by the cache),
         `cuda_graph_replays_total` (denoiser steps replayed from a CUDA graph)."""
         out = {}
-        if self._graphed:
+        if self.graphed:
             out["cuda_graph_replays_total"] = float(self.graph_replays)
-        if self._cache_hooks or self._taylor_hooks:
-            out["step_cache_checks_total"] = float(self.cache_checks)
-            out["step_cache_hits_total"] = float(self.cached_steps)
+        out.update(self.cache.stats())
         return out
 
     def _attention(self, model: Any, device: str) -> None:
@@ -443,19 +288,6 @@ class Accel:
         self.attention_backend = name
         log.info("stage %s: attention backend %s on %s", self.stage, name, device)
 
-    @staticmethod
-    def _fp8(blocks: list[Any]) -> int:
-        import torch
-
-        count = 0
-        for block in blocks:
-            for parent in list(block.modules()):
-                for child_name, child in list(parent.named_children()):
-                    if isinstance(child, torch.nn.Linear) and Fp8Linear.convertible(child):
-                        setattr(parent, child_name, Fp8Linear.build(child))
-                        count += 1
-        return count
-
     def warmup(self, call: Callable[[int], None]) -> None:
         """Compile before the stage is ready: `call(batch)` runs a short pipeline call; batch 1 and 2
         (PyTorch specializes sizes 0 and 1, so a batch of 1 compiles its own graph)."""
@@ -468,316 +300,12 @@ class Accel:
         self.compile_seconds = time.monotonic() - started
         log.info("stage %s: compiled the denoiser's blocks in %.1fs (warm-up calls)", self.stage, self.compile_seconds)
 
-    def request_option(self, params: dict[str, Any]) -> bool:
-        """Pop `step_cache` from a request's params: whether the step cache runs for it."""
-        if REQUEST_PARAM not in params:
-            return True
-        value = params.pop(REQUEST_PARAM)
-        if not isinstance(value, bool):
-            raise InvalidRequest(f"{REQUEST_PARAM} must be true or false, not {value!r}")
-        return value
-
     @contextlib.contextmanager
     def call(self, step_cache: bool) -> Iterator[None]:
-        """Around one pipeline call: a fresh step-cache state (no step compares with another call's), and the
-        cache off for this call when its requests asked for that."""
-        if not self._cache_hooks and not self._taylor_hooks:
+        """Around one pipeline call: a fresh step-cache state, and the cache off for this call when its requests
+        asked for that (`StepCache.call`)."""
+        with self.cache.call(step_cache):
             yield
-            return
-        from diffusers.hooks.hooks import CacheContext, HookRegistry, _set_cache_context
-
-        HookRegistry.check_if_exists_or_initialize(self._cached_model).reset_stateful_hooks()  # and submodules'
-        # Pipelines that name their own cache context (Flux: "cond") override this one inside the call;
-        # the others (SD3) would otherwise fail with "No cache context is set".
-        _set_cache_context(self._cached_model, CacheContext("omnikube"))
-        saved = [h.threshold for h in self._cache_hooks]
-        warmups = [h.disable_cache_before_step for h in self._taylor_hooks]
-        if not step_cache:
-            for hook in self._cache_hooks:
-                hook.threshold = -1.0  # every relative change exceeds it: every block runs every step
-            for hook in self._taylor_hooks:
-                hook.disable_cache_before_step = 1 << 30  # every step is a warm-up step: all run in full
-        try:
-            yield
-        finally:
-            _set_cache_context(self._cached_model, None)
-            for hook, threshold in zip(self._cache_hooks, saved, strict=True):
-                hook.threshold = threshold
-            for hook, warmup in zip(self._taylor_hooks, warmups, strict=True):
-                hook.disable_cache_before_step = warmup
-
-
-_NO_STEP_CACHE = frozenset({"SD3Transformer2DModel"})
-"""Denoisers whose blocks diffusers' step caches cannot wrap (seen failing on diffusers 0.42)."""
-
-_FUSE_QKV = frozenset({"FluxTransformer2DModel"})
-"""Denoisers whose attention processor reads the fused projection (`fused_projections`) in diffusers 0.42 and
-whose per-projection layers nothing else reads, so the unfused ones can go (no second copy of the weights)."""
-
-
-def _fuse_qkv(model: Any) -> int:
-    """Fuse each attention's q/k/v (and the text stream's added q/k/v) projections into one Linear and drop
-    the separate ones; returns how many attentions were fused. Same arithmetic, one matmul instead of three
-    (with FP8: one activation quantization instead of three)."""
-    import torch
-
-    count = 0
-    for module in list(model.modules()):
-        if not getattr(module, "_supports_qkv_fusion", False) or not hasattr(module, "fuse_projections"):
-            continue
-        if getattr(module, "fused_projections", False) or getattr(module, "is_cross_attention", False):
-            continue
-        with torch.no_grad():
-            module.fuse_projections()
-        if not getattr(module, "fused_projections", False):
-            continue
-        for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
-            if isinstance(getattr(module, name, None), torch.nn.Linear):
-                delattr(module, name)
-        count += 1
-    return count
-
-
-_GELU_K = 2.0 * 0.7978845608028654  # 2 * sqrt(2 / pi)
-
-
-def _gelu_tanh(x: Any) -> Any:
-    """GELU's tanh approximation, 0.5 x (1 + tanh(z)), as x * sigmoid(2 z): the same function (0.5 (1 + tanh z)
-    is sigmoid(2 z)) up to float rounding, with one exp instead of tanh in the compiled kernel that also takes
-    each row's amax and casts it to FP8 (and computes the GELU twice: once for the amax, once for the cast)."""
-    import torch
-
-    xf = x.float()
-    return (xf * torch.sigmoid(_GELU_K * (xf + 0.044715 * xf * xf * xf))).to(x.dtype)
-
-
-@functools.cache
-def _split_classes() -> tuple[Any, Any, Any]:
-    """(the split proj_out module, the single block class using it, diffusers' GELU in its sigmoid form): one class
-    each, made once (torch.compile guards on a module's class: one class per block would compile each anew)."""
-    import torch
-    from diffusers.models.activations import GELU
-    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
-
-    def part(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Linear:
-        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-        linear.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
-        if bias is not None:
-            linear.bias = torch.nn.Parameter(bias, requires_grad=False)
-        return linear
-
-    class SplitProjOut(torch.nn.Module):
-        """proj_out(cat(a, m)) as a @ Wa^T + m @ Wm^T + b: two Linears (each made FP8 with its own per-row
-        scales), so the concatenation is never built and each activation is quantized on its own rows."""
-
-        def __init__(self, src: torch.nn.Linear, attn_features: int) -> None:
-            super().__init__()
-            w = src.weight.detach()
-            b = None if src.bias is None else src.bias.detach()
-            self.attn_part = part(w[:, :attn_features], b)  # the bias once
-            self.mlp_part = part(w[:, attn_features:], None)
-            self.in_features, self.out_features = src.in_features, src.out_features
-
-        def forward(self, attn_output: torch.Tensor, mlp_hidden_states: torch.Tensor) -> torch.Tensor:
-            return self.attn_part(attn_output) + self.mlp_part(mlp_hidden_states)
-
-    class SplitSingleBlock(FluxSingleTransformerBlock):
-        """diffusers 0.42's FluxSingleTransformerBlock.forward, with proj_out taking its two inputs apart."""
-
-        def forward(
-            self,
-            hidden_states: torch.Tensor,
-            encoder_hidden_states: torch.Tensor,
-            temb: torch.Tensor,
-            image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-            joint_attention_kwargs: dict[str, Any] | None = None,
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            text_seq_len = encoder_hidden_states.shape[1]
-            hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-            residual = hidden_states
-            norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
-            mlp_hidden_states = _gelu_tanh(self.proj_mlp(norm_hidden_states))
-            attn_output = self.attn(
-                hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {})
-            )
-            hidden_states = residual + gate.unsqueeze(1) * self.proj_out(attn_output, mlp_hidden_states)
-            if hidden_states.dtype == torch.float16:
-                hidden_states = hidden_states.clip(-65504, 65504)
-            return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
-
-    SplitSingleBlock.__name__ = SplitSingleBlock.__qualname__ = FluxSingleTransformerBlock.__name__  # name lists
-
-    class SigmoidGELU(GELU):
-        """diffusers' GELU (Linear + GELU) with the tanh approximation computed as x * sigmoid(2 z)."""
-
-        def gelu(self, gate: torch.Tensor) -> torch.Tensor:
-            return _gelu_tanh(gate)
-
-    SigmoidGELU.__name__ = SigmoidGELU.__qualname__ = GELU.__name__
-    return SplitProjOut, SplitSingleBlock, SigmoidGELU
-
-
-def _split_single_proj_out(blocks: list[Any]) -> int:
-    """Give each Flux single block (diffusers 0.42's layout: the attention output and GELU(proj_mlp) concatenated
-    into proj_out) a proj_out split into its attention and MLP parts, and the block's forward that feeds each
-    part its own input; returns how many. A block of another layout is left as it is."""
-    import torch
-
-    split_out, split_block, _gelu = _split_classes()
-    count = 0
-    for block in blocks:
-        if type(block).__name__ != "FluxSingleTransformerBlock" or type(block) is split_block:
-            continue
-        proj_out, proj_mlp, act = (getattr(block, n, None) for n in ("proj_out", "proj_mlp", "act_mlp"))
-        if not (
-            isinstance(proj_out, torch.nn.Linear)
-            and isinstance(proj_mlp, torch.nn.Linear)
-            and isinstance(act, torch.nn.GELU)
-            and act.approximate == "tanh"
-            and proj_out.in_features == proj_out.out_features + proj_mlp.out_features
-            and getattr(getattr(block, "attn", None), "pre_only", False)
-        ):
-            log.warning("%s has another layout than diffusers 0.42's: its proj_out stays whole", type(block))
-            continue
-        block.proj_out = split_out(proj_out, proj_out.out_features)
-        block.__class__ = split_block
-        count += 1
-    return count
-
-
-def _fast_gelu(blocks: list[Any]) -> int:
-    """diffusers' GELU modules (tanh approximation) in `blocks` switched to the sigmoid form; returns how many."""
-    _split_out, _split_block, sigmoid_gelu = _split_classes()
-    from diffusers.models.activations import GELU
-
-    count = 0
-    for block in blocks:
-        for module in block.modules():
-            if type(module) is GELU and module.approximate == "tanh":
-                module.__class__ = sigmoid_gelu
-                count += 1
-    return count
-
-
-def _head_hooks(model: Any) -> list[Any]:
-    """The First Block Cache hooks that decide, each step, whether the other blocks run."""
-    from diffusers.hooks import HookRegistry
-
-    hooks: list[Any] = []
-    for module in model.modules():
-        registry = getattr(module, "_diffusers_hook", None)
-        if isinstance(registry, HookRegistry):
-            hooks.extend(h for h in registry.hooks.values() if hasattr(h, "threshold"))
-    if not hooks:
-        raise EngineError("step cache: diffusers registered no first-block hook; its hook layout changed")
-    return hooks
-
-
-class _GraphedForward:
-    """A denoiser's `forward` that replays a CUDA graph per input signature (keyword tensors' shapes, dtypes and
-    devices, and the other arguments' values). The first call of a signature runs as is (compiling, tuning);
-    the second captures (after one warm-up run on a side stream) and every later one copies its tensors into the
-    graph's static inputs and replays: no Python and no launches per kernel. Outputs are cloned, so a caller may
-    hold one step's output across the next (CFG calls the denoiser twice per step). Anything it cannot key
-    (positional tensors, nested containers, tensors off the GPU, `return_dict=True`) runs as is; a failed capture
-    turns the graphs off for good (logged), and the stage keeps running compiled."""
-
-    MAX_GRAPHS = 4
-
-    def __init__(self, stage: str, forward: Callable[..., Any]) -> None:
-        self.stage = stage
-        self.forward = forward
-        self.graphs: collections.OrderedDict[tuple[Any, ...], tuple[Any, dict[str, Any], tuple[Any, ...]]] = (
-            collections.OrderedDict()
-        )
-        self.seen: set[tuple[Any, ...]] = set()
-        self.broken = False
-        self.replays = 0
-
-    @staticmethod
-    def _key(kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-        import torch
-
-        if kwargs.get("return_dict", True) is not False:
-            return None
-        key: list[Any] = []
-        for name in sorted(kwargs):
-            value = kwargs[name]
-            if isinstance(value, torch.Tensor):
-                if value.device.type != "cuda":
-                    return None
-                key.append((name, tuple(value.shape), value.dtype, value.device))
-            elif value is None or isinstance(value, (bool, int, float, str)):
-                key.append((name, value))
-            elif isinstance(value, dict) and not value:
-                key.append((name, "{}"))
-            else:
-                return None
-        return tuple(key)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        import torch
-
-        key = None if self.broken or args or not torch.is_inference_mode_enabled() else self._key(kwargs)
-        if key is None:
-            return self.forward(*args, **kwargs)
-        entry = self.graphs.get(key)
-        if entry is None:
-            if key not in self.seen:
-                if len(self.seen) > 4096:  # bounded: a long-lived stage sees many request shapes
-                    self.seen.clear()
-                self.seen.add(key)
-                return self.forward(**kwargs)
-            entry = self._capture(key, kwargs)
-            if entry is None:
-                return self.forward(**kwargs)
-        self.graphs.move_to_end(key)
-        graph, static, outputs = entry
-        for name, tensor in static.items():
-            tensor.copy_(kwargs[name])
-        graph.replay()
-        self.replays += 1
-        return tuple(o.clone() for o in outputs)
-
-    def _capture(self, key: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        import torch
-
-        static = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        plain = {k: v for k, v in kwargs.items() if k not in static}
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.forward(**static, **plain)  # allocations and library handles on the capture's side
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                outputs = self.forward(**static, **plain)
-        except Exception as err:  # capture is best effort: the compiled forward still runs
-            self.broken = True
-            log.warning("stage %s: CUDA graph capture failed, running without graphs: %s", self.stage, err)
-            return None
-        if not isinstance(outputs, tuple) or not all(isinstance(o, torch.Tensor) for o in outputs):
-            self.broken = True
-            log.warning("stage %s: the denoiser returned %s, not tensors: no CUDA graphs", self.stage, type(outputs))
-            return None
-        while len(self.graphs) >= self.MAX_GRAPHS:
-            self.graphs.popitem(last=False)  # its memory pool goes with it
-        self.graphs[key] = (graph, static, outputs)
-        log.info("stage %s: captured a CUDA graph of the denoiser step (%d kept)", self.stage, len(self.graphs))
-        return self.graphs[key]
-
-
-def _taylor_hooks(model: Any) -> list[tuple[str, Any]]:
-    """(module name, TaylorSeer hook) for every module diffusers hooked."""
-    from diffusers.hooks import HookRegistry
-
-    found: list[tuple[str, Any]] = []
-    for name, module in model.named_modules():
-        registry = getattr(module, "_diffusers_hook", None)
-        if isinstance(registry, HookRegistry):
-            found.extend((name, h) for h in registry.hooks.values() if hasattr(h, "disable_cache_before_step"))
-    return found
 
 
 def _auto_backend(device: str) -> str:

@@ -15,6 +15,10 @@ cut) and flushed to a byte boundary; their concatenation behind one zlib header,
 (combined from the pieces'), is one valid zlib stream of about the size one thread would write.
 
 Modes other than 8-bit L, LA, RGB and RGBA (palette, 16-bit, CMYK...) are left to Pillow.
+
+The stage's encode pool lives here too: `encode_workers` threads, on which `encode_results` turns a pipeline
+call's outputs into what the stage returns (every image of a batch at once, each on several threads; a video's
+frames into its MP4, see `video`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import io
+import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -29,10 +34,27 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PIECE_BYTES", "PngPlan", "adler32_combine", "deflate_piece", "encode", "encode_pillow", "plan"]
+from omni_runtime.engines.diffusion import video as V
+
+__all__ = [
+    "PIECE_BYTES",
+    "PNG_COMPRESS_LEVEL",
+    "PngPlan",
+    "adler32_combine",
+    "deflate_piece",
+    "encode",
+    "encode_pillow",
+    "encode_results",
+    "encode_workers",
+    "plan",
+]
 
 PIECE_BYTES = 256 * 1024
 """Filtered bytes per piece: a 1024x1024 RGB image is 12 pieces; below ~64 KiB the priming costs more than it saves."""
+
+PNG_COMPRESS_LEVEL = 1
+"""zlib level of the PNGs a stage returns (the encode is on every image's critical path; with the run-length
+strategy used here, a higher level buys almost nothing)."""
 
 _SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _COLOR_TYPES = {"L": 0, "RGB": 2, "LA": 4, "RGBA": 6}
@@ -126,3 +148,32 @@ async def encode(image: Any, pool: concurrent.futures.Executor, level: int, piec
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(data, zlib.crc32(kind)))
+
+
+def encode_workers() -> int:
+    """Threads that encode a stage's PNGs and MP4s (both release the GIL): a batch's images, and the pieces of
+    each, encode on every core this process may use but one, which stays with the thread that drives the device
+    (the next batch runs while this one encodes)."""
+    return max(1, min(len(os.sched_getaffinity(0)) - 1, 16))
+
+
+async def encode_results(results: list[dict[str, Any]], pool: concurrent.futures.Executor) -> list[dict[str, Any]]:
+    """PIL images -> PNG bytes, every image of the batch at once, each on several of `pool`'s threads; video
+    frames -> MP4 (`video.encode_mp4`); latent results pass through."""
+    loop = asyncio.get_running_loop()
+    pngs = [  # tasks: every image starts now, not when its result's turn comes below
+        [asyncio.ensure_future(encode(img, pool, PNG_COMPRESS_LEVEL)) for img in r["images"]] if "images" in r else None
+        for r in results
+    ]
+    mp4s = [
+        [loop.run_in_executor(pool, V.encode_mp4, f, r["fps"]) for f in r["frames"]] if "frames" in r else None
+        for r in results
+    ]
+    out = []
+    for r, p, m in zip(results, pngs, mp4s, strict=True):
+        if m is not None:
+            videos = list(await asyncio.gather(*m))
+            out.append(videos[0] if len(videos) == 1 else {"videos": videos})
+        else:
+            out.append(r if p is None else {"images": list(await asyncio.gather(*p))})
+    return out
