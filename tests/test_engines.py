@@ -21,13 +21,8 @@ import pytest_asyncio
 import torch
 from servelib import diffusion_image
 
-from omni_runtime.engines.ar.engine import (
-    CPU_ENGINE_DEFAULTS,
-    REGISTRY_ONLY_ENGINE_ARGS,
-    AREngine,
-    companion_requests,
-    cpu_defaults,
-)
+from omni_runtime.engines.ar.cpu import CPU_ENGINE_DEFAULTS, cpu_defaults
+from omni_runtime.engines.ar.engine import REGISTRY_ONLY_ENGINE_ARGS, AREngine, companion_requests
 from omni_runtime.engines.base import EngineError, EngineInput, EngineOutput, InvalidRequest
 from omni_runtime.engines.diffusion.engine import DiffusionEngine
 from omni_runtime.engines.factory import make_engine

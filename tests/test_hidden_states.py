@@ -184,7 +184,7 @@ def test_media_hidden_layer_never_reaches_vllm_and_refuses_what_it_cannot_run_wi
         _thinker("/models/none", media_hidden_layer=2, mm_processor_cache_gb=4).engine_args()
     with pytest.raises(EngineError, match="enable_prefix_caching"):
         _thinker("/models/none", media_hidden_layer=2, enable_prefix_caching=True).engine_args()
-    from omni_runtime.engines.ar.engine import media_grids
+    from omni_runtime.engines.ar.prompt import media_grids
 
     with pytest.raises(EngineError, match="came from vLLM's processor cache"):
         media_grids({"mm_kwargs": {"image": [None]}})

@@ -6,7 +6,8 @@ rendered `prompt_token_ids`, which is what a talker streamed per step needs), bu
 from the request's params, and aborts in
 vLLM when asked (or when the consumer of `generate` goes away). CFG companions (the stage spec's
 `companions`) arrive as their own requests, id `f"{id}#{role}"`: they run in the same AsyncLLM as the
-primary, so vLLM's continuous batching schedules both together; `companion_requests` builds them.
+primary, so vLLM's continuous batching schedules both together (`companion_requests` builds such
+requests, for tests).
 
 With `hidden_state_layers` in the stage's engine args (omnikube's, not vLLM's) the pieces also carry
 hidden-state rows of those layers while the request runs (`omni_runtime.engines.ar.hidden_states`):
@@ -26,8 +27,10 @@ them). Text prompts carry neither and wait for no rows. With `hidden_state_layer
 thinker, whose talker reads every row) the first piece of a prompt with media also carries
 `data["media_grids"]`: that talker's rope index needs them too.
 
-On CPU, `cpu_defaults` fills in what a CPU deployment needs and vLLM's GPU-minded defaults get
-wrong, only where the user set nothing (see `CPU_ENGINE_DEFAULTS` and `cpu_defaults`).
+On CPU, `cpu.cpu_defaults` fills in what a CPU deployment needs and vLLM's GPU-minded defaults get
+wrong, only where the user set nothing (see `cpu`). Prompt rendering, sampling params and the request
+checks are in `prompt`; the pieces a vLLM output becomes (and their hidden-state rows) in `pieces`; tool
+calls in `tools`; tokenize, logprobs and structured outputs in `extras`.
 
 Before the stage reports ready it runs a self-check: one greedy request for one token, with the stage's
 sampling_params, through `generate` as every request (rendering, vLLM's scheduler and sampler, the
@@ -45,18 +48,14 @@ import difflib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, MutableMapping
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
-from omni_runtime.engines.ar.extras import TOKEN_OPS, detokenize, logprob_rows, structured_outputs, tokenize
-from omni_runtime.engines.ar.tools import (
-    TOOL_CALL_PARSER_ARG,
-    check_parser_name,
-    open_session,
-    parser_class,
-    template_tools,
-)
+from omni_runtime.engines.ar import cpu
+from omni_runtime.engines.ar.extras import TOKEN_OPS, detokenize, tokenize
+from omni_runtime.engines.ar.pieces import attach_media_rows, attach_rows, completion_pieces
+from omni_runtime.engines.ar.prompt import check_sampling, media_grids, render_prompt, sampling_fields, sampling_params
+from omni_runtime.engines.ar.tools import TOOL_CALL_PARSER_ARG, check_parser_name, open_session, parser_class
 from omni_runtime.engines.base import (
     SELF_CHECK_ID,
     Engine,
@@ -66,14 +65,13 @@ from omni_runtime.engines.base import (
     InvalidRequest,
     self_check,
 )
+from omni_runtime.engines.common import stage_model_path
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 
 __all__ = [
     "AREngine",
     "CHECK_MAX_TOKENS",
     "CONTEXT_MAX_TOKENS",
-    "CPU_ENGINE_DEFAULTS",
-    "CPU_ENV_DEFAULTS",
     "HIDDEN_STATE_ARG",
     "MEDIA_HIDDEN_ARG",
     "REGISTRY_ONLY_ENGINE_ARGS",
@@ -81,8 +79,6 @@ __all__ = [
     "SHUTDOWN_TIMEOUT_S",
     "companion_id",
     "companion_requests",
-    "cpu_defaults",
-    "stage_model_path",
 ]
 
 log = logging.getLogger(__name__)
@@ -117,52 +113,12 @@ CHECK_MAX_TOKENS = "check_max_tokens"
 """The router's flag (never passed to vLLM) for the same stage when the client set max_tokens: more
 than max_model_len is refused, as vLLM's server refuses it (a stage default is not the client's ask)."""
 
-ROWS_TIMEOUT_S = 120.0
-"""How long a step's hidden-state rows may lag its tokens (they are pushed before the tokens go out,
-so only a stalled process reaches this)."""
-
-CPU_ENGINE_DEFAULTS: dict[str, Any] = {
-    "kv_cache_memory_bytes": 1024**3,
-    "enforce_eager": True,
-}
-"""AsyncEngineArgs set on CPU unless the stage's engine_args (or the environment) already decide them.
-
-- `kv_cache_memory_bytes` 1 GiB: on CPU vLLM otherwise reserves `gpu_memory_utilization` (0.92) of
-  the NUMA node's *host* memory, and refuses to start when that much is not free (any shared
-  machine). Skipped when `VLLM_CPU_KVCACHE_SPACE` (GiB, vLLM's older knob) is set.
-- `enforce_eager` True: vLLM's CPU path otherwise compiles the model with torch inductor at startup
-  (slow on a few cores); set `enforce_eager: false` to trade startup time for decode speed.
-"""
-
-CPU_ENV_DEFAULTS: dict[str, str] = {
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-}
-"""Environment set on CPU unless already set (before AsyncLLM starts its engine-core process).
-
-- `VLLM_CPU_OMP_THREADS_BIND=nobind`: vLLM's `auto` pins OpenMP threads to every core of a NUMA node
-  that the process's affinity mask shows; in a pod that mask is usually the whole node, not the
-  pod's CPU limit, so pinning would oversubscribe. Set it to a core list ("0-7") on dedicated nodes.
-- `OMP_NUM_THREADS`: when unset, the CPUs the process may really use (`cpu_threads`): the cgroup CPU
-  limit (rounded down, at least 1) and the CPU affinity, whichever is fewer. So torch does not start one
-  thread per host core inside a limited container, nor more threads than the cores a node's static CPU
-  manager pinned the pod to.
-"""
-
 SELF_CHECK_PROMPT = "Hello"
 """The self-check's prompt: a short text every tokenizer reads as at least one token."""
 
 SHUTDOWN_TIMEOUT_S = 30.0
 """How long vLLM's engine core gets to exit on `stop()` before it is killed (vLLM's default, 5 s, is
 too short on a busy CPU: the killed engine core then leaves its shared-memory queues behind)."""
-
-_UNSUPPORTED_SAMPLING = frozenset({"output_kind", "skip_clone"})
-"""SamplingParams fields the engine owns: streaming is always DELTA."""
-
-
-def stage_model_path(pipeline: ResolvedPipeline, stage: StageSpec) -> str:
-    """The folder a stage loads: the pipeline's model joined with the stage's `model_subfolder`."""
-    path = Path(pipeline.model)
-    return str(path / stage.model_subfolder) if stage.model_subfolder else str(path)
 
 
 def companion_id(request_id: str, role: str) -> str:
@@ -198,102 +154,12 @@ def companion_requests(stage: StageSpec, request: EngineInput) -> list[EngineInp
     return out
 
 
-def _field_values(items: Any, modality: str, key: str) -> list[Any]:
-    values = []
-    for item in (items.get(modality) if items else None) or []:
-        elem = item.get(key) if item is not None else None
-        if elem is not None:
-            data = elem.data
-            values.append(data.tolist() if hasattr(data, "tolist") else data)
-    return values
-
-
-def media_grids(prompt: dict[str, Any]) -> dict[str, Any]:
-    """The media shapes of a rendered vLLM prompt (its `mm_kwargs`), in prompt order per modality, as
-    plain lists: what the Qwen3-Omni talker's rope index reads (transformers' names). Needs every item
-    rendered, none from vLLM's media processor cache (EngineError otherwise)."""
-    items = prompt.get("mm_kwargs")
-    if items and any(item is None for values in items.values() for item in values or []):
-        raise EngineError(
-            "a media item of the prompt came from vLLM's processor cache without its fields; the talker needs "
-            "its grid, so set engine_args.mm_processor_cache_gb to 0 on this stage"
-        )
-    use_audio_in_video = _field_values(items, "video", "use_audio_in_video")
-    return {
-        "image_grid_thw": _field_values(items, "image", "image_grid_thw"),
-        "video_grid_thw": _field_values(items, "video", "video_grid_thw"),
-        "video_second_per_grid": [float(v) for v in _field_values(items, "video", "second_per_grid_ts")],
-        "audio_feature_lengths": [int(v) for v in _field_values(items, "audio", "audio_feature_lengths")],
-        "use_audio_in_video": any(bool(v) for v in use_audio_in_video),
-    }
-
-
-def _cgroup_cpu_limit() -> int | None:
-    """Whole CPUs allowed by the cgroup v2 quota (`cpu.max`), or None when unlimited or unknown."""
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-    except (OSError, ValueError):
-        return None
-    if quota == "max":
-        return None
-    return max(1, int(int(quota) // int(period)))
-
-
-def cpu_threads() -> int | None:
-    """Threads worth running on the CPUs this process has: the fewer of its cgroup's whole-CPU limit and
-    its CPU affinity (a Guaranteed pod under the static CPU manager is pinned to its cores); None when
-    neither bounds it below the host's CPU count."""
-    limit, pinned = _cgroup_cpu_limit(), len(os.sched_getaffinity(0))
-    if limit is None and pinned >= (os.cpu_count() or pinned):
-        return None  # nothing bounds it: torch's own default (one thread per core) is right
-    return min(pinned, limit or pinned)
-
-
-def cpu_defaults(engine_args: dict[str, Any], environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
-    """`engine_args` with the CPU defaults filled in; sets the CPU environment defaults in `environ`
-    (the process environment unless given).
-
-    Only call this on CPU. Keys the user set (or `VLLM_CPU_KVCACHE_SPACE` for the KV cache) win.
-    """
-    env: MutableMapping[str, str] = os.environ if environ is None else environ
-    args = dict(engine_args)
-    for key, value in CPU_ENGINE_DEFAULTS.items():
-        if key == "kv_cache_memory_bytes" and env.get("VLLM_CPU_KVCACHE_SPACE"):
-            continue
-        args.setdefault(key, value)
-    for key, value in CPU_ENV_DEFAULTS.items():
-        env.setdefault(key, value)
-    if "OMP_NUM_THREADS" not in env and (threads := cpu_threads()) is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    return args
-
-
-def _children() -> list[Any]:
-    import psutil
-
-    return psutil.Process().children(recursive=True)
-
-
-def _is_resource_tracker(proc: Any) -> bool:
-    try:
-        return any("resource_tracker" in part for part in proc.cmdline())
-    except Exception:  # psutil.Error: gone or not ours to read
-        return False
-
-
-def _sampling_fields() -> frozenset[str]:
-    from vllm import SamplingParams
-
-    names = getattr(SamplingParams, "__struct_fields__", None) or [f.name for f in dataclasses.fields(SamplingParams)]
-    return frozenset(n for n in names if not n.startswith("_")) - _UNSUPPORTED_SAMPLING
-
-
 class AREngine(Engine):
     """An AR stage on vLLM AsyncLLM. `stats()` gives `running_requests`."""
 
     def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
         super().__init__(pipeline, stage)
-        self.model_path = stage_model_path(pipeline, stage)
+        self.model_path = str(stage_model_path(pipeline, stage))
         self.llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM once started
         self.max_model_len = 0
         self.load_seconds = 0.0
@@ -460,7 +326,7 @@ class AREngine(Engine):
         if self.stage.engine_args.get(TOOL_CALL_PARSER_ARG) is not None:
             self.tool_parser = check_parser_name(self.stage.name, self.stage.engine_args[TOOL_CALL_PARSER_ARG])
         if current_platform.is_cpu():
-            args = cpu_defaults(args, dict(os.environ))  # a copy: only start() changes the environment
+            args = cpu.cpu_defaults(args, dict(os.environ))  # a copy: only start() changes the environment
         args.pop("model", None)
         return args
 
@@ -491,24 +357,24 @@ class AREngine(Engine):
             kwargs.update(vllm_engine_args([layer], self._rows.address))
         args = AsyncEngineArgs(model=self.model_path, **kwargs)
         if current_platform.is_cpu():
-            cpu_defaults({})  # the CPU environment defaults, before vLLM spawns its processes
-        before = {p.pid for p in _children()}
+            cpu.cpu_defaults({})  # the CPU environment defaults, before vLLM spawns its processes
+        before = {p.pid for p in cpu.child_processes()}
         try:
             self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         except Exception as exc:  # vLLM raises many types while loading; the message is what matters
-            self._procs = [p for p in _children() if p.pid not in before and not _is_resource_tracker(p)]
+            self._procs = cpu.started_since(before)
             await asyncio.to_thread(self._reap)
             if self._rows is not None:
                 await self._rows.stop()
                 self._rows = None
             raise EngineError(f"stage {self.stage.name!r}: vLLM failed to load {self.model_path}: {exc}") from exc
-        self._procs = [p for p in _children() if p.pid not in before and not _is_resource_tracker(p)]
+        self._procs = cpu.started_since(before)
         self.max_model_len = self.llm.model_config.max_model_len
         # Tokenize without vLLM's own length cut-off, so the length check can name the real count.
         renderer = self.llm.renderer
         self._cmpl_tok = dataclasses.replace(renderer.default_cmpl_tok_params, max_total_tokens=None)
         self._chat_tok = dataclasses.replace(renderer.default_chat_tok_params, max_total_tokens=None)
-        self._sampling_fields = _sampling_fields()
+        self._sampling_fields = sampling_fields()
         if self.tool_parser is not None:
             self._tool_parser_cls = parser_class(self.tool_parser, self.llm.model_config, renderer.tokenizer)
         try:
@@ -535,91 +401,19 @@ class AREngine(Engine):
             "the model folder holds a complete checkpoint vLLM runs on this device",
         )
 
-    def sampling_params(self, params: dict[str, Any]):
+    def sampling_params(self, params: dict[str, Any]) -> Any:
         """vLLM SamplingParams from the stage defaults overlaid with `params` (DELTA output).
 
-        Raises InvalidRequest naming an unknown key or a value vLLM rejects."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        merged = {**self.stage.sampling_params, **params}
-        for key in merged:
-            if key not in self._sampling_fields:
-                close = difflib.get_close_matches(key, self._sampling_fields, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise InvalidRequest(
-                    f"sampling parameter {key!r} is not supported by stage {self.stage.name!r}{hint} "
-                    "(use vLLM SamplingParams names: temperature, top_p, top_k, max_tokens, stop, seed, n...)"
-                )
-        from vllm.exceptions import VLLMClientError
-
-        if merged.get("structured_outputs") is not None:
-            merged["structured_outputs"] = structured_outputs(merged["structured_outputs"], self.stage.name)
-        if isinstance(merged.get("logit_bias"), dict):  # JSON object keys are strings; vLLM wants ids
-            try:
-                merged["logit_bias"] = {int(k): float(v) for k, v in merged["logit_bias"].items()}
-            except (TypeError, ValueError):
-                raise InvalidRequest(
-                    f"logit_bias must map token ids to numbers; got {merged['logit_bias']!r}"
-                ) from None
-        try:
-            return SamplingParams(**merged, output_kind=RequestOutputKind.DELTA)
-        except (ValueError, TypeError, VLLMClientError) as exc:
-            raise InvalidRequest(f"invalid sampling parameters for stage {self.stage.name!r}: {exc}") from exc
+        Raises InvalidRequest naming an unknown key or a value vLLM rejects (`prompt.sampling_params`)."""
+        return sampling_params(self.stage, self._sampling_fields, params)
 
     async def render_prompt(self, data: dict[str, Any]) -> dict[str, Any]:
-        """vLLM's engine input (with `prompt_token_ids`) for `{"prompt"}`, `{"messages"}` (rendered
-        with the model's chat template and a generation prompt, as `vllm serve` does; optional
-        `chat_template_kwargs` go to the template) or `{"prompt_token_ids"}`; `add_special_tokens`
-        overrides vLLM's default for the text (true for a prompt, false for a chat).
+        """vLLM's engine input (with `prompt_token_ids`) for `{"prompt"}`, `{"messages"}` or
+        `{"prompt_token_ids"}` (`prompt.render_prompt`).
 
         Raises InvalidRequest when the input is malformed or longer than max_model_len allows."""
-        from vllm.renderers.params import ChatParams
-
         renderer = self.llm.renderer
-        try:
-            if "prompt_token_ids" in data:
-                ids = [int(t) for t in data["prompt_token_ids"]]
-                (prompt,) = await renderer.render_cmpl_async([{"prompt_token_ids": ids}], self._cmpl_tok)
-            elif "messages" in data:
-                messages = data["messages"]
-                if not isinstance(messages, list) or not messages:
-                    raise InvalidRequest("messages must be a non-empty list of {role, content} objects")
-                kwargs = {"add_generation_prompt": True, **(data.get("chat_template_kwargs") or {})}
-                tools = data.get("template_tools") or template_tools(data)
-                if tools:  # as vLLM's server: the template's `tools`, under the request's own kwargs
-                    kwargs = {"tools": tools, **kwargs}
-                chat = ChatParams(chat_template_kwargs=kwargs)
-                tok = self._chat_tok
-                if "add_special_tokens" in data:
-                    tok = dataclasses.replace(tok, add_special_tokens=bool(data["add_special_tokens"]))
-                _, (prompt,) = await renderer.render_chat_async([messages], chat, tok)
-            elif "prompt" in data:
-                if not isinstance(data["prompt"], str):
-                    raise InvalidRequest(f"prompt must be a string, not {type(data['prompt']).__name__}")
-                tok = self._cmpl_tok
-                if "add_special_tokens" in data:
-                    tok = dataclasses.replace(tok, add_special_tokens=bool(data["add_special_tokens"]))
-                (prompt,) = await renderer.render_cmpl_async([{"prompt": data["prompt"]}], tok)
-            else:
-                raise InvalidRequest(
-                    f"stage {self.stage.name!r} needs 'prompt', 'messages' or 'prompt_token_ids' in its "
-                    f"input; got {sorted(data)}"
-                )
-        except InvalidRequest:
-            raise
-        except Exception as exc:  # template errors, bad message shapes, vLLM validation
-            raise InvalidRequest(f"stage {self.stage.name!r} could not read the prompt: {exc}") from exc
-        n = len(prompt.get("prompt_token_ids") or [])
-        if n == 0:
-            raise InvalidRequest("the prompt is empty; send at least one token")
-        if n >= self.max_model_len:
-            raise InvalidRequest(
-                f"the prompt is {n} tokens but stage {self.stage.name!r} has max_model_len "
-                f"{self.max_model_len}, which must also hold at least one generated token; shorten the "
-                f"prompt to at most {self.max_model_len - 1} tokens or raise max_model_len"
-            )
-        return prompt
+        return await render_prompt(renderer, self._cmpl_tok, self._chat_tok, data, self.stage.name, self.max_model_len)
 
     async def generate(self, request: EngineInput) -> AsyncIterator[EngineOutput]:
         if self.llm is None:
@@ -644,34 +438,15 @@ class AREngine(Engine):
         context_cap = params.pop(CONTEXT_MAX_TOKENS, None)
         check = params.pop(CHECK_MAX_TOKENS, False)
         sampling = self.sampling_params(params)
-        if check and sampling.max_tokens is not None and sampling.max_tokens > self.max_model_len:
-            raise InvalidRequest(
-                f"max_tokens={sampling.max_tokens} cannot be greater than max_model_len={self.max_model_len} "
-                f"of stage {self.stage.name!r}; request fewer output tokens"
-            )
-        if tools is not None and sampling.n > 1:
-            raise InvalidRequest(
-                f"stage {self.stage.name!r} parses tool calls of one sequence per request; got n={sampling.n}, "
-                "send n=1 (the router runs one request per choice)"
-            )
-        if self.hidden_layers and sampling.n > 1:
-            raise InvalidRequest(
-                f"stage {self.stage.name!r} streams hidden states, which needs one sequence per request; "
-                f"got n={sampling.n}, send n=1"
-            )
-        if self._rows is not None:
-            # The hidden-state route is vLLM speculative decoding, whose rejection sampler skips the
-            # min_p and logit_bias logits processors for the target token: accepted, they would do nothing.
-            ignored = [
-                name for name, on in (("min_p", sampling.min_p > 0), ("logit_bias", bool(sampling.logit_bias))) if on
-            ]
-            if ignored:
-                got = ", ".join(f"{name}={getattr(sampling, name)!r}" for name in ignored)
-                raise InvalidRequest(
-                    f"stage {self.stage.name!r} streams hidden states (vLLM speculative decoding), which cannot "
-                    f"apply {' and '.join(ignored)}; got {got}. "
-                    "Leave them out (temperature, top_p, top_k and the repetition penalties work)"
-                )
+        check_sampling(
+            self.stage.name,
+            sampling,
+            self.max_model_len,
+            check_max_tokens=check,
+            tools=tools is not None,
+            one_sequence_rows=bool(self.hidden_layers),
+            speculative_rows=self._rows is not None,
+        )
         self._active[rid] = request.companion_of
         try:
             data_in = request.data
@@ -707,37 +482,22 @@ class AREngine(Engine):
                     await self.llm.abort(rid)
                 if out.prompt_token_ids is not None:
                     prompt_tokens = len(out.prompt_token_ids)
-                pieces = []
-                for completion in out.outputs:
-                    completion_tokens[completion.index] = completion_tokens.get(completion.index, 0) + len(
-                        completion.token_ids
-                    )
-                    finish_reason = completion.finish_reason or finish_reason
-                    data: dict[str, Any] = {"text": completion.text, "token_ids": list(completion.token_ids)}
-                    if completion.logprobs is not None:
-                        data["logprobs"] = logprob_rows(completion.logprobs, tokenizer)
-                    if sampling.n > 1:
-                        data["index"] = completion.index
-                    if tools is not None:
-                        done = completion.finish_reason is not None
-                        data.update(tools.delta(completion.text, list(completion.token_ids), done))
-                        if done:
-                            data["message"], data["finish_reason"] = tools.final(completion.finish_reason)
-                            data["stream_finish_reason"] = tools.stream_finish(completion.finish_reason)
-                    pieces.append(data)
-                if not pieces:
-                    pieces.append({"text": "", "token_ids": []})
+                pieces, finish_reason = completion_pieces(
+                    out, completion_tokens, finish_reason, sampling.n, tools, tokenizer
+                )
                 if not sent_prompt:  # what a downstream stage streamed per step needs first (a talker)
                     sent_prompt = True
                     pieces[0]["prompt_token_ids"] = list(prompt["prompt_token_ids"])
                     if self.hidden_layers and has_media:  # a row-reading talker's rope index needs the grids
                         pieces[0]["media_grids"] = media_grids(prompt)
                 if rows is not None and media_rows:
-                    await self._attach_media_rows(rows, pieces[0], prompt, out)
+                    await attach_media_rows(
+                        rows, pieces[0], prompt, out, self.stage.name, self.media_layer, self._media_ids
+                    )
                     self._rows.close(rid)  # the later rows are not needed: dropped as they come
                     rows = None
                 elif rows is not None:
-                    await self._attach_rows(rows, pieces[0], prompt_tokens, completion_tokens.get(0, 0), out)
+                    await attach_rows(rows, pieces[0], prompt_tokens, completion_tokens.get(0, 0), out, self.stage.name)
                 for i, data in enumerate(pieces):
                     last = out.finished and i == len(pieces) - 1
                     yield EngineOutput(
@@ -773,58 +533,6 @@ class AREngine(Engine):
         data = await (tokenize(renderer, spec, self.max_model_len) if op == "tokenize" else detokenize(renderer, spec))
         return EngineOutput(rid, data, finished=True, finish_reason="stop")
 
-    async def _attach_media_rows(self, rows: Any, data: dict[str, Any], prompt: dict[str, Any], out: Any) -> None:
-        """Put the media positions' rows and the media grids into the first piece's `data`."""
-        from omni_runtime.engines.ar.hidden_states import HiddenStatesError
-
-        ids = prompt["prompt_token_ids"]
-        if out.finished and out.outputs and out.outputs[0].finish_reason == "abort":
-            return  # the prompt may never have run; nothing downstream will read it
-        try:
-            await rows.wait_for(len(ids), ROWS_TIMEOUT_S)
-        except (TimeoutError, HiddenStatesError) as exc:
-            raise EngineError(
-                f"stage {self.stage.name!r}: hidden-state rows of request {out.request_id!r} stopped at "
-                f"{rows.received} of {len(ids)} prompt rows ({exc or 'timed out'}); the engine is stalled or "
-                "the route broke"
-            ) from exc
-        taken = rows.take()
-        layer = taken[str(self.media_layer)] if taken is not None else None
-        if layer is None or layer.shape[0] < len(ids):
-            raise EngineError(
-                f"stage {self.stage.name!r}: request {out.request_id!r} got {rows.received} hidden-state rows "
-                f"for a prompt of {len(ids)} tokens; the route broke"
-            )
-        import torch
-
-        positions = [i for i, t in enumerate(ids) if t in self._media_ids]
-        data["media_hidden_states"] = layer[torch.tensor(positions)].contiguous()
-        data["media_grids"] = media_grids(prompt)
-
-    async def _attach_rows(self, rows: Any, data: dict[str, Any], prompt_tokens: int, generated: int, out: Any) -> None:
-        """Put the rows that arrived for this output into `data["hidden_states"]`.
-
-        Waits for the rows this step surely produced: every prompt row with the first token; later
-        at least up to the second-to-last token (the row of a token whose draft was accepted is
-        sent one step later); when finished, all of them (one per input position)."""
-        from omni_runtime.engines.ar.hidden_states import HiddenStatesError
-
-        reason = out.outputs[0].finish_reason if out.outputs else None
-        if out.finished:
-            need = prompt_tokens + generated - 1 if reason != "abort" else 0
-        else:
-            need = prompt_tokens + max(0, generated - 2)
-        try:
-            await rows.wait_for(need, ROWS_TIMEOUT_S)
-        except (TimeoutError, HiddenStatesError) as exc:
-            raise EngineError(
-                f"stage {self.stage.name!r}: hidden-state rows of request {out.request_id!r} stopped at "
-                f"{rows.received} of {need} ({exc or 'timed out'}); the engine is stalled or the route broke"
-            ) from exc
-        taken = rows.take()
-        if taken is not None:
-            data["hidden_states"] = taken
-
     async def abort(self, request_id: str) -> None:
         """Abort `request_id` and its companions (requests whose `companion_of` is `request_id`) in vLLM;
         no other request, whatever its id looks like."""
@@ -852,21 +560,10 @@ class AREngine(Engine):
             await self._rows.stop()
             self._rows = None
 
-    def _reap(self, timeout: float = 15.0) -> None:
-        """Wait for the processes vLLM started (engine core, workers), killing any that linger.
-
-        vLLM's shutdown may SIGKILL its engine core without waiting for it, leaving a zombie; waiting
-        on it here reaps it. The multiprocessing resource tracker is not ours to end (one per process).
-        """
-        import psutil
-
+    def _reap(self) -> None:
+        """Wait for the processes vLLM started (engine core, workers), killing any that linger (`cpu.reap`)."""
         procs, self._procs = self._procs, []
-        _, alive = psutil.wait_procs(procs, timeout=timeout)
-        for proc in alive:
-            log.warning("stage %s: vLLM process %s outlived shutdown; killing it", self.stage.name, proc.pid)
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        psutil.wait_procs(alive, timeout=5.0)
+        cpu.reap(procs, self.stage.name)
 
     def stats(self) -> dict[str, float]:
         if self.llm is None:
