@@ -66,7 +66,7 @@ def _run(
 def test_grouped_moe_equals_the_module_forward(base) -> None:
     import torch
 
-    from omni_runtime.engines.speech.slab_talker import grouped_moe
+    from omni_runtime.engines.speech.kernels import grouped_moe
 
     block = base.talker.model.layers[0].mlp
     x = torch.randn(9, base.talker.config.text_config.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -79,7 +79,7 @@ def test_grouped_moe_equals_the_module_forward(base) -> None:
 def test_device_sampling_keeps_to_its_filters() -> None:
     import torch
 
-    from omni_runtime.engines.speech.slab_talker import sample_rows
+    from omni_runtime.engines.speech.kernels import sample_rows
 
     torch.manual_seed(0)
     logits = torch.randn(4, 300)

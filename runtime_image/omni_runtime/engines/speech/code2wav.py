@@ -279,7 +279,7 @@ class Qwen3Code2Wav:
             else:
                 wav = self.module(padded.to(self.device))[:, 0].float()
             if stream is not None:  # wait without holding the GIL (a talker may share the process)
-                from omni_runtime.engines.speech.slab_talker import wait_quietly
+                from omni_runtime.engines.speech.kernels import wait_quietly
 
                 wait_quietly(self.device, stream)
             tail = length * self.samples_per_frame - wav.shape[-1]  # 555 for Qwen3-Omni's decoder
