@@ -1,5 +1,9 @@
-"""The dependency rules of ARCHITECTURE.md, checked by import-linter's contracts in pyproject.toml:
-the runtime never imports the operator, the spec stays pure, operator builders never touch the API."""
+"""The dependency rules of ARCHITECTURE.md, checked by import-linter's seven contracts in pyproject.toml:
+the runtime never imports the operator; the spec and registry stay pure (no torch, no engines); process
+settings and termination messages stay pure; operator builders and status never touch the API; the
+runtime's layers only look down (router | stage > engines | wire > connectors | processors > spec |
+metrics | settings); the engine families (ar, diffusion, speech) are independent of each other; and the
+wire imports neither side, no engine and no ML library."""
 
 import shutil
 import subprocess
