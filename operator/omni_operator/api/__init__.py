@@ -42,10 +42,10 @@ from omni_operator.api.omnipipeline import (
     OmniPipelineSpec,
     OmniPipelineStatus,
     PipelineStage,
-    RouterSpec,
     RuntimeSpec,
 )
 from omni_operator.api.omnistage import OmniStage, OmniStageSpec, OmniStageStatus
+from omni_operator.api.router import RouterSpec
 
 RESOURCES: tuple[type[CustomResource], ...] = (OmniPipeline, OmniStage)
 """Every kind of the API, in the order their CRDs are written."""

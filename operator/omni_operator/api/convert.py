@@ -6,14 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_operator.api.base import quantity_bytes
-from omni_operator.api.omnipipeline import (
-    ConnectorsConfig,
-    OmniPipeline,
-    OmniPipelineSpec,
-    PipelineStage,
-    RouterLimitsConfig,
-    RouterVideos,
-)
+from omni_operator.api.omnipipeline import ConnectorsConfig, OmniPipeline, OmniPipelineSpec, PipelineStage
+from omni_operator.api.router import RouterLimitsConfig, RouterVideos
 from omni_runtime.spec import (
     ConnectorsSpec,
     EdgeOverride,
