@@ -154,17 +154,18 @@ def test_image_errors_say_what_is_allowed(sd3) -> None:
 
 def test_a_stage_that_would_fail_every_request_never_becomes_ready(tiny_sd3_model, tmp_path) -> None:
     """The stage's self-check (one tiny denoising step before it reports ready) fails, and `omnikube serve`
-    exits saying what to change, instead of serving 500s."""
+    exits saying what to change, instead of serving 500s. `max_pixels: 1` is a valid engine arg (so the
+    launcher's check passes) that refuses every image, the self-check's smallest one included."""
     spec = {
         "model": str(tiny_sd3_model),
         "name": "never-ready",
-        "stages": [{"name": "dit", "engine_args": {"max_inference_steps": 0}}],
+        "stages": [{"name": "dit", "engine_args": {"max_pixels": 1}}],
     }
     with pytest.raises(RuntimeError) as err:
         Serve(spec, tmp_path, ready_timeout=300)
     text = str(err.value)
     assert "self-check" in text and "every request would fail" in text
-    assert "accepts 1 to 0 (max_inference_steps)" in text and "engine_args or sampling_params" in text
+    assert "allows at most 1 (max_pixels)" in text and "engine_args or sampling_params" in text
 
 
 def test_ctrl_c_while_the_stages_load_stops_everything_and_exits_0(tiny_sd3_model, tmp_path) -> None:
