@@ -1,5 +1,6 @@
-"""What every engine family reads from its stage the same way: the model folder, device, dtype, checked
-engine args, and the release of a stopped engine's device memory.
+"""What every engine family reads from its stage the same way: the model folder, device, dtype, its typed
+engine args (`spec.engine_args`, the one description of every key), and the release of a stopped engine's
+device memory.
 
 One copy of each rule, below the families (`ar`, `diffusion`, `speech`, `generation`), so a stage finds
 its folder, picks its device and names its dtype the same way whichever engine runs it.
@@ -7,21 +8,22 @@ its folder, picks its device and names its dtype the same way whichever engine r
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from omni_runtime.engines.base import EngineError
 from omni_runtime.spec import ResolvedPipeline, StageSpec
+from omni_runtime.spec.engine_args import EngineArgs, InvalidEngineArgs, engine_args_for
+
+ArgsT = TypeVar("ArgsT", bound=EngineArgs)
 
 __all__ = [
-    "checked_engine_args",
     "default_device",
     "named_dtype",
     "release_device_memory",
-    "stage_device",
     "stage_dtype",
     "stage_model_path",
+    "typed_engine_args",
 ]
 
 
@@ -31,14 +33,19 @@ def stage_model_path(pipeline: ResolvedPipeline, stage: StageSpec) -> Path:
     return path / stage.model_subfolder if stage.model_subfolder else path
 
 
-def checked_engine_args(stage: StageSpec, allowed: Set[str]) -> dict[str, Any]:
-    """The stage's engine args; a key the runner does not read is refused, never silently ignored."""
-    args = dict(stage.engine_args)
-    unknown = sorted(set(args) - set(allowed))
-    if unknown:
-        raise EngineError(
-            f"stage {stage.name!r}: engine_args {unknown} are not read by runner {args.get('runner')!r}; "
-            f"it takes {sorted(allowed)}"
+def typed_engine_args(stage: StageSpec, model: type[ArgsT]) -> ArgsT:
+    """The stage's engine args as `model`, the one its engine reads (`spec.engine_args.engine_args_for`).
+
+    Raises InvalidEngineArgs (a SpecError) naming the stage and the key at fault, or when the stage's kind and
+    runner choose another engine's model than `model` (an engine built for a stage it does not run)."""
+    args = engine_args_for(stage)
+    if not isinstance(args, model):
+        raise InvalidEngineArgs(
+            f"stage {stage.name!r} (kind {stage.kind.value!r}, runner {stage.engine_args.get('runner')!r}) takes "
+            f"{type(args).__name__}, not the {model.__name__} of this engine; run it with the engine "
+            "`engines.factory.make_engine` picks",
+            stage=stage.name,
+            field="runner",
         )
     return args
 
@@ -48,11 +55,6 @@ def default_device(requested: object) -> str:
     import torch
 
     return str(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-
-def stage_device(args: Mapping[str, Any]) -> str:
-    """Engine arg `device`, else cuda where there is one, else cpu."""
-    return default_device(args.get("device"))
 
 
 def named_dtype(stage_name: str, name: str, allowed: str) -> Any:
@@ -66,9 +68,9 @@ def named_dtype(stage_name: str, name: str, allowed: str) -> Any:
     return dtype
 
 
-def stage_dtype(stage: StageSpec, args: Mapping[str, Any], default: str) -> Any:
-    """Engine arg `torch_dtype` (or `default`) as a torch dtype; a name torch lacks is refused."""
-    return named_dtype(stage.name, str(args.get("torch_dtype") or default), "use float32 or bfloat16")
+def stage_dtype(stage_name: str, torch_dtype: str | None, default: str) -> Any:
+    """Engine arg `torch_dtype` (or `default` when unset) as a torch dtype; a name torch lacks is refused."""
+    return named_dtype(stage_name, torch_dtype or default, "use float32 or bfloat16")
 
 
 def release_device_memory() -> None:

@@ -6,8 +6,8 @@ chunk, in order, so the next stage (or the client) can start on the first one. E
 engine here, a `GenerationEngine` subclass that names it (`VAEDecodeEngine`); the stage's engine arg
 `runner` picks the engine in `engines.factory.ENGINES`, the one table of runners.
 
-Engine args: `runner` (required), `chunk_size` (items per chunk along `chunk_dim`; the runner's
-default), `chunk_dim` (the runner's default), `torch_dtype` (default float32), `device` (cuda when
+Engine args (`spec.engine_args.GenerationArgs`): `runner` (required), `chunk_size` (items per chunk along
+`chunk_dim`, default 1), `chunk_dim` (default 0), `torch_dtype` (default float32), `device` (cuda when
 available, else cpu). Other keys are left to the runner (`ModuleRunner.args`). The speech runners
 (talkers, code2wav, token2wav) are engines of their own in `engines.speech`, which refuse unknown keys.
 
@@ -28,8 +28,15 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
-from omni_runtime.engines.common import default_device, named_dtype, release_device_memory, stage_model_path
+from omni_runtime.engines.common import (
+    default_device,
+    named_dtype,
+    release_device_memory,
+    stage_model_path,
+    typed_engine_args,
+)
 from omni_runtime.spec import ResolvedPipeline, StageSpec
+from omni_runtime.spec.engine_args import GenerationArgs
 
 __all__ = ["GenerationEngine", "ModuleRunner", "VAEDecodeEngine", "VAEDecodeRunner"]
 
@@ -40,8 +47,6 @@ class ModuleRunner(ABC):
     """Loads one torch module from a folder and runs it on one chunk at a time."""
 
     name: ClassVar[str]
-    default_chunk_dim: ClassVar[int] = 0
-    default_chunk_size: ClassVar[int] = 1
 
     def __init__(self, path: Path, device: str, dtype: Any, args: dict[str, Any]) -> None:
         self.path = path
@@ -114,15 +119,14 @@ class GenerationEngine(Engine):
     def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
         super().__init__(pipeline, stage)
         self.model_path = stage_model_path(pipeline, stage)
-        args = dict(stage.engine_args)
-        args.pop("runner", None)  # the factory chose this engine (and so its runner) by it
-        self.chunk_size = int(args.pop("chunk_size", self.runner_cls.default_chunk_size))
-        self.chunk_dim = int(args.pop("chunk_dim", self.runner_cls.default_chunk_dim))
-        if self.chunk_size < 1:
-            raise EngineError(f"stage {stage.name!r}: chunk_size is {self.chunk_size}; use 1 or more")
-        self._dtype_name = str(args.pop("torch_dtype", "float32"))
-        self._device = args.pop("device", None)
-        self._runner_args = args
+        self.args = typed_engine_args(stage, GenerationArgs)
+        """The stage's engine args (InvalidEngineArgs at construction when they are wrong)."""
+        self.chunk_size = self.args.chunk_size
+        self.chunk_dim = self.args.chunk_dim
+        self._dtype_name = self.args.torch_dtype
+        self._device = self.args.device
+        self._runner_args = dict(self.args.model_extra or {})
+        """The keys that are not the engine's, for the runner (`ModuleRunner.args`)."""
         self.runner: ModuleRunner | None = None
         self.load_seconds = 0.0
         self._lock = threading.Lock()

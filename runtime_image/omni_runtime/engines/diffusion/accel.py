@@ -1,6 +1,6 @@
 """Speed options of the `diffusion` engine: regional compilation, FP8 matmuls, step caching, attention backend.
 
-Engine args (read from the stage's `engineArgs`, never passed to diffusers' `from_pretrained`):
+Engine args (`spec.engine_args.AccelSettings`, which checks them; never passed to diffusers' `from_pretrained`):
 
 - `enforce_eager` (default false): true never runs `torch.compile`. On a GPU the denoiser's repeated
   transformer blocks are compiled (regional compilation, dynamic shapes) during start-up, before the stage
@@ -51,70 +51,18 @@ import importlib.util
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from typing import Any
 
 from omni_runtime.engines.base import EngineError
 from omni_runtime.engines.diffusion import flux
 from omni_runtime.engines.diffusion.fp8 import to_fp8
 from omni_runtime.engines.diffusion.graphs import GraphedForward
-from omni_runtime.engines.diffusion.step_cache import StepCache, StepCacheSettings
+from omni_runtime.engines.diffusion.step_cache import StepCache
+from omni_runtime.spec.engine_args import AccelSettings
 
-__all__ = ["ACCEL_ENGINE_ARGS", "Accel", "AccelSettings"]
+__all__ = ["Accel"]
 
 log = logging.getLogger(__name__)
-
-
-class AccelSettings(BaseModel):
-    """The speed options of one diffusion stage (engine args; see the module docstring)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    enforce_eager: bool = Field(False, description="Never compile the denoiser (GPU only; a CPU never compiles).")
-    quantization: Literal["fp8"] | None = Field(
-        None, description="fp8: FP8 (e4m3, per-row scaled) matmuls in the repeated blocks; Ada/Hopper GPUs only."
-    )
-    step_cache_threshold: float = Field(
-        0.0, ge=0.0, le=1.0, description="First Block Cache threshold; 0 turns step caching off."
-    )
-    step_cache: StepCacheSettings | None = Field(
-        None, description="A schedule-based step cache, e.g. {policy: taylorseer, interval: 3, warmup: 4}; unset: off."
-    )
-    cuda_graphs: bool = Field(
-        False, description="Replay the compiled denoiser step as CUDA graphs (GPU; one graph per input shape)."
-    )
-    attention_backend: str = Field("auto", min_length=1, description="auto, or a diffusers attention backend name.")
-
-
-ACCEL_ENGINE_ARGS: frozenset[str] = frozenset(AccelSettings.model_fields)
-"""Engine args this module reads (the engine keeps them out of `from_pretrained`'s keyword arguments)."""
-
-
-def _settings(stage: str, engine_args: dict[str, Any]) -> AccelSettings:
-    given = {k: v for k, v in engine_args.items() if k in ACCEL_ENGINE_ARGS}
-    try:
-        settings = AccelSettings.model_validate(given)
-    except ValidationError as err:
-        first = err.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])
-        raise EngineError(
-            f"stage {stage!r}: engine arg {field}={first.get('input')!r} is not allowed ({first['msg']}); "
-            "see enforce_eager (bool), quantization (fp8 or unset), step_cache_threshold (0 to 1), "
-            "step_cache ({policy: taylorseer, interval: 2-50, warmup: 1-1000, order: 0-3} or unset), "
-            "cuda_graphs (bool), attention_backend (auto or a diffusers backend name)"
-        ) from None
-    if settings.cuda_graphs and (settings.enforce_eager or settings.step_cache or settings.step_cache_threshold):
-        why = "enforce_eager" if settings.enforce_eager else "a step cache (its per-step decision runs in Python)"
-        raise EngineError(
-            f"stage {stage!r}: engine arg cuda_graphs=true cannot apply with {why}; remove one of them from engineArgs"
-        )
-    if settings.step_cache is not None and settings.step_cache_threshold > 0:
-        raise EngineError(
-            f"stage {stage!r}: engine args step_cache ({settings.step_cache.policy}) and step_cache_threshold "
-            f"({settings.step_cache_threshold}) are two step caches; keep one of them in engineArgs"
-        )
-    return settings
 
 
 def _repeated_blocks(model: Any) -> list[Any]:
@@ -139,9 +87,10 @@ def _denoiser(pipe: Any) -> Any:
 class Accel:
     """Applies one stage's speed options to its loaded pipeline and steps a call's step-cache switch."""
 
-    def __init__(self, stage: str, engine_args: dict[str, Any]) -> None:
+    def __init__(self, stage: str, settings: AccelSettings) -> None:
         self.stage = stage
-        self.settings = _settings(stage, engine_args)
+        self.settings = settings
+        """The stage's speed options (its engine args, checked by `spec.engine_args`)."""
         self.compiled = False
         self.attention_backend = "default"
         self.compile_seconds = 0.0
@@ -181,8 +130,6 @@ class Accel:
                 f"stage {self.stage!r}: engine arg cuda_graphs=true needs an NVIDIA GPU; this stage runs on {device}. "
                 "Remove cuda_graphs from engineArgs"
             )
-        if self.step_cache and self.settings.step_cache_threshold >= 1.0:
-            raise EngineError(f"stage {self.stage!r}: step_cache_threshold must be below 1")
 
     def apply(self, pipe: Any, device: str, parallel: Callable[[Any], None] | None = None) -> None:
         """Attention backend, FP8, `parallel(pipe)` (context parallelism, see `parallel_plan`), compilation

@@ -7,17 +7,10 @@ request gets its own CPU `torch.Generator` seeded with its seed, so its image de
 own seed and not on what it was batched with (beyond float rounding). Requests that do not fit run
 in a later call. One call runs at a time, in a worker thread, so the event loop stays responsive.
 
-Engine args (the rest go to `DiffusionPipeline.from_pretrained`):
-
-| key | default | meaning |
-|---|---|---|
-| `torch_dtype` | `float32` on CPU, `bfloat16` on CUDA | dtype; replaced when the device lacks it (`device_dtype`) |
-| `device` | `cuda` when available, else `cpu` | where the pipeline runs |
-| `batch_window_ms` | 10 | how long the oldest waiting request waits for company |
-| `max_batch_size` | 8 | most images (requests x `n`) in one pipeline call |
-| `max_pixels` | 4194304 (2048 x 2048) | largest height x width accepted |
-| `max_inference_steps` | 200 | most denoising steps (`num_inference_steps`, or entries of `sigmas`/`timesteps`) |
-| `sequence_parallel` | `auto` | ranks (one per GPU) the denoiser's sequence is split over (`parallel`) |
+Engine args: `spec.engine_args.DiffusionArgs` says each key, its default and bounds (`torch_dtype`, `device`,
+`batch_window_ms`, `max_batch_size`, `max_pixels`, `max_inference_steps`, `sequence_parallel`, and the video and
+speed keys below); the engine reads that model, and the keys it leaves as extras go to
+`DiffusionPipeline.from_pretrained`.
 
 Input (`EngineInput.data`): `{"prompt": str, "negative_prompt": str | None}`, or embeddings named as
 the pipeline's `__call__` names them (`prompt_embeds`, `pooled_prompt_embeds`, `negative_*`...), each
@@ -58,34 +51,29 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
-from omni_runtime.engines.common import default_device, named_dtype, release_device_memory, stage_model_path
+from omni_runtime.engines.common import (
+    default_device,
+    named_dtype,
+    release_device_memory,
+    stage_model_path,
+    typed_engine_args,
+)
 from omni_runtime.engines.diffusion import parallel as P
 from omni_runtime.engines.diffusion import parallel_plan
 from omni_runtime.engines.diffusion import png as PNG
 from omni_runtime.engines.diffusion import video as V
-from omni_runtime.engines.diffusion.accel import ACCEL_ENGINE_ARGS, Accel
+from omni_runtime.engines.diffusion.accel import Accel
 from omni_runtime.engines.diffusion.batcher import Batcher, Interrupted
 from omni_runtime.engines.diffusion.request import Job, RequestRules, default_size, parse, size_multiple
 from omni_runtime.metrics import Stage as StageMetrics
 from omni_runtime.spec import Modality, ResolvedPipeline, StageSpec
+from omni_runtime.spec.engine_args import DiffusionArgs
 
-__all__ = ["DIFFUSION_ENGINE_ARGS", "DiffusionEngine", "device_dtype"]
+__all__ = ["DiffusionEngine", "device_dtype"]
 
 log = logging.getLogger(__name__)
 
 
-DIFFUSION_ENGINE_ARGS: dict[str, Any] = {
-    "torch_dtype": None,
-    "device": None,
-    "batch_window_ms": 10.0,
-    "max_batch_size": 8,
-    "max_pixels": 2048 * 2048,
-    "max_inference_steps": 200,
-    P.ARG: "auto",
-}
-"""Engine args this engine reads itself (None: chosen by device); see the module docstring."""
-
-_REGISTRY_ONLY = frozenset({"model_stage", "model_arch", "hf_config_name", "engine_output_type"})
 _CALL_ARGS_OWNED = frozenset(
     {
         "generator",
@@ -124,26 +112,14 @@ class DiffusionEngine(Engine):
     def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
         super().__init__(pipeline, stage)
         self.model_path = str(stage_model_path(pipeline, stage))
-        args = {**DIFFUSION_ENGINE_ARGS, **stage.engine_args}
-        batch_window = float(args["batch_window_ms"]) / 1000.0
-        self.max_batch_size = int(args["max_batch_size"])
-        self.max_pixels = int(args["max_pixels"])
-        self.max_inference_steps = int(args["max_inference_steps"])
-        if self.max_batch_size < 1:
-            raise EngineError(f"stage {stage.name!r}: max_batch_size is {self.max_batch_size}; use 1 or more")
-        self._device_arg = args["device"]
-        self._dtype_arg = args["torch_dtype"]
-        self._video_args = {k: args.get(k, default) for k, default in V.VIDEO_ENGINE_ARGS.items()}
-        self._load_kwargs = {
-            k: v
-            for k, v in stage.engine_args.items()
-            if k not in DIFFUSION_ENGINE_ARGS
-            and k not in _REGISTRY_ONLY
-            and k not in V.VIDEO_ENGINE_ARGS
-            and k not in ACCEL_ENGINE_ARGS
-        }
-        self.accel = Accel(stage.name, stage.engine_args)
-        self._sp_arg = args[P.ARG]
+        self.args = typed_engine_args(stage, DiffusionArgs)
+        """The stage's engine args (InvalidEngineArgs at construction when they are wrong)."""
+        self.max_batch_size = self.args.max_batch_size
+        self.max_pixels = self.args.max_pixels
+        self.max_inference_steps = self.args.max_inference_steps
+        self._load_kwargs = dict(self.args.model_extra or {})
+        """diffusers' `from_pretrained` keyword arguments: the keys that are not omnikube's."""
+        self.accel = Accel(stage.name, self.args)
         self.sequence_parallel = 1
         """Ranks the denoiser runs on (1: this process alone)."""
         self._group: P.ParallelGroup | None = None
@@ -163,6 +139,7 @@ class DiffusionEngine(Engine):
         self._rules: RequestRules | None = None
         """What a request may ask of the loaded pipeline (set once loaded)."""
         self._encoder: concurrent.futures.ThreadPoolExecutor | None = None
+        batch_window = self.args.batch_window_ms / 1000.0
         self.batcher = Batcher(stage.name, self._call, self._encode, batch_window, self.max_batch_size)
         self.batch_log = self.batcher.batch_log
 
@@ -180,20 +157,21 @@ class DiffusionEngine(Engine):
     async def start(self) -> None:
         import torch
 
-        self.device = default_device(self._device_arg)
-        dtype_name = self._dtype_arg or ("float32" if self.device == "cpu" else "bfloat16")
+        self.device = default_device(self.args.device)
+        dtype_name = self.args.torch_dtype or ("float32" if self.device == "cpu" else "bfloat16")
         dtype = named_dtype(self.stage.name, str(dtype_name), "use float32, bfloat16 or float16")
         self.accel.check_device(self.device)
         fitting, why = device_dtype(self.device, dtype)
         if fitting != dtype:
             log.warning("stage %s: torch_dtype %s -> %s: %s", self.stage.name, dtype_name, fitting, why)
         self.sequence_parallel = parallel_plan.resolve_degree(
-            self.stage.name, self._sp_arg, self.device, self.model_path
+            self.stage.name, self.args.sequence_parallel, self.device, self.model_path
         )
-        if self.sequence_parallel > 1 and self.accel.step_cache and self._sp_arg in (None, "auto"):
+        auto = self.args.sequence_parallel in (None, "auto")
+        if self.sequence_parallel > 1 and self.accel.step_cache and auto:
             log.info("stage %s: one GPU: the step cache is on, and it cannot run split", self.stage.name)
             self.sequence_parallel = 1
-        if self.sequence_parallel > 1 and self.accel.settings.cuda_graphs and self._sp_arg in (None, "auto"):
+        if self.sequence_parallel > 1 and self.accel.settings.cuda_graphs and auto:
             log.info("stage %s: one GPU: cuda_graphs is on, and it cannot run split", self.stage.name)
             self.sequence_parallel = 1  # an explicit sequence_parallel with cuda_graphs fails in Accel.apply
         if self.sequence_parallel > 1 and self.accel.step_cache:
@@ -300,7 +278,7 @@ class DiffusionEngine(Engine):
             takes_size=self._takes_size,
             video=self.video,
             temporal=self._temporal,
-            video_args=self._video_args,
+            video_args=self.args,
             size_multiple=self.size_multiple,
             default_size=self.default_size,
             max_pixels=self.max_pixels,

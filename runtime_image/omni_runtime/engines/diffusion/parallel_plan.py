@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from omni_runtime.engines.base import EngineError
 
@@ -21,8 +21,9 @@ ARG = "sequence_parallel"
 """Engine arg: `auto` or the number of ranks."""
 
 
-def resolve_degree(stage: str, value: Any, device: str, model_path: str) -> int:
-    """The number of ranks for `value` (`auto` or an integer) on `device`; raises EngineError when refused."""
+def resolve_degree(stage: str, value: Literal["auto"] | int | None, device: str, model_path: str) -> int:
+    """The number of ranks for `value` (`auto` or an integer of 1 or more, as `spec.engine_args` checked it) on
+    `device`; raises EngineError when this pod cannot run them."""
     import torch
 
     if value in (None, "auto"):
@@ -37,10 +38,6 @@ def resolve_degree(stage: str, value: Any, device: str, model_path: str) -> int:
             )
             return 1
         return torch.cuda.device_count()
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise EngineError(
-            f"stage {stage!r}: engine arg {ARG}={value!r} is not allowed; use auto or a number of ranks (1 or more)"
-        )
     if value == 1:
         return 1
     if device not in ("cuda", "cpu"):

@@ -21,6 +21,7 @@ from omni_runtime.engines.diffusion import flux
 from omni_runtime.engines.diffusion import video as V
 from omni_runtime.engines.diffusion.step_cache import request_option
 from omni_runtime.spec import Modality, StageSpec
+from omni_runtime.spec.engine_args import VideoArgs
 
 __all__ = ["Job", "RequestRules", "call_steps", "default_size", "parse", "size_multiple"]
 
@@ -77,7 +78,8 @@ class RequestRules:
     video: bool
     temporal: int
     """A video pipeline's temporal compression (frames per latent frame); 1 for images."""
-    video_args: dict[str, Any]
+    video_args: VideoArgs
+    """The stage's frame and fps bounds (its engine args)."""
     size_multiple: int
     default_size: int
     max_pixels: int

@@ -12,31 +12,17 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from omni_runtime.engines.base import EngineError, InvalidRequest
+from omni_runtime.spec.engine_args import StepCacheSettings
 
-__all__ = ["NO_STEP_CACHE", "REQUEST_PARAM", "StepCache", "StepCacheSettings", "request_option"]
+__all__ = ["NO_STEP_CACHE", "REQUEST_PARAM", "StepCache", "request_option"]
 
 log = logging.getLogger(__name__)
 
 REQUEST_PARAM = "step_cache"
 """Request parameter (bool) that turns the stage's step cache off for that request."""
-
-
-class StepCacheSettings(BaseModel):
-    """A schedule-based step cache (engine arg `step_cache`): which steps skip the transformer blocks."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    policy: Literal["taylorseer"] = Field(
-        description="taylorseer: diffusers' TaylorSeer cache (skipped steps extrapolate the denoiser's output)."
-    )
-    interval: int = Field(3, ge=2, le=50, description="After the warm-up, one step in `interval` runs in full.")
-    warmup: int = Field(4, ge=1, le=1000, description="The first steps, all run in full (Taylor factors).")
-    order: int = Field(1, ge=0, le=3, description="Taylor order of the extrapolation (0: reuse the last output).")
 
 
 NO_STEP_CACHE = frozenset({"SD3Transformer2DModel"})

@@ -23,14 +23,11 @@ import logging
 from typing import Any
 
 from omni_runtime.engines.base import InvalidRequest
+from omni_runtime.spec.engine_args import VideoArgs
 
-__all__ = ["VIDEO_ENGINE_ARGS", "check_video_params", "encode_mp4", "is_video_pipeline"]
+__all__ = ["check_video_params", "encode_mp4", "is_video_pipeline"]
 
 log = logging.getLogger(__name__)
-
-VIDEO_ENGINE_ARGS: dict[str, Any] = {"max_frames": 241, "default_fps": 16, "max_fps": 60}
-"""Engine args of video pipelines: most frames per video, the fps of a request that names none
-(Wan's native 16), the highest fps accepted."""
 
 
 def is_video_pipeline(call_params: set[str] | frozenset[str]) -> bool:
@@ -43,18 +40,18 @@ def temporal_factor(pipe: Any) -> int:
     return int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1)
 
 
-def check_video_params(params: dict[str, Any], stage: str, args: dict[str, Any], temporal: int) -> int:
+def check_video_params(params: dict[str, Any], stage: str, args: VideoArgs, temporal: int) -> int:
     """Validate `num_frames` in `params` (left there) and pop `fps` (not a pipeline argument); the fps.
 
     `seconds` (popped too) sets `num_frames`, over a default the stage sets (the router sends one of the
     two, never both): seconds x fps, rounded to what the VAE makes (a multiple of `temporal`), plus the
     first frame."""
     fps = params.pop("fps", None)
-    fps = args["default_fps"] if fps is None else fps
+    fps = args.default_fps if fps is None else fps
     if isinstance(fps, bool) or not isinstance(fps, int | float) or int(fps) != fps:
         raise InvalidRequest(f"fps must be an integer, not {fps!r}")
-    if not 1 <= int(fps) <= int(args["max_fps"]):
-        raise InvalidRequest(f"fps {fps} is out of range: stage {stage!r} encodes 1 to {args['max_fps']} (max_fps)")
+    if not 1 <= int(fps) <= args.max_fps:
+        raise InvalidRequest(f"fps {fps} is out of range: stage {stage!r} encodes 1 to {args.max_fps} (max_fps)")
     seconds = params.pop("seconds", None)
     if seconds is not None:
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds <= 3600:
@@ -65,7 +62,7 @@ def check_video_params(params: dict[str, Any], stage: str, args: dict[str, Any],
         if isinstance(frames, bool) or not isinstance(frames, int | float) or int(frames) != frames:
             raise InvalidRequest(f"num_frames must be an integer, not {frames!r}")
         frames = int(frames)
-        most = int(args["max_frames"])
+        most = args.max_frames
         if not 1 <= frames <= most:
             raise InvalidRequest(
                 f"num_frames {frames} is out of range: stage {stage!r} makes 1 to {most} frames (max_frames); "

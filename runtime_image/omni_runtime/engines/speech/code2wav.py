@@ -63,8 +63,9 @@ from omni_runtime.engines.base import (
     refuse_unknown_params,
     self_check,
 )
-from omni_runtime.engines.common import checked_engine_args, stage_device, stage_dtype, stage_model_path
+from omni_runtime.engines.common import default_device, stage_dtype, stage_model_path, typed_engine_args
 from omni_runtime.spec import ResolvedPipeline, StageSpec
+from omni_runtime.spec.engine_args import Code2WavArgs
 
 __all__ = ["Code2WavEngine", "Qwen3Code2Wav", "graph_frames"]
 
@@ -73,7 +74,6 @@ log = logging.getLogger(__name__)
 SAMPLE_RATE = 24000
 SELF_CHECK_FRAMES = 4
 """Codec frames (all code 0) the self-check decodes before the stage reports ready: one short window."""
-ENGINE_ARGS = {"runner", "device", "torch_dtype", "left_context", "max_frames_per_call"}
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32)
 GRAPH_FRAMES = (4, 8, 16, 32, 64)
 MIXED = "mixed"
@@ -307,24 +307,20 @@ class Code2WavEngine(Engine):
     def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
         super().__init__(pipeline, stage)
         self.model_path = stage_model_path(pipeline, stage)
-        args = checked_engine_args(stage, ENGINE_ARGS)
-        self.device = stage_device(args)
-        if str(args.get("torch_dtype")) == MIXED or (
-            args.get("torch_dtype") is None and self.device.startswith("cuda")
+        self.args = typed_engine_args(stage, Code2WavArgs)
+        """The stage's engine args (InvalidEngineArgs at construction when they are wrong)."""
+        self.device = default_device(self.args.device)
+        if self.args.torch_dtype == MIXED or (
+            self.args.torch_dtype is None and self.device.startswith("cuda")
         ):  # the default on a GPU: about bfloat16 speed, and within the 30 dB bar
             self.dtype: Any = MIXED
         else:
             try:
-                self.dtype = stage_dtype(stage, args, "float32")
+                self.dtype = stage_dtype(stage.name, self.args.torch_dtype, "float32")
             except EngineError as exc:
                 raise EngineError(f"{exc}, or {MIXED} (bfloat16 decoder, float32 pre-transformer)") from None
-        self.left_context = int(args.get("left_context", 25))
-        self.max_frames = int(args.get("max_frames_per_call", 300))
-        if self.left_context < 0 or self.max_frames < 1:
-            raise EngineError(
-                f"stage {stage.name!r}: left_context {self.left_context} (>= 0) and max_frames_per_call "
-                f"{self.max_frames} (>= 1) are out of range"
-            )
+        self.left_context = self.args.left_context
+        self.max_frames = self.args.max_frames_per_call
         ups = pipeline.topology.upstream(stage.name)
         window = ups[0].window if len(ups) == 1 else 0
         self.graph_frames = graph_frames(min(ups[0].first_window, window) if window else 0, window, self.left_context)

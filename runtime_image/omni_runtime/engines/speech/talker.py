@@ -48,22 +48,20 @@ from omni_runtime.engines.base import (
     refuse_unknown_params,
     self_check,
 )
-from omni_runtime.engines.common import checked_engine_args, stage_device, stage_dtype, stage_model_path
+from omni_runtime.engines.common import default_device, stage_dtype, stage_model_path, typed_engine_args
 from omni_runtime.engines.speech.sampling import Sampling
 from omni_runtime.spec import ResolvedPipeline, StageSpec
+from omni_runtime.spec.engine_args import TalkerArgs
 
 __all__ = ["Qwen25TalkerEngine", "Qwen3TalkerEngine", "TalkerEngine", "engine_device_and_dtype"]
 
 log = logging.getLogger(__name__)
 
-ENGINE_ARGS = {"runner", "device", "torch_dtype", "max_requests"}
 
-
-def engine_device_and_dtype(stage: StageSpec) -> tuple[str, Any, dict[str, Any]]:
-    """(device, torch dtype, the other engine args) for a speech stage; unknown keys are refused."""
-    args = checked_engine_args(stage, ENGINE_ARGS)
-    device = stage_device(args)
-    return device, stage_dtype(stage, args, "bfloat16" if device.startswith("cuda") else "float32"), args
+def engine_device_and_dtype(stage: StageSpec, args: TalkerArgs) -> tuple[str, Any]:
+    """(device, torch dtype) of a talker stage: bfloat16 on CUDA and float32 elsewhere unless it names one."""
+    device = default_device(args.device)
+    return device, stage_dtype(stage.name, args.torch_dtype, "bfloat16" if device.startswith("cuda") else "float32")
 
 
 MEDIA_GRID_KEYS = {
@@ -136,8 +134,10 @@ class TalkerEngine(Engine):
     def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
         super().__init__(pipeline, stage)
         self.model_path = stage_model_path(pipeline, stage)
-        self.device, self.dtype, args = engine_device_and_dtype(stage)
-        self.max_requests = int(args.get("max_requests", 64))
+        self.args = typed_engine_args(stage, TalkerArgs)
+        """The stage's engine args (InvalidEngineArgs at construction when they are wrong)."""
+        self.device, self.dtype = engine_device_and_dtype(stage, self.args)
+        self.max_requests = self.args.max_requests
         self.model: Any = None
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()

@@ -53,8 +53,9 @@ from omni_runtime.engines.base import (
     refuse_unknown_params,
     self_check,
 )
-from omni_runtime.engines.common import checked_engine_args, stage_device, stage_model_path
+from omni_runtime.engines.common import default_device, stage_model_path, typed_engine_args
 from omni_runtime.spec import ResolvedPipeline, StageSpec
+from omni_runtime.spec.engine_args import Token2WavArgs
 
 __all__ = ["Qwen25Token2Wav", "Token2WavEngine", "WindowJob"]
 
@@ -64,7 +65,6 @@ SAMPLE_RATE = 24000
 SELF_CHECK_FRAMES = 4
 """Codec frames (all code 0) the self-check decodes before the stage reports ready: one short window."""
 DEFAULT_VOICE = "Chelsie"
-ENGINE_ARGS = {"runner", "device", "num_steps", "left_context"}
 GUIDANCE_SCALE = 0.5
 SWAY_COEFFICIENT = -1.0
 """transformers' defaults for `Qwen2_5OmniToken2WavModel.forward`."""
@@ -217,15 +217,11 @@ class Token2WavEngine(Engine):
     def __init__(self, pipeline: ResolvedPipeline, stage: StageSpec) -> None:
         super().__init__(pipeline, stage)
         self.model_path = stage_model_path(pipeline, stage)
-        args = checked_engine_args(stage, ENGINE_ARGS)
-        self.device = stage_device(args)
-        self.num_steps = int(args.get("num_steps", 10))
-        self.left_context = int(args.get("left_context", 25))
-        if self.num_steps < 1 or self.left_context < 0:
-            raise EngineError(
-                f"stage {stage.name!r}: num_steps {self.num_steps} must be 1 or more and left_context "
-                f"{self.left_context} 0 or more"
-            )
+        self.args = typed_engine_args(stage, Token2WavArgs)
+        """The stage's engine args (InvalidEngineArgs at construction when they are wrong)."""
+        self.device = default_device(self.args.device)
+        self.num_steps = self.args.num_steps
+        self.left_context = self.args.left_context
         self.window = max((edge.window for edge in pipeline.topology.upstream(stage.name)), default=0)
         """The upstream edge's window: 0 decodes whole outputs, more decodes each chunk as it arrives."""
         self.model: Qwen25Token2Wav | None = None
