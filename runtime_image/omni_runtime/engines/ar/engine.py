@@ -55,7 +55,7 @@ from omni_runtime.engines.ar import cpu
 from omni_runtime.engines.ar.extras import TOKEN_OPS, detokenize, tokenize
 from omni_runtime.engines.ar.pieces import attach_media_rows, attach_rows, completion_pieces
 from omni_runtime.engines.ar.prompt import check_sampling, media_grids, render_prompt, sampling_fields, sampling_params
-from omni_runtime.engines.ar.tools import TOOL_CALL_PARSER_ARG, check_parser_name, open_session, parser_class
+from omni_runtime.engines.ar.tools import check_parser_name, open_session, parser_class
 from omni_runtime.engines.base import (
     SELF_CHECK_ID,
     Engine,
@@ -65,16 +65,14 @@ from omni_runtime.engines.base import (
     InvalidRequest,
     self_check,
 )
-from omni_runtime.engines.common import stage_model_path
+from omni_runtime.engines.common import stage_model_path, typed_engine_args
 from omni_runtime.spec import ResolvedPipeline, StageSpec
+from omni_runtime.spec.engine_args import ArArgs
 
 __all__ = [
     "AREngine",
     "CHECK_MAX_TOKENS",
     "CONTEXT_MAX_TOKENS",
-    "HIDDEN_STATE_ARG",
-    "MEDIA_HIDDEN_ARG",
-    "REGISTRY_ONLY_ENGINE_ARGS",
     "SELF_CHECK_PROMPT",
     "SHUTDOWN_TIMEOUT_S",
     "companion_id",
@@ -82,28 +80,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-REGISTRY_ONLY_ENGINE_ARGS = frozenset({"model_stage", "model_arch", "hf_config_name", "engine_output_type"})
-"""Registry keys in `engine_args` that describe the stage to omnikube, not to vLLM; never passed on.
-
-- `model_stage`: which part of a multi-stage checkpoint this stage serves (thinker, talker, code2wav).
-- `model_arch`: the checkpoint's architecture class (as in `config.json`).
-- `hf_config_name`: the sub-config of `config.json` the stage's model reads (e.g. `thinker_config`).
-- `engine_output_type`: what the stage hands downstream (`latent`: hidden states/codes; `text`; `audio`).
-"""
-
-HIDDEN_STATE_ARG = "hidden_state_layers"
-"""omnikube's engine arg (never passed to vLLM): the layers whose rows each request streams out, as
-HF `output_hidden_states` indices (0 the embeddings, k the output of layer k-1, N the last layer
-*before* the final norm; -1 means N). vLLM's `speculative_config` (extract_hidden_states) and
-`kv_transfer_config` are then ours; see `omni_runtime.engines.ar.hidden_states` for the costs. vLLM's media
-processor cache is off (`mm_processor_cache_gb` 0: a cached media item carries no grid for the talker)."""
-
-MEDIA_HIDDEN_ARG = "media_hidden_layer"
-"""omnikube's engine arg (never passed to vLLM): the layer whose rows at a prompt's media positions go
-out with the request's first piece (an index as in `hidden_state_layers`, or `talker`: the checkpoint's
-`talker_config.accept_hidden_layer`). It uses the same route and has the same costs as
-`hidden_state_layers`, for every request; the two cannot be combined."""
 
 CONTEXT_MAX_TOKENS = "context_max_tokens"
 """The router's sampling key (never passed to vLLM) for the stage writing the reply's text when the
@@ -180,44 +156,9 @@ class AREngine(Engine):
         self.tool_parser: str | None = None
         """The stage's `tool_call_parser` (a vLLM tool-call parser name), checked at start."""
         self._tool_parser_cls: Any = None
-
-    def requested_hidden_layers(self) -> list[int] | None:
-        """The stage's `hidden_state_layers` as given (ints), or None when unset.
-
-        Raises EngineError when it is not a non-empty list of integers."""
-        value = self.stage.engine_args.get(HIDDEN_STATE_ARG)
-        if value is None:
-            return None
-        if (
-            not isinstance(value, list)
-            or not value
-            or not all(isinstance(i, int) and not isinstance(i, bool) for i in value)
-        ):
-            raise EngineError(
-                f"stage {self.stage.name!r}: engine_args.{HIDDEN_STATE_ARG} is {value!r}; give a non-empty "
-                "list of layer indices (0 = embeddings, k = output of layer k-1, -1 = last layer)"
-            )
-        return list(value)
-
-    def requested_media_layer(self) -> int | str | None:
-        """The stage's `media_hidden_layer` as given, or None when unset.
-
-        Raises EngineError when it is not an integer or `talker`, or is combined with `hidden_state_layers`."""
-        value = self.stage.engine_args.get(MEDIA_HIDDEN_ARG)
-        if value is None:
-            return None
-        if not (value == "talker" or (isinstance(value, int) and not isinstance(value, bool))):
-            raise EngineError(
-                f"stage {self.stage.name!r}: engine_args.{MEDIA_HIDDEN_ARG} is {value!r}; give a layer index "
-                "(0 = embeddings, k = output of layer k-1, -1 = last layer) or 'talker' (the checkpoint's "
-                "talker_config.accept_hidden_layer)"
-            )
-        if self.stage.engine_args.get(HIDDEN_STATE_ARG) is not None:
-            raise EngineError(
-                f"stage {self.stage.name!r}: engine_args {HIDDEN_STATE_ARG} and {MEDIA_HIDDEN_ARG} cannot be "
-                f"combined (one sends every row, the other media rows only); keep one, set the other to null"
-            )
-        return value
+        self.args = typed_engine_args(stage, ArArgs)
+        """The stage's engine args (InvalidEngineArgs at construction when they are wrong); vLLM's are its
+        extras, checked against AsyncEngineArgs by `engine_args`."""
 
     def _media_token_ids(self) -> frozenset[int]:
         """The media placeholder token ids (audio, image, video) of config.json; empty for a text model."""
@@ -240,14 +181,14 @@ class AREngine(Engine):
             talker = getattr(full, "talker_config", None)
             if talker is None or getattr(talker, "accept_hidden_layer", None) is None:
                 raise EngineError(
-                    f"stage {self.stage.name!r}: engine_args.{MEDIA_HIDDEN_ARG} is 'talker' but "
+                    f"stage {self.stage.name!r}: engine_args.media_hidden_layer is 'talker' but "
                     f"{self.model_path} has no talker_config.accept_hidden_layer; give a layer index"
                 )
             value = int(talker.accept_hidden_layer)
         ids = self._media_token_ids()
         if not ids:
             raise EngineError(
-                f"stage {self.stage.name!r}: engine_args.{MEDIA_HIDDEN_ARG} needs a model with media "
+                f"stage {self.stage.name!r}: engine_args.media_hidden_layer needs a model with media "
                 f"placeholder tokens (audio/image/video_token_id); {self.model_path} has none"
             )
         (layer,), hidden = self._resolve_hidden_layers([int(value)])
@@ -262,7 +203,7 @@ class AREngine(Engine):
 
         if set(full.architectures or ()) & set(QWEN2_5_OMNI_ARCHITECTURES) and not entry_point_installed():
             raise EngineError(
-                f"stage {self.stage.name!r}: {HIDDEN_STATE_ARG} on Qwen2.5-Omni needs omnikube's vLLM plugin "
+                f"stage {self.stage.name!r}: hidden_state_layers on Qwen2.5-Omni needs omnikube's vLLM plugin "
                 "(entry point vllm.general_plugins:omnikube), which this installation lacks; reinstall the "
                 "omnikube package (pip install -e . / hack/bootstrap.sh)"
             )
@@ -273,46 +214,23 @@ class AREngine(Engine):
         resolved = sorted({i + n + 1 if i < 0 else i for i in layers})
         if resolved[0] < 0 or resolved[-1] > n:
             raise EngineError(
-                f"stage {self.stage.name!r}: engine_args.{HIDDEN_STATE_ARG} {layers} is out of range for "
+                f"stage {self.stage.name!r}: engine_args.hidden_state_layers {layers} is out of range for "
                 f"a model with {n} layers; use indices from 0 to {n} (or -{n + 1} to -1)"
             )
         return resolved, int(config.hidden_size)
 
     def engine_args(self) -> dict[str, Any]:
-        """What goes to AsyncEngineArgs: the stage's engine_args without the registry-only keys,
-        plus the CPU defaults on CPU. Raises EngineError naming any key vLLM does not know."""
+        """What goes to AsyncEngineArgs: the stage's vLLM keys (its ArArgs' extras), with vLLM's media processor
+        cache off on the hidden-state route, plus the CPU defaults on CPU. Raises EngineError naming any key vLLM
+        does not know, or a `tool_call_parser` vLLM lacks."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
 
-        args = {
-            k: v
-            for k, v in self.stage.engine_args.items()
-            if k not in REGISTRY_ONLY_ENGINE_ARGS
-            and k not in (HIDDEN_STATE_ARG, MEDIA_HIDDEN_ARG, TOOL_CALL_PARSER_ARG)
-        }
-        if self.requested_hidden_layers() is not None or self.requested_media_layer() is not None:
-            taken = [k for k in ("speculative_config", "kv_transfer_config") if args.get(k)]
-            taken += [k for k in ("enable_prefix_caching", "async_scheduling") if args.get(k)]
-            if taken:
-                raise EngineError(
-                    f"stage {self.stage.name!r}: engine_args {taken} cannot be combined with "
-                    f"{HIDDEN_STATE_ARG} / {MEDIA_HIDDEN_ARG} (the hidden-state route sets the speculative and KV "
-                    "transfer configs and is not verified with prefix caching or async scheduling); remove them or "
-                    "the layers"
-                )
-        route = next(
-            (arg for arg, on in ((MEDIA_HIDDEN_ARG, self.requested_media_layer() is not None),
-                                 (HIDDEN_STATE_ARG, self.requested_hidden_layers() is not None)) if on),
-            None,
-        )  # fmt: skip
-        if route is not None:
+        args = dict(self.args.model_extra or {})
+        if self.args.hidden_state_layers is not None or self.args.media_hidden_layer is not None:
             # A cached media item comes back from vLLM's renderer without its fields, and a talker needs
-            # every item's grid (image_grid_thw...), so the media processor cache is off with either arg.
-            if args.get("mm_processor_cache_gb"):
-                raise EngineError(
-                    f"stage {self.stage.name!r}: engine_args mm_processor_cache_gb cannot be combined with "
-                    f"{route} (a cached media item carries no grid for the talker); remove it"
-                )
+            # every item's grid (image_grid_thw...), so the media processor cache is off with either arg
+            # (ArArgs refuses a stage that turns it on).
             args["mm_processor_cache_gb"] = 0
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
         unknown = sorted(set(args) - known)
@@ -323,8 +241,8 @@ class AREngine(Engine):
                 f"stage {self.stage.name!r}: engine_args {named} are not vLLM engine arguments; "
                 "remove them or use the names of vLLM's AsyncEngineArgs"
             )
-        if self.stage.engine_args.get(TOOL_CALL_PARSER_ARG) is not None:
-            self.tool_parser = check_parser_name(self.stage.name, self.stage.engine_args[TOOL_CALL_PARSER_ARG])
+        if self.args.tool_call_parser is not None:
+            self.tool_parser = check_parser_name(self.stage.name, self.args.tool_call_parser)
         if current_platform.is_cpu():
             args = cpu.cpu_defaults(args, dict(os.environ))  # a copy: only start() changes the environment
         args.pop("model", None)
@@ -337,7 +255,7 @@ class AREngine(Engine):
 
         started = time.monotonic()
         kwargs = self.engine_args()
-        requested = self.requested_hidden_layers()
+        requested = self.args.hidden_state_layers
         if requested is not None:
             from omni_runtime.engines.ar.hidden_states import RowReceiver, vllm_engine_args
 
@@ -346,7 +264,7 @@ class AREngine(Engine):
             self._rows = RowReceiver(self.hidden_layers, hidden_size)
             await self._rows.start()
             kwargs.update(vllm_engine_args(self.hidden_layers, self._rows.address))
-        media = self.requested_media_layer()
+        media = self.args.media_hidden_layer
         if media is not None:
             from omni_runtime.engines.ar.hidden_states import RowReceiver, vllm_engine_args
 

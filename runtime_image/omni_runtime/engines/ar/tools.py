@@ -19,7 +19,6 @@ from typing import Any
 from omni_runtime.engines.base import EngineError, InvalidRequest
 
 __all__ = [
-    "TOOL_CALL_PARSER_ARG",
     "TOOL_INPUT_KEYS",
     "ToolSession",
     "check_parser_name",
@@ -30,20 +29,18 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-TOOL_CALL_PARSER_ARG = "tool_call_parser"
-"""omnikube's engine arg (never passed to vLLM): the vLLM tool-call parser of this stage."""
 TOOL_INPUT_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
 """Keys of a chat input that ask for tool calling."""
 
 
-def check_parser_name(stage: str, name: Any) -> str:
+def check_parser_name(stage: str, name: str) -> str:
     """`name` when it is one of vLLM's registered tool-call parsers; EngineError otherwise."""
     from vllm.tool_parsers import ToolParserManager
 
     known = sorted(ToolParserManager.list_registered())
-    if not isinstance(name, str) or name not in known:
+    if name not in known:
         raise EngineError(
-            f"stage {stage!r}: engine_args.{TOOL_CALL_PARSER_ARG} is {name!r}, which is not a vLLM tool-call "
+            f"stage {stage!r}: engine_args.tool_call_parser is {name!r}, which is not a vLLM tool-call "
             f"parser; use one of {known} (Qwen2.5 and Qwen3 models: 'hermes')"
         )
     return name
@@ -176,7 +173,7 @@ def open_session(
             return None  # vLLM's server renders the tools and parses nothing; so do we, below
         raise InvalidRequest(
             f"tool_choice {request.tool_choice!r} needs a tool-call parser, and stage {stage!r} has none; "
-            f"set engine_args.{TOOL_CALL_PARSER_ARG} on the stage (e.g. 'hermes'), or send tool_choice \"none\""
+            "set engine_args.tool_call_parser on the stage (e.g. 'hermes'), or send tool_choice \"none\""
         )
     kwargs = dict(data.get("chat_template_kwargs") or {})
     session = ToolSession(request, parser_cls, tokenizer, model_config, kwargs)
