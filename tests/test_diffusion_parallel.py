@@ -41,6 +41,7 @@ from omni_runtime.engines.diffusion import parallel as P
 from omni_runtime.engines.diffusion.engine import DiffusionEngine
 from omni_runtime.registry import get_pipeline
 from omni_runtime.spec import StageOverride
+from omni_runtime.spec.engine_args import InvalidEngineArgs
 from omni_runtime.spec.resolved import resolve_pipeline
 
 PARAMS = {"num_inference_steps": 3, "height": 64, "width": 64, "guidance_scale": 3.5}
@@ -87,12 +88,30 @@ def _psnr(a: bytes, b: bytes) -> float:
     return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (
+            0,
+            r"engine_args\.sequence_parallel is 0: input should be 'auto' or input should be greater than or equal to "
+            "1",
+        ),
+        ("two", r"engine_args\.sequence_parallel is 'two': input should be 'auto' or input should be a valid integer"),
+    ],
+)
+def test_a_degree_that_is_not_auto_or_a_number_of_ranks_is_refused_when_the_engine_is_made(
+    value: object, message: str
+) -> None:
+    with pytest.raises(InvalidEngineArgs, match=message) as err:
+        _engine("flux", "/nonexistent/model", sequence_parallel=value)
+    assert err.value.field == "sequence_parallel"
+    assert not [p for p in multiprocessing.active_children() if "rank" in p.name]
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ({"sequence_parallel": 0}, "sequence_parallel=0 is not allowed; use auto or a number of ranks"),
-        ({"sequence_parallel": "two"}, "sequence_parallel='two' is not allowed"),
         ({"sequence_parallel": 2, "step_cache_threshold": 0.1}, r"step_cache\) and sequence_parallel=2"),
         (
             {"sequence_parallel": 2, "step_cache": {"policy": "taylorseer"}},

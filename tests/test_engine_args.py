@@ -1,9 +1,9 @@
 """Typed engine args (`spec.engine_args`): each family's model says what its engine reads today, every built-in
 topology passes its checks, and a wrong value, combination or key is refused naming the stage and the key.
 
-The engines still read their dicts (until they read these models), so the models are compared with the
-engines' own constants and with what a constructed engine (no model loaded) takes as its defaults: the two
-cannot drift apart unnoticed.
+Each engine reads its stage's args as its family's model (`engine.args`, made once when it is constructed) and
+holds no key list, defaults table or settings model of its own, so there is nothing left to drift apart; what a
+constructed engine (no model loaded) takes as its defaults is still compared with the models.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from omni_runtime.registry import builtin_pipelines_dir, load_pipeline_file
 from omni_runtime.spec import PipelineSpec, StageKind, StageSpec, check_engine_args, resolve_pipeline
@@ -29,10 +30,8 @@ from omni_runtime.spec.engine_args import (
     GenerationArgs,
     InvalidEngineArgs,
     RegistryOnlyKeys,
-    StepCacheSettings,
     TalkerArgs,
     Token2WavArgs,
-    VideoArgs,
     engine_args_for,
 )
 
@@ -69,11 +68,6 @@ def defaults(model: type[EngineArgs], **required: Any) -> dict[str, Any]:
     return model.model_validate(required).model_dump() | required
 
 
-def field_facts(model: type[Any], name: str) -> tuple[Any, Any, list[Any]]:
-    info = model.model_fields[name]
-    return info.annotation, info.default, list(info.metadata)
-
-
 # --- the table ------------------------------------------------------------------------------------------
 
 
@@ -91,64 +85,102 @@ def test_a_generation_models_runner_field_names_the_runners_it_is_chosen_by() ->
         assert set(model.model_fields["runner"].annotation.__args__) == chosen_by  # type: ignore[union-attr]
 
 
-# --- each family against its engine --------------------------------------------------------------------
+# --- each engine reads its family's model ------------------------------------------------------------
+
+DUPLICATES = (
+    "ENGINE_ARGS",
+    "DIFFUSION_ENGINE_ARGS",
+    "ACCEL_ENGINE_ARGS",
+    "VIDEO_ENGINE_ARGS",
+    "REGISTRY_ONLY_ENGINE_ARGS",
+    "_REGISTRY_ONLY",
+    "HIDDEN_STATE_ARG",
+    "MEDIA_HIDDEN_ARG",
+    "TOOL_CALL_PARSER_ARG",
+    "checked_engine_args",
+)
+"""The engine-side copies of the models' facts that phase 1 found (the models replaced every one)."""
 
 
-def test_ar_args_are_the_keys_the_ar_engine_keeps_from_vllm() -> None:
-    ar, tools = engine("ar"), engine("ar_tools")
-    ours = set(ar.REGISTRY_ONLY_ENGINE_ARGS) | {ar.HIDDEN_STATE_ARG, ar.MEDIA_HIDDEN_ARG, tools.TOOL_CALL_PARSER_ARG}
-    assert set(ArArgs.model_fields) == ours
-    assert set(RegistryOnlyKeys.model_fields) == set(ar.REGISTRY_ONLY_ENGINE_ARGS)
-    assert ArArgs.model_config.get("extra") == "allow"  # vLLM's keys pass through, checked at start
+def engine_modules() -> list[ModuleType]:
+    import pkgutil
+
+    import omni_runtime.engines as package
+
+    names = [m.name for m in pkgutil.walk_packages(package.__path__, prefix="omni_runtime.engines.")]
+    return [importlib.import_module(name) for name in sorted(names) if not name.endswith("qwen2_5_omni_eagle")]
 
 
-def test_diffusion_args_are_the_keys_the_diffusion_engine_keeps_from_from_pretrained() -> None:
-    diffusion, accel, video = engine("diffusion"), engine("accel"), engine("video")
-    ours = (
-        set(diffusion.DIFFUSION_ENGINE_ARGS)
-        | set(accel.ACCEL_ENGINE_ARGS)
-        | set(video.VIDEO_ENGINE_ARGS)
-        | set(diffusion._REGISTRY_ONLY)
-    )
-    assert set(DiffusionArgs.model_fields) == ours
-    assert set(AccelSettings.model_fields) == set(accel.ACCEL_ENGINE_ARGS)
-    assert set(VideoArgs.model_fields) == set(video.VIDEO_ENGINE_ARGS)
-    # What the engine hands to from_pretrained is exactly what the model leaves as extras.
+def test_no_engine_module_holds_a_key_list_or_a_settings_model_of_its_own() -> None:
+    for module in engine_modules():
+        held = [name for name in DUPLICATES if hasattr(module, name)]
+        assert not held, (module.__name__, held)
+        for name, value in vars(module).items():
+            if isinstance(value, type) and issubclass(value, BaseModel):
+                # a settings model it uses is the spec's, imported (AccelSettings, StepCacheSettings...)
+                assert value.__module__.startswith("omni_runtime.spec."), (module.__name__, name)
+
+
+@pytest.mark.parametrize(
+    ("kind", "args", "cls"),
+    [
+        (StageKind.AR, {"max_model_len": 512}, ("ar", "AREngine")),
+        (StageKind.DIFFUSION, {}, ("diffusion", "DiffusionEngine")),
+        (StageKind.GENERATION, {"runner": "vae_decode"}, ("generation", "VAEDecodeEngine")),
+        (StageKind.GENERATION, {"runner": "qwen3_omni_talker"}, ("talker", "Qwen3TalkerEngine")),
+        (StageKind.GENERATION, {"runner": "qwen2_5_omni_talker"}, ("talker", "Qwen25TalkerEngine")),
+        (StageKind.GENERATION, {"runner": "qwen3_omni_code2wav"}, ("code2wav", "Code2WavEngine")),
+        (StageKind.GENERATION, {"runner": "qwen2_5_omni_token2wav"}, ("token2wav", "Token2WavEngine")),
+    ],
+    ids=["ar", "diffusion", "vae_decode", "qwen3-talker", "qwen25-talker", "code2wav", "token2wav"],
+)
+def test_each_engine_reads_its_args_as_the_spec_model_of_its_stage(
+    kind: StageKind, args: dict[str, Any], cls: tuple[str, str]
+) -> None:
+    made = built(kind, args, getattr(engine(cls[0]), cls[1]))
+    model = ENGINE_ARGS_MODELS[(kind, args.get("runner") if kind is StageKind.GENERATION else None)]
+    assert type(made.args) is model
+    assert made.args == engine_args_for(made.stage)
+
+
+def test_every_key_of_each_model_is_one_its_engine_takes() -> None:
+    for (kind, runner), model in ENGINE_ARGS_MODELS.items():
+        required = {"runner": runner} if runner is not None else {}
+        module, _, name = engine("factory").ENGINES[(kind, runner)].partition(":")
+        built(kind, defaults(model, **required), getattr(importlib.import_module(module), name))
+
+
+def test_what_the_diffusion_engine_hands_to_from_pretrained_is_what_the_model_leaves_as_extras() -> None:
+    diffusion = engine("diffusion")
     dit = built(StageKind.DIFFUSION, defaults(DiffusionArgs) | {"boundary_ratio": 0.875}, diffusion.DiffusionEngine)
     assert dit._load_kwargs == {"boundary_ratio": 0.875}
+    assert built(StageKind.DIFFUSION, {"model_stage": "dit"}, diffusion.DiffusionEngine)._load_kwargs == {}
 
 
-def test_diffusion_defaults_are_the_engines() -> None:
-    diffusion, video, parallel = engine("diffusion"), engine("video"), engine("parallel")
+def test_diffusion_defaults_are_the_models() -> None:
     given = defaults(DiffusionArgs)
-    for key, value in diffusion.DIFFUSION_ENGINE_ARGS.items():
-        assert given[key] == value, key  # None: the engine chooses by device
-    assert given[parallel.ARG] == "auto"
-    assert {k: given[k] for k in video.VIDEO_ENGINE_ARGS} == video.VIDEO_ENGINE_ARGS
-    dit = built(StageKind.DIFFUSION, {}, diffusion.DiffusionEngine)
+    assert given["sequence_parallel"] == "auto" and (given["torch_dtype"], given["device"]) == (None, None)
+    dit = built(StageKind.DIFFUSION, {}, engine("diffusion").DiffusionEngine)
     assert (dit.batch_window * 1000, dit.max_batch_size, dit.max_pixels, dit.max_inference_steps) == (
         given["batch_window_ms"],
         given["max_batch_size"],
         given["max_pixels"],
         given["max_inference_steps"],
     )
+    assert (dit.args.max_frames, dit.args.default_fps, dit.args.max_fps) == (241, 16, 60)
+    speed = {key: getattr(dit.accel.settings, key) for key in AccelSettings.model_fields}
+    assert speed == AccelSettings().model_dump()  # speed options off
 
 
-@pytest.mark.parametrize("pair", ["accel", "step_cache"])
-def test_accel_settings_are_the_accel_modules_with_their_bounds(pair: str) -> None:
-    accel = engine("accel")
-    ours, theirs = (
-        (AccelSettings, accel.AccelSettings) if pair == "accel" else (StepCacheSettings, accel.StepCacheSettings)
-    )
-    assert list(ours.model_fields) == list(theirs.model_fields)
-    for name in theirs.model_fields:
-        if name == "step_cache":  # the nested model is ours in the spec, theirs in the engine
-            assert ours.model_fields[name].default is theirs.model_fields[name].default is None
-            continue
-        assert field_facts(ours, name) == field_facts(theirs, name), name
+def test_the_ar_engine_hands_vllm_the_models_extras_only() -> None:
+    ar = built(StageKind.AR, {"max_model_len": 512, "model_stage": "thinker", "tool_call_parser": "hermes"},
+               engine("ar").AREngine)  # fmt: skip
+    assert ar.args.model_extra == {"max_model_len": 512}
+    assert set(ArArgs.model_fields) >= set(RegistryOnlyKeys.model_fields)
+    assert ArArgs.model_config.get("extra") == "allow"  # vLLM's keys pass through, checked at start
 
 
-def test_generation_args_are_what_the_generation_engine_pops() -> None:
+def test_generation_args_are_what_the_generation_engine_takes() -> None:
     generation = engine("generation")
     given = defaults(GenerationArgs, runner="vae_decode")
     vae = built(StageKind.GENERATION, given | {"for_the_runner": 1}, generation.VAEDecodeEngine)
@@ -190,12 +222,19 @@ def test_speech_args_are_the_keys_each_runner_takes_with_its_defaults(
     module: str, cls: str, model: type[EngineArgs], runner: str, read: dict[str, str]
 ) -> None:
     mod = engine(module)
-    assert set(model.model_fields) == set(mod.ENGINE_ARGS)
     assert model.model_config.get("extra") == "forbid"  # the runner refuses keys it does not read
     given = defaults(model, runner=runner)
     made = built(StageKind.GENERATION, {"runner": runner}, getattr(mod, cls))
     assert {key: getattr(made, attr) for key, attr in read.items()} == {key: given[key] for key in read}
     built(StageKind.GENERATION, given, getattr(mod, cls))  # every key of the model is one it takes
+    with pytest.raises(InvalidEngineArgs, match=f"engine_args.enforce_eager is not read by runner '{runner}'"):
+        built(StageKind.GENERATION, {"runner": runner, "enforce_eager": True}, getattr(mod, cls))
+
+
+def test_an_engine_given_another_engines_stage_is_refused_naming_both_models() -> None:
+    with pytest.raises(InvalidEngineArgs, match="takes Code2WavArgs, not the TalkerArgs of this engine") as err:
+        built(StageKind.GENERATION, {"runner": "qwen3_omni_code2wav"}, engine("talker").Qwen3TalkerEngine)
+    assert (err.value.stage, err.value.field) == ("s", "runner")
 
 
 # --- engine_args_for --------------------------------------------------------------------------------------
@@ -232,6 +271,12 @@ def test_the_sd3_stage_of_the_issue_is_refused_naming_the_stage_the_key_and_what
         ("diffusion", {"max_batch_size": 0}, "max_batch_size", ["is 0", "greater than or equal to 1"]),
         ("diffusion", {"sequence_parallel": "many"}, "sequence_parallel", ["'auto'", "valid integer"]),
         ("diffusion", {"step_cache": {"policy": "taylorseer", "interval": 1}}, "step_cache.interval", ["is 1"]),
+        (
+            "diffusion",
+            {"step_cache": {"policy": "taylorseer", "every": 2}},
+            "step_cache.every",
+            ["not a key of engine_args.step_cache", "'interval'"],
+        ),
         ("diffusion", {"cuda_graphs": True, "enforce_eager": True}, "cuda_graphs", ["cannot apply with enforce_eager"]),
         ("diffusion", {"step_cache": {"policy": "taylorseer"}, "step_cache_threshold": 0.1}, "step_cache", ["two"]),
         ("diffusion", {"step_cache_threshold": 1.0}, "step_cache_threshold", ["below 1"]),

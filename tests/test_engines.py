@@ -22,7 +22,7 @@ import torch
 from servelib import diffusion_image
 
 from omni_runtime.engines.ar.cpu import CPU_ENGINE_DEFAULTS, cpu_defaults
-from omni_runtime.engines.ar.engine import REGISTRY_ONLY_ENGINE_ARGS, AREngine, companion_requests
+from omni_runtime.engines.ar.engine import AREngine, companion_requests
 from omni_runtime.engines.base import EngineError, EngineInput, EngineOutput, InvalidRequest
 from omni_runtime.engines.diffusion.engine import DiffusionEngine
 from omni_runtime.engines.factory import make_engine
@@ -43,6 +43,7 @@ from omni_runtime.spec import (
     StageSpec,
     resolve_pipeline,
 )
+from omni_runtime.spec.engine_args import RegistryOnlyKeys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -228,7 +229,7 @@ def test_registry_only_engine_args_never_reach_vllm() -> None:
     omni = resolve_pipeline(get_pipeline("qwen3-omni"), name="o", model="/models/none")
     engine = AREngine(omni, omni.topology.stage("thinker"))
     args = engine.engine_args()
-    assert not set(args) & REGISTRY_ONLY_ENGINE_ARGS
+    assert not set(args) & set(RegistryOnlyKeys.model_fields)
     assert args["gpu_memory_utilization"] == 0.6 and args["trust_remote_code"] is True
     bad = _prompt_enhanced(enhancer={"engine_args": {"max_model_length": 10}})
     with pytest.raises(EngineError, match="'max_model_length' \\(did you mean 'max_model_len'\\?\\)"):

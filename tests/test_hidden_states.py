@@ -24,7 +24,7 @@ import pytest_asyncio
 import torch
 import zmq
 
-from omni_runtime.engines.ar.engine import HIDDEN_STATE_ARG, MEDIA_HIDDEN_ARG, AREngine
+from omni_runtime.engines.ar.engine import AREngine
 from omni_runtime.engines.ar.hidden_states import (
     CONNECTOR_NAME,
     HiddenStatesConnector,
@@ -36,6 +36,7 @@ from omni_runtime.engines.ar.hidden_states import (
 from omni_runtime.engines.base import EngineError, EngineInput, EngineOutput, InvalidRequest
 from omni_runtime.registry import get_pipeline
 from omni_runtime.spec import StageOverride, resolve_pipeline
+from omni_runtime.spec.engine_args import InvalidEngineArgs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -143,7 +144,7 @@ def test_internal_request_ids_are_the_callers_plus_eight_chars() -> None:
 
 def _thinker(model: str, **engine_args) -> AREngine:
     """The registry's qwen3-omni thinker with `engine_args` over it (its media_hidden_layer off unless given)."""
-    engine_args = {MEDIA_HIDDEN_ARG: None, **engine_args}
+    engine_args = {"media_hidden_layer": None, **engine_args}
     pipeline = resolve_pipeline(
         get_pipeline("qwen3-omni"),
         name="t",
@@ -155,35 +156,40 @@ def _thinker(model: str, **engine_args) -> AREngine:
 
 def test_hidden_state_layers_never_reach_vllm_and_refuse_what_they_replace() -> None:
     engine = _thinker("/models/none", hidden_state_layers=[0, 2])
-    assert HIDDEN_STATE_ARG not in engine.engine_args()
-    assert engine.requested_hidden_layers() == [0, 2]
+    assert "hidden_state_layers" not in engine.engine_args()
+    assert engine.args.hidden_state_layers == [0, 2]
     for bad in ([], [0, "2"], "0,2", [True]):
-        with pytest.raises(EngineError, match="non-empty list of layer indices"):
-            _thinker("/models/none", hidden_state_layers=bad).engine_args()
-    with pytest.raises(EngineError, match=r"\['speculative_config'\] cannot be combined"):
-        _thinker("/models/none", hidden_state_layers=[0], speculative_config={"method": "ngram"}).engine_args()
-    with pytest.raises(EngineError, match="enable_prefix_caching"):
-        _thinker("/models/none", hidden_state_layers=[0], enable_prefix_caching=True).engine_args()
+        with pytest.raises(
+            InvalidEngineArgs, match=r"engine_args\.hidden_state_layers is .*`output_hidden_states` indices"
+        ):
+            _thinker("/models/none", hidden_state_layers=bad)
+    with pytest.raises(InvalidEngineArgs, match=r"\['speculative_config'\] cannot be combined"):
+        _thinker("/models/none", hidden_state_layers=[0], speculative_config={"method": "ngram"})
+    with pytest.raises(InvalidEngineArgs, match="enable_prefix_caching"):
+        _thinker("/models/none", hidden_state_layers=[0], enable_prefix_caching=True)
     # a prompt's media grids go to the talker with the rows (Qwen2.5-Omni); a cached media item has none
     assert engine.engine_args()["mm_processor_cache_gb"] == 0
-    with pytest.raises(EngineError, match="mm_processor_cache_gb cannot be combined with hidden_state_layers"):
-        _thinker("/models/none", hidden_state_layers=[0], mm_processor_cache_gb=4).engine_args()
+    with pytest.raises(InvalidEngineArgs, match="mm_processor_cache_gb cannot be combined with hidden_state_layers"):
+        _thinker("/models/none", hidden_state_layers=[0], mm_processor_cache_gb=4)
 
 
 def test_media_hidden_layer_never_reaches_vllm_and_refuses_what_it_cannot_run_with() -> None:
     engine = _thinker("/models/none", media_hidden_layer="talker")
     args = engine.engine_args()
-    assert MEDIA_HIDDEN_ARG not in args and args["mm_processor_cache_gb"] == 0  # cached items carry no grid
-    assert engine.requested_media_layer() == "talker"
+    assert "media_hidden_layer" not in args and args["mm_processor_cache_gb"] == 0  # cached items carry no grid
+    assert engine.args.media_hidden_layer == "talker"
     for bad in ("24", [2], True, 2.0):
-        with pytest.raises(EngineError, match="give a layer index .* or 'talker'"):
-            _thinker("/models/none", media_hidden_layer=bad).engine_args()
-    with pytest.raises(EngineError, match="hidden_state_layers and media_hidden_layer cannot be combined"):
-        _thinker("/models/none", media_hidden_layer=2, hidden_state_layers=[0]).engine_args()
-    with pytest.raises(EngineError, match="mm_processor_cache_gb cannot be combined"):
-        _thinker("/models/none", media_hidden_layer=2, mm_processor_cache_gb=4).engine_args()
-    with pytest.raises(EngineError, match="enable_prefix_caching"):
-        _thinker("/models/none", media_hidden_layer=2, enable_prefix_caching=True).engine_args()
+        with pytest.raises(
+            InvalidEngineArgs,
+            match="valid integer or input should be 'talker'.*an index as in `hidden_state_layers`, or `talker`",
+        ):
+            _thinker("/models/none", media_hidden_layer=bad)
+    with pytest.raises(InvalidEngineArgs, match="hidden_state_layers and media_hidden_layer cannot be combined"):
+        _thinker("/models/none", media_hidden_layer=2, hidden_state_layers=[0])
+    with pytest.raises(InvalidEngineArgs, match="mm_processor_cache_gb cannot be combined"):
+        _thinker("/models/none", media_hidden_layer=2, mm_processor_cache_gb=4)
+    with pytest.raises(InvalidEngineArgs, match="enable_prefix_caching"):
+        _thinker("/models/none", media_hidden_layer=2, enable_prefix_caching=True)
     from omni_runtime.engines.ar.prompt import media_grids
 
     with pytest.raises(EngineError, match="came from vLLM's processor cache"):

@@ -70,7 +70,7 @@ class _Talker(TalkerEngine):
 def _talker(model: Any) -> _Talker:
     pipeline = resolve_pipeline(get_pipeline("qwen3-omni"), name="o", model="/models/none")
     stage = pipeline.topology.stage("talker")
-    stage = stage.model_copy(update={"engine_args": {"device": "cpu", "torch_dtype": "float32"}})
+    stage = stage.model_copy(update={"engine_args": {**stage.engine_args, "device": "cpu", "torch_dtype": "float32"}})
     engine = _Talker(pipeline, stage)
     engine.model = model
     return engine

@@ -9,8 +9,8 @@ fails the unit tests. Keys that are not omnikube's pass through: vLLM's engine a
 (vLLM checks them when the stage starts), diffusers' `from_pretrained` arguments on `diffusion` stages, and
 runner arguments on `vae_decode` stages. The speech runners read only their own keys and refuse others.
 
-Every key, type, default and refusal here is the one the engine code reads today (a unit test compares the
-key sets with the engines' own constants); the engines still read their dict until they read these models.
+Every engine reads its stage's args through these models (`engines.common.typed_engine_args`, once, when it
+is constructed) and holds no key list of its own, so each key, type, default and refusal is written here only.
 Pure pydantic: importing it never pulls in torch or an engine.
 """
 
@@ -403,6 +403,12 @@ def _first_problem(model: type[EngineArgs], err: ValidationError, given: Mapping
     """(the key at fault, a sentence saying what it is and what to change) for the first key pydantic refused."""
     errors = err.errors()
     first = errors[0]
+    if first["type"] == "extra_forbidden" and len(first["loc"]) > 1:  # a key inside a nested setting
+        parent = _field_path(model, first["loc"][:-1])
+        key = f"{parent}.{first['loc'][-1]}"
+        nested = _nested_model_at(model, parent)
+        takes = sorted(nested.model_fields) if nested is not None else []
+        return key, f"engine_args.{key} is not a key of engine_args.{parent}; it takes {takes} (remove it)"
     if first["type"] == "extra_forbidden":
         key = str(first["loc"][0])
         runner = given.get("runner")
@@ -441,6 +447,16 @@ def _nested_model(model: type[BaseModel], name: str) -> type[BaseModel] | None:
         if isinstance(candidate, type) and issubclass(candidate, BaseModel):
             return candidate
     return None
+
+
+def _nested_model_at(model: type[BaseModel], path: str) -> type[BaseModel] | None:
+    """The model of the nested setting at a dotted key (`step_cache`: StepCacheSettings), or None."""
+    current: type[BaseModel] | None = model
+    for name in path.split("."):
+        if current is None or name not in current.model_fields:
+            return None
+        current = _nested_model(current, name)
+    return current
 
 
 def _field_info(model: type[BaseModel], path: str) -> Any:

@@ -26,7 +26,7 @@ def resolve_degree(stage: str, value: Literal["auto"] | int | None, device: str,
     `device`; raises EngineError when this pod cannot run them."""
     import torch
 
-    if value in (None, "auto"):
+    if value is None or isinstance(value, str):  # unset, or auto (the one string spec.engine_args allows)
         if device != "cuda" or torch.cuda.device_count() < 2:
             return 1
         known = _cp_denoiser(model_path)
