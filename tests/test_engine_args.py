@@ -351,3 +351,37 @@ def test_importing_the_engine_args_imports_no_ml_library() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_stage_process_given_a_wrong_engine_arg_ends_with_an_engine_failed_termination(tmp_path: Path) -> None:
+    """The engine refuses its args when it is made (InvalidEngineArgs, in the stage server's load), and the stage
+    process exits 1 with the same EngineFailed termination message as any engine that cannot load, naming the
+    stage and the key (the operator checks the args first; this is the process's own line of defence)."""
+    import asyncio
+
+    from omni_runtime.connectors.mooncake_master import free_port
+    from omni_runtime.spec.reasons import Reason
+    from omni_runtime.stage.main import serve
+    from omni_runtime.stage.settings import StageSettings
+    from omni_runtime.stage.termination import Termination
+    from omni_runtime.wire.auth import PipelineKey
+
+    spec = PipelineSpec(
+        name="p",
+        stages=[
+            StageSpec(name="dit", kind=StageKind.DIFFUSION, engine_args={"quantization": "fp9"}, final_output=True)
+        ],
+    )
+    config = tmp_path / "resolved.json"
+    config.write_text(resolve_pipeline(spec, name="p", model="/models/none").model_dump_json(by_alias=True))
+    termination = tmp_path / "termination-log"
+    termination.write_text("")
+    key = tmp_path / "pipeline-key"
+    settings = StageSettings(
+        config=str(config), pipeline_key_file=str(key), stage="dit", host="127.0.0.1", port=free_port(),
+        http_port=free_port(), termination_log=str(termination),
+    )  # fmt: skip
+    assert asyncio.run(serve(settings, key=PipelineKey.write_new(key))) == 1
+    told = Termination.parse(termination.read_text())
+    assert told is not None and told.reason is Reason.ENGINE_FAILED, termination.read_text()
+    assert "stage 'dit': engine_args.quantization is 'fp9'" in told.message
