@@ -177,10 +177,59 @@ def test_talker_to_code2wav_gives_codes_without_the_stop_token() -> None:
     out = apply_processor(
         "talker_to_code2wav", talker, {"primary": {"token_ids": [7, 8, 9, 8294]}}, ProcessorContext("r")
     )
-    assert out["input"].tolist() == [[7, 8, 9]]
+    assert out["codes"].tolist() == [[7], [8], [9]]  # (frames, codebooks): time first on every edge
     codes = torch.arange(12).reshape(4, 3)  # (frames, codebooks)
     out = apply_processor("talker_to_code2wav", talker, {"primary": {"codes": codes}}, ProcessorContext("r"))
-    assert out["input"].shape == (3, 4) and torch.equal(out["input"], codes.T)
+    assert out["codes"].shape == (4, 3) and torch.equal(out["codes"], codes)  # no transpose on the way
+    one = apply_processor("talker_to_code2wav", talker, {"primary": {"codes": np.arange(5)}}, ProcessorContext("r"))
+    assert one["codes"].shape == (5, 1) and one["codes"].dtype == torch.long
+
+
+def test_processors_refuse_a_payload_of_the_wrong_shape_naming_the_edge_and_the_field() -> None:
+    """A mismatched engine and edge is a clear error: the edge (`source->target`), the field, what came, what fits."""
+    talker = StageSpec(name="talker", kind="generation")
+    to_code2wav = ProcessorContext("r", target="code2wav")
+    with pytest.raises(ProcessorError, match=r"edge talker->code2wav: field 'codes' has shape \(3, 4, 5\); "
+                       r"expected \(frames,\) or \(frames, codebooks\)"):  # fmt: skip
+        apply_processor("talker_to_code2wav", talker, {"primary": {"codes": torch.zeros(3, 4, 5, dtype=torch.long)}},
+                        to_code2wav)  # fmt: skip
+    with pytest.raises(ProcessorError, match=r"edge talker->code2wav: field 'codes' has dtype torch.float32; "
+                       r"expected integer"):  # fmt: skip
+        apply_processor("talker_to_code2wav", talker, {"primary": {"codes": np.zeros((4, 16), np.float32)}},
+                        to_code2wav)  # fmt: skip
+    with pytest.raises(ProcessorError, match=r"edge talker->code2wav: field 'token_ids' is missing"):
+        apply_processor("talker_to_code2wav", talker, {"primary": {"text": ""}}, to_code2wav)
+
+    thinker = get_pipeline("qwen3-omni").stage("thinker")
+    to_talker = ProcessorContext("r", target="talker")
+    with pytest.raises(ProcessorError, match=r"edge thinker->talker: field 'media_hidden_states' has shape \(6,\); "
+                       r"expected \(media positions, hidden\)"):  # fmt: skip
+        apply_processor("thinker_to_talker", thinker,
+                        {"primary": {"token_ids": [1], "media_hidden_states": torch.zeros(6)}}, to_talker)  # fmt: skip
+    with pytest.raises(ProcessorError, match=r"edge thinker->talker: field 'media_hidden_states' has dtype "
+                       r"torch.int64; expected floating point"):  # fmt: skip
+        apply_processor("thinker_to_talker", thinker,
+                        {"primary": {"token_ids": [1], "media_hidden_states": torch.zeros(2, 8, dtype=torch.long)}},
+                        to_talker)  # fmt: skip
+    rows = {"0": torch.zeros(3, 8, dtype=torch.long), "2": torch.zeros(3, 8, dtype=torch.long)}
+    with pytest.raises(ProcessorError, match=r"edge thinker->talker: field 'hidden_states' .*expected floating"):
+        apply_processor("thinker_to_talker", thinker, {"primary": {"token_ids": [1], "hidden_states": rows}},
+                        to_talker)  # fmt: skip
+    with pytest.raises(ProcessorError, match=r"edge thinker->talker: field 'token_ids' is missing"):
+        apply_processor("thinker_to_talker", thinker, {"primary": {"text": "hi"}}, to_talker)
+
+    dit = StageSpec(name="dit", kind="diffusion", output_modality="hidden")
+    to_vae = ProcessorContext("r", target="vae")
+    with pytest.raises(ProcessorError, match=r"edge dit->vae: field 'latents' has shape \(8, 8\); "
+                       r"expected \(channels, height, width\) or \(batch, channels, height, width\)"):  # fmt: skip
+        apply_processor("dit_to_vae", dit, {"primary": {"latents": torch.zeros(8, 8)}}, to_vae)
+    with pytest.raises(ProcessorError, match=r"edge dit->vae: field 'latents' has dtype torch.int64"):
+        apply_processor("dit_to_vae", dit, {"primary": {"latents": torch.zeros(1, 4, 8, 8, dtype=torch.long)}},
+                        to_vae)  # fmt: skip
+    enhancer = StageSpec(name="enhancer", kind="ar")
+    with pytest.raises(ProcessorError, match=r"edge enhancer->dit: field 'text' is missing"):
+        apply_processor("ar_text_to_prompt", enhancer, {"primary": {"token_ids": [1]}},
+                        ProcessorContext("r", target="dit"))  # fmt: skip
 
 
 def test_dit_to_vae_gives_batched_latents() -> None:

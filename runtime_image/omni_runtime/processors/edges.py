@@ -2,23 +2,39 @@
 
 One function per name in `omni_runtime.spec.INPUT_PROCESSORS`, all with the same shape:
 
-    processor(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> Payload
+    processor(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> payload
 
-`outputs` maps a role to that role's *whole* upstream output: `"primary"` always, plus one entry per
-CFG companion the upstream stage ran (`"cfg_text"`...). For an AR stage that is the accumulated text
-and token ids (the router joins the streamed deltas), not the last delta. With a streaming edge
-(`window` > 0) the router calls the processor once per window with that window's output.
+The receiving stage server runs them (`stage.inputs`), on what its connectors handed it. `outputs` maps
+a role to that role's upstream output: `"primary"` always, plus one entry per CFG companion the upstream
+stage ran (`"cfg_text"`...). For an AR stage that is its text and token ids folded over the pieces the
+edge carried: the whole output, or, with a windowed edge (`window` > 0), one window's, since the stage
+runs the processor once per window. What each processor reads and returns is a payload kind of
+`processors.payloads`, which also fixes the array layout (time first).
 
 Tensors may arrive as torch tensors or numpy arrays (connectors hand back either); processors return
-torch tensors. A payload missing what a processor needs raises `ProcessorError`, naming the key.
+torch tensors. A payload missing what a processor needs, or with an array of the wrong number of
+dimensions or kind of number, raises `ProcessorError` naming the edge (`source->target`) and the field.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
+from omni_runtime.processors.payloads import (
+    ArOutput,
+    Code2WavInput,
+    DiffusionPrompt,
+    DtypeKind,
+    LatentsOutput,
+    MediaGrids,
+    TalkerInput,
+    TalkerOutput,
+    VaeInput,
+    as_payload,
+    field_layout,
+)
 from omni_runtime.spec import StageSpec
 
 __all__ = [
@@ -44,16 +60,24 @@ class ProcessorError(ValueError):
 
 @dataclass
 class ProcessorContext:
-    """What the router knows about the request when it feeds the next stage.
+    """What the receiving stage knows about the request when it feeds its engine.
 
-    `request` holds the client's request fields the stages may use (for example `negative_prompt`).
+    `request` holds the client's request fields the stages may use (for example `negative_prompt`);
+    `target` is the receiving stage's name, so that an error names the edge (None: unknown, in a test).
     """
 
     request_id: str
     request: dict[str, Any] = field(default_factory=dict)
+    target: str | None = None
 
 
-Processor = Callable[[StageSpec, dict[str, Payload], ProcessorContext], Payload]
+Processor = Callable[[StageSpec, dict[str, Payload], ProcessorContext], Mapping[str, Any]]
+"""A processor returns one payload kind of `processors.payloads` (identity: the upstream's own)."""
+
+
+def _edge(upstream: StageSpec, context: ProcessorContext) -> str:
+    """The edge as errors name it: `source->target`."""
+    return f"{upstream.name}->{context.target or '(downstream stage)'}"
 
 
 def _primary(upstream: StageSpec, outputs: dict[str, Payload]) -> Payload:
@@ -66,11 +90,11 @@ def _primary(upstream: StageSpec, outputs: dict[str, Payload]) -> Payload:
         ) from None
 
 
-def _need(upstream: StageSpec, payload: Payload, key: str, processor: str) -> Any:
+def _need(upstream: StageSpec, context: ProcessorContext, payload: Mapping[str, Any], key: str) -> Any:
     if key not in payload or payload[key] is None:
         raise ProcessorError(
-            f"{processor}: the output of stage {upstream.name!r} has no {key!r} "
-            f"(it has {sorted(payload)}); that stage must produce {key!r} for this edge"
+            f"edge {_edge(upstream, context)}: field {key!r} is missing (the output of stage {upstream.name!r} "
+            f"has {sorted(payload)}); that stage must produce {key!r} for this edge"
         )
     return payload[key]
 
@@ -81,19 +105,53 @@ def _tensor(value: Any):
     return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
 
 
+def _grids(value: Any) -> MediaGrids:
+    """A copy of a thinker's media grids (the talker checks their keys against `MediaGrids`)."""
+    return cast(MediaGrids, dict(value))
+
+
+def _array(upstream: StageSpec, context: ProcessorContext, kind: type, payload: Mapping[str, Any], key: str) -> Any:
+    """Field `key` of `payload` (of payload kind `kind`) as a torch tensor, checked against the `Layout` that
+    `kind` declares for it: its number of dimensions and kind of number. None when absent."""
+    value = payload.get(key)
+    if value is None:
+        return None
+    layout = field_layout(kind, key)
+    assert layout is not None, f"{kind.__name__}.{key} declares no Layout"
+    try:
+        tensor = _tensor(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ProcessorError(
+            f"edge {_edge(upstream, context)}: field {key!r} is {type(value).__name__}, not an array "
+            f"{layout.describe()} ({exc})"
+        ) from None
+    if tensor.dim() not in {len(axes) for axes in layout.shapes}:
+        raise ProcessorError(
+            f"edge {_edge(upstream, context)}: field {key!r} has shape {tuple(tensor.shape)}; "
+            f"expected {layout.describe()}"
+        )
+    floating = tensor.dtype.is_floating_point or tensor.dtype.is_complex
+    if floating != (layout.dtype is DtypeKind.FLOAT):
+        raise ProcessorError(
+            f"edge {_edge(upstream, context)}: field {key!r} has dtype {tensor.dtype}; expected "
+            f"{layout.dtype.value} numbers {layout.describe()}"
+        )
+    return tensor
+
+
 def identity(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> Payload:
     """The primary output, unchanged (a shallow copy, so the caller may add keys)."""
     return dict(_primary(upstream, outputs))
 
 
-def ar_text_to_prompt(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> Payload:
-    """Prompt enhancer -> text-to-image: `{"text"}` outputs -> `{"prompt", "negative_prompt"}`.
+def ar_text_to_prompt(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> DiffusionPrompt:
+    """Prompt enhancer -> text-to-image: `ArOutput` (its `text`) -> `DiffusionPrompt`.
 
     The primary's text becomes `prompt`. The first companion of the upstream stage whose output
     arrived (role `cfg_text` in the registry) gives `negative_prompt`; without one, the client's own
     `negative_prompt` (from the context) is used, else None (the DiT then runs its default).
     """
-    prompt = str(_need(upstream, _primary(upstream, outputs), "text", "ar_text_to_prompt")).strip()
+    prompt = str(_need(upstream, context, _primary(upstream, outputs), "text")).strip()
     if not prompt:
         raise ProcessorError(
             f"ar_text_to_prompt: stage {upstream.name!r} produced empty text for request "
@@ -102,49 +160,45 @@ def ar_text_to_prompt(upstream: StageSpec, outputs: dict[str, Payload], context:
     negative: str | None = None
     for companion in upstream.companions:
         if companion.role in outputs:
-            negative = str(_need(upstream, outputs[companion.role], "text", "ar_text_to_prompt")).strip()
+            negative = str(_need(upstream, context, outputs[companion.role], "text")).strip()
             break
     else:
         negative = context.request.get("negative_prompt")
-    return {"prompt": prompt, "negative_prompt": negative}
+    return DiffusionPrompt(prompt=prompt, negative_prompt=negative)
 
 
-def thinker_to_talker(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> Payload:
-    """Thinker -> talker (Qwen-Omni), for the whole output or one streamed chunk of it.
+def thinker_to_talker(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> TalkerInput:
+    """Thinker -> talker (Qwen-Omni): `ArOutput` -> `TalkerInput`, for the whole output or one streamed chunk.
 
     Token route (Qwen3-Omni): the talker holds the thinker's embedding table, so the thinker's
-    `prompt_token_ids` (first chunk only) and generated `token_ids` are all a text prompt needs. Gives
-    `{"thinker_prompt_ids", "thinker_token_ids", "thinker_text"}` (prompt ids only when present). A
-    prompt with media also needs the thinker's rows at its media positions: the first chunk's
-    `media_hidden_states` (positions, H) and `media_grids` (the ar engine's `media_hidden_layer`)
-    pass on as `thinker_media_rows` (float32) and `thinker_media_grids`.
+    `prompt_token_ids` (first chunk only) and generated `token_ids` are all a text prompt needs: they
+    become `thinker_prompt_ids` (only when present), `thinker_token_ids` and `thinker_text`. A prompt
+    with media also needs the thinker's rows at its media positions: the first chunk's
+    `media_hidden_states` and `media_grids` (the ar engine's `media_hidden_layer`) pass on as
+    `thinker_media_rows` (float32) and `thinker_media_grids`.
 
     Row route (Qwen2.5-Omni): when the thinker streams hidden states (its engine arg
-    `hidden_state_layers`, a dict {layer: (rows, H)}, rows contiguous over prompt + generated tokens)
-    it also gives `thinker_embeds` (layer 0, the embeddings), `thinker_hidden` (the deepest layer
-    sent, before the thinker's final norm: the talker applies it, since it holds the checkpoint) and
+    `hidden_state_layers`, rows contiguous over prompt + generated tokens) it also gives
+    `thinker_embeds` (layer 0, the embeddings), `thinker_hidden` (the deepest layer sent, before the
+    thinker's final norm: the talker applies it, since it holds the checkpoint) and
     `thinker_hidden_layer` (that layer's index), float32; a prompt with media has its first chunk's
     `media_grids` passed on as `thinker_media_grids` (the talker's rope index reads them).
     """
     import torch
 
     payload = _primary(upstream, outputs)
-    token_ids = [int(t) for t in _need(upstream, payload, "token_ids", "thinker_to_talker")]
+    edge = _edge(upstream, context)
+    token_ids = [int(t) for t in _need(upstream, context, payload, "token_ids")]
     prompt_ids = [int(t) for t in payload.get("prompt_token_ids") or []]
-    out: Payload = {"thinker_token_ids": token_ids, "thinker_text": payload.get("text", "")}
+    out = TalkerInput(thinker_token_ids=token_ids, thinker_text=payload.get("text", ""))
     if prompt_ids:
         out["thinker_prompt_ids"] = prompt_ids
-    if payload.get("media_hidden_states") is not None:
-        media = _tensor(payload["media_hidden_states"])
-        if media.dim() != 2:
-            raise ProcessorError(
-                f"thinker_to_talker: media_hidden_states of stage {upstream.name!r} has shape "
-                f"{tuple(media.shape)}; expected (media positions, hidden_size)"
-            )
+    media = _array(upstream, context, ArOutput, payload, "media_hidden_states")
+    if media is not None:
         out["thinker_media_rows"] = media.to(torch.float32)
-        out["thinker_media_grids"] = dict(payload.get("media_grids") or {})
+        out["thinker_media_grids"] = _grids(payload.get("media_grids") or {})
     elif payload.get("media_grids") is not None:  # the row route: the rows come below, the grids here
-        out["thinker_media_grids"] = dict(payload["media_grids"])
+        out["thinker_media_grids"] = _grids(payload["media_grids"])
     hidden = payload.get("hidden_states")
     if hidden is None:
         return out
@@ -152,20 +206,25 @@ def thinker_to_talker(upstream: StageSpec, outputs: dict[str, Payload], context:
         layers = {int(k): _tensor(v) for k, v in dict(hidden).items()}
     except (TypeError, ValueError) as exc:
         raise ProcessorError(
-            f"thinker_to_talker: hidden_states of stage {upstream.name!r} is not a dict of layer index -> "
-            f"(rows, hidden_size) rows as the ar engine sends it ({exc})"
+            f"edge {edge}: field 'hidden_states' of stage {upstream.name!r} is not a dict of layer index -> "
+            f"(rows, hidden) rows as the ar engine sends it ({exc})"
         ) from None
     if 0 not in layers or len(layers) < 2:
         raise ProcessorError(
-            f"thinker_to_talker: stage {upstream.name!r} sent hidden-state layers {sorted(layers)}; the talker "
+            f"edge {edge}: stage {upstream.name!r} sent hidden-state layers {sorted(layers)}; the talker "
             "needs layer 0 (the embeddings) and the last layer: set its hidden_state_layers to [0, -1]"
         )
     deepest = max(layers)
     embeds, rows = layers[0], layers[deepest]
     if embeds.dim() != 2 or tuple(embeds.shape) != tuple(rows.shape):
         raise ProcessorError(
-            f"thinker_to_talker: hidden-state layers 0 and {deepest} of stage {upstream.name!r} have shapes "
-            f"{tuple(embeds.shape)} and {tuple(rows.shape)}; expected equal (rows, hidden_size)"
+            f"edge {edge}: field 'hidden_states' layers 0 and {deepest} of stage {upstream.name!r} have shapes "
+            f"{tuple(embeds.shape)} and {tuple(rows.shape)}; expected equal (rows, hidden)"
+        )
+    if not embeds.dtype.is_floating_point or not rows.dtype.is_floating_point:
+        raise ProcessorError(
+            f"edge {edge}: field 'hidden_states' layers 0 and {deepest} of stage {upstream.name!r} have dtypes "
+            f"{embeds.dtype} and {rows.dtype}; expected floating point (rows, hidden)"
         )
     out["thinker_embeds"] = embeds.to(torch.float32)
     out["thinker_hidden"] = rows.to(torch.float32)
@@ -173,47 +232,41 @@ def thinker_to_talker(upstream: StageSpec, outputs: dict[str, Payload], context:
     return out
 
 
-def talker_to_code2wav(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> Payload:
-    """Talker -> code-to-waveform: codec codes -> `{"input": LongTensor (Q, T)}`.
+def talker_to_code2wav(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> Code2WavInput:
+    """Talker -> codec decoder: `TalkerOutput` -> `Code2WavInput`, int64 codes (frames, codebooks).
 
-    Reads `codes` (T, Q) or (T,) when the talker gives a tensor, else `token_ids` (flat list: one
-    codebook). Trailing stop tokens (the upstream stage's `stop_token_ids`) are dropped: they end the
-    talker's sequence but are not audio. The generation stage chunks `input` along its last axis.
+    Reads `codes` (frames, codebooks), or (frames,) for one codebook, when the talker gives an array,
+    else `token_ids` (one codebook, of an ar talker): its trailing stop tokens (the upstream stage's
+    `stop_token_ids`) are dropped, since they end the talker's sequence but are not audio. The layout
+    stays time first; the decoder transposes at its model call.
     """
     import torch
 
     payload = _primary(upstream, outputs)
-    if payload.get("codes") is not None:
-        codes = _tensor(payload["codes"]).to(torch.long)
+    codes = _array(upstream, context, TalkerOutput, payload, "codes")
+    if codes is not None:
+        codes = codes.to(torch.long)
         codes = codes.unsqueeze(1) if codes.dim() == 1 else codes
     else:
-        ids = [int(t) for t in _need(upstream, payload, "token_ids", "talker_to_code2wav")]
+        ids = [int(t) for t in _need(upstream, context, payload, "token_ids")]
         stops = set(upstream.sampling_params.get("stop_token_ids") or [])
         while ids and ids[-1] in stops:
             ids.pop()
         codes = torch.tensor(ids, dtype=torch.long).unsqueeze(1)
-    if codes.dim() != 2:
-        raise ProcessorError(
-            f"talker_to_code2wav: codes of stage {upstream.name!r} have shape {tuple(codes.shape)}; "
-            "expected (frames,) or (frames, codebooks)"
-        )
-    return {"input": codes.transpose(0, 1).contiguous()}
+    return Code2WavInput(codes=codes.contiguous())
 
 
-def dit_to_vae(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> Payload:
-    """Diffusion (latent output) -> VAE decode stage: `{"latents": (B, C, h, w)}` -> `{"input": ...}`.
+def dit_to_vae(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> VaeInput:
+    """Diffusion (latent output) -> VAE decode stage: `LatentsOutput` -> `VaeInput`.
 
-    A single latent (C, h, w) gets a batch axis. The VAE stage decodes one image per batch item.
+    A single latent (channels, height, width) gets a batch axis. The VAE stage decodes one image per batch item.
     """
-    latents = _tensor(_need(upstream, _primary(upstream, outputs), "latents", "dit_to_vae"))
+    payload = _primary(upstream, outputs)
+    _need(upstream, context, payload, "latents")
+    latents = _array(upstream, context, LatentsOutput, payload, "latents")
     if latents.dim() == 3:
         latents = latents.unsqueeze(0)
-    if latents.dim() < 4:
-        raise ProcessorError(
-            f"dit_to_vae: latents of stage {upstream.name!r} have shape {tuple(latents.shape)}; "
-            "expected (batch, channels, height, width)"
-        )
-    return {"input": latents}
+    return VaeInput(input=latents)
 
 
 PROCESSORS: dict[str, Processor] = {
@@ -227,9 +280,10 @@ PROCESSORS: dict[str, Processor] = {
 
 
 def apply_processor(name: str, upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> Payload:
-    """Run the processor called `name`; unknown names raise ProcessorError listing the known ones."""
+    """Run the processor called `name` on the edge from `upstream` to `context.target`; unknown names raise
+    ProcessorError listing the known ones, and so does a payload the processor refuses (naming the edge)."""
     try:
         processor = PROCESSORS[name]
     except KeyError:
         raise ProcessorError(f"input processor {name!r} is unknown; use one of {sorted(PROCESSORS)}") from None
-    return processor(upstream, outputs, context)
+    return as_payload(processor(upstream, outputs, context))

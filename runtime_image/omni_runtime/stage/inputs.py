@@ -22,14 +22,16 @@ def process_inputs(
     *,
     request_id: str,
     request: dict[str, Any] | None = None,
+    target: str | None = None,
 ) -> dict[str, Any]:
-    """The engine input built from upstream outputs by the processor called `name`."""
+    """The engine input of stage `target` built from upstream outputs by the processor called `name` (a
+    payload it refuses raises ProcessorError naming the edge)."""
     from omni_runtime.processors import ProcessorContext, apply_processor
 
     by_source: dict[str, dict[str, dict[str, Any]]] = {}
     for item, data in loaded:
         by_source.setdefault(item.source, {})[item.role] = data
-    context = ProcessorContext(request_id=request_id, request=dict(request or {}))
+    context = ProcessorContext(request_id=request_id, request=dict(request or {}), target=target)
     out: dict[str, Any] = {}
     for source, outputs in by_source.items():
         out.update(apply_processor(name, topology.stage(source), outputs, context))

@@ -12,17 +12,21 @@ from typing import Any
 
 import numpy as np
 
+from omni_runtime.processors.payloads import downstream_only_keys, item_keys
+
 __all__ = ["DOWNSTREAM_ONLY_KEYS", "ITEM_KEYS", "client_fields", "count_items", "merge", "summarize"]
 
-ITEM_KEYS = ("codes", "codec_codes", "token_ids", "hidden_states", "latents", "audio")
-"""Keys whose length counts a piece's items (first one present wins): codec codes, tokens, frames."""
+_ITEM_AXES = item_keys()
+ITEM_KEYS = tuple(_ITEM_AXES)
+"""Keys whose length counts a piece's items (first one present wins): codec codes, tokens, latents, audio
+samples; the fields that `processors.payloads` marks `Items`."""
 
-DOWNSTREAM_ONLY_KEYS = ("hidden_states", "media_hidden_states", "media_grids")
+DOWNSTREAM_ONLY_KEYS = downstream_only_keys()
 """Keys an engine output carries for the next stage only (a thinker's hidden-state rows, media rows and media
-shapes for its talker): never part of what the client sees."""
+shapes for its talker): never part of what the client sees; the fields `processors.payloads` marks so."""
 
-_CAT_LAST = {"audio", "waveform"}
-"""Time runs along the last dimension of these (channels x samples)."""
+_CAT_LAST = frozenset(key for key, axis in _ITEM_AXES.items() if axis == -1)
+"""Time runs along the last dimension of these (audio: channels x samples)."""
 
 
 def client_fields(data: dict[str, Any]) -> dict[str, Any]:

@@ -315,7 +315,12 @@ class WorkRunner:
             return dict(inline or {})
         loaded = [(item, await self.connectors.get(item.handle)) for item in inputs]
         data = process_inputs(
-            s.input_processor, loaded, self.pipeline.topology, request_id=s.request_id, request=s.context
+            s.input_processor,
+            loaded,
+            self.pipeline.topology,
+            request_id=s.request_id,
+            request=s.context,
+            target=self.stage,
         )
         if inline:
             data = {**inline, **data}
