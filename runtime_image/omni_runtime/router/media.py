@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from omni_runtime.wire.audio import DEFAULT_SAMPLE_RATE
+
 __all__ = [
     "audio_of",
     "b64",
@@ -19,8 +21,6 @@ __all__ = [
     "wav_bytes",
     "wav_stream_header",
 ]
-
-DEFAULT_SAMPLE_RATE = 24000
 
 
 def b64(data: bytes) -> str:
@@ -42,7 +42,8 @@ def image_url_part(png: bytes) -> dict[str, Any]:
 
 
 def audio_of(data: dict[str, Any] | None) -> tuple[np.ndarray, int] | None:
-    """(float samples, sample rate) of a stage output's `audio` (tensor or array; channels x samples)."""
+    """(float samples, sample rate) of a stage output's `audio` (`processors.payloads.AudioOutput`: tensor or
+    array, (samples,) or channels x samples; the rate `wire.audio.DEFAULT_SAMPLE_RATE` when it names none)."""
     if not data or data.get("audio") is None:
         return None
     samples = data["audio"]

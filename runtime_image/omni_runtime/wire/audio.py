@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from omni_runtime.processors.payloads import QWEN_CODEC_SAMPLE_RATE
+
 __all__ = ["DEFAULT_SAMPLE_RATE", "audio_seconds"]
 
-DEFAULT_SAMPLE_RATE = 24000
-"""Rate of an `audio` output that names no `sample_rate` (Qwen-Omni's codecs run at 24 kHz)."""
+DEFAULT_SAMPLE_RATE = QWEN_CODEC_SAMPLE_RATE
+"""Rate of an `audio` output that names no `sample_rate` (the Qwen-Omni codecs', the only ones served)."""
 
 
 def audio_seconds(data: dict[str, Any] | None) -> float:

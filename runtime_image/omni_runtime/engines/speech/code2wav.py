@@ -36,8 +36,9 @@ the fallback when compiling fails.
 A first window (no left context) never waits in a call with longer windows: first windows are
 decoded in a call of their own, ahead of the others waiting at that moment.
 
-Input chunks: `{"codes": (frames, 16)}` or `{"input": (16, frames)}` (int). Output per chunk:
-`{"audio": float32 (samples,), "sample_rate": 24000}`. Engine args: `device`, `torch_dtype`
+Input chunks: `Code2WavInput`, int codes (frames, 16), time first as on every edge (the decoder's own
+(16, frames) layout is made here, at the model call). Output per chunk: `AudioOutput`, float32 (samples,)
+at `QWEN_CODEC_SAMPLE_RATE`. Engine args: `device`, `torch_dtype`
 (unless given: mixed on a GPU, float32 elsewhere; bfloat16), `left_context` (25), `max_frames_per_call` (300).
 
 Before the stage reports ready, `start()` decodes `SELF_CHECK_FRAMES` frames through `generate` (a
@@ -51,7 +52,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omni_runtime.engines.base import (
     SELF_CHECK_ID,
@@ -64,6 +65,7 @@ from omni_runtime.engines.base import (
     self_check,
 )
 from omni_runtime.engines.common import default_device, stage_dtype, stage_model_path, typed_engine_args
+from omni_runtime.processors.payloads import QWEN_CODEC_SAMPLE_RATE, AudioOutput, Code2WavInput, as_payload
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 from omni_runtime.spec.engine_args import Code2WavArgs
 
@@ -71,7 +73,6 @@ __all__ = ["Code2WavEngine", "Qwen3Code2Wav", "graph_frames"]
 
 log = logging.getLogger(__name__)
 
-SAMPLE_RATE = 24000
 SELF_CHECK_FRAMES = 4
 """Codec frames (all code 0) the self-check decodes before the stage reports ready: one short window."""
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -346,7 +347,10 @@ class Code2WavEngine(Engine):
             await self_check(
                 self,
                 EngineInput(
-                    SELF_CHECK_ID, {"codes": torch.zeros(SELF_CHECK_FRAMES, self.model.groups, dtype=torch.long)}
+                    SELF_CHECK_ID,
+                    as_payload(
+                        Code2WavInput(codes=torch.zeros(SELF_CHECK_FRAMES, self.model.groups, dtype=torch.long))
+                    ),
                 ),
                 f"decoding {SELF_CHECK_FRAMES} codec frames on {self.device} in {self.dtype}",
                 "check the stage's engine_args device and torch_dtype (float32 runs everywhere), and that "
@@ -358,23 +362,22 @@ class Code2WavEngine(Engine):
         # the counters count served work from zero (the check is no client's)
         self._stats = dict.fromkeys(self._stats, 0.0)
 
-    def _codes(self, chunk: dict[str, Any]) -> Any:
-        """The chunk's frames as a LongTensor [16, frames] (InvalidRequest when malformed)."""
+    def _codes(self, chunk: Code2WavInput) -> Any:
+        """The chunk's frames (frames, 16) as the decoder's LongTensor [16, frames] (InvalidRequest when
+        malformed): the one place the edge's time-first layout turns into the model's."""
         import torch
 
         assert self.model is not None
-        if chunk.get("codes") is not None:
-            codes = torch.as_tensor(chunk["codes"]).T
-        elif chunk.get("input") is not None:
-            codes = torch.as_tensor(chunk["input"])
-        else:
+        if chunk.get("codes") is None:
             return None
+        codes = torch.as_tensor(chunk["codes"])
         groups = self.model.groups
-        if codes.dim() != 2 or codes.shape[0] != groups or codes.dtype.is_floating_point:
+        if codes.dim() != 2 or codes.shape[1] != groups or codes.dtype.is_floating_point:
             raise InvalidRequest(
-                f"stage {self.stage.name!r} takes integer codec frames, codes (frames, {groups}) or input "
-                f"({groups}, frames); got shape {tuple(codes.shape)} of {codes.dtype}"
+                f"stage {self.stage.name!r} takes integer codec frames, codes (frames, {groups}); "
+                f"got shape {tuple(codes.shape)} of {codes.dtype}"
             )
+        codes = codes.T
         if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.model.codebook):
             raise InvalidRequest(
                 f"stage {self.stage.name!r}: codec codes must lie in [0, {self.model.codebook}); "
@@ -409,7 +412,7 @@ class Code2WavEngine(Engine):
 
         try:
             async for chunk in chunks():
-                codes = self._codes(chunk)
+                codes = self._codes(cast(Code2WavInput, chunk))  # talker_to_code2wav checked its layout
                 if codes is None or codes.shape[1] == 0:
                     continue
                 history = torch.cat([history, codes], dim=1)
@@ -421,7 +424,8 @@ class Code2WavEngine(Engine):
                     end = history.shape[1] - codes.shape[1] + start + new
                     wav = await self.decode_window(history[:, :end], new)
                     samples += wav.shape[0]
-                    yield EngineOutput(rid, {"audio": wav.numpy().astype(np.float32), "sample_rate": SAMPLE_RATE})
+                    audio = AudioOutput(audio=wav.numpy().astype(np.float32), sample_rate=QWEN_CODEC_SAMPLE_RATE)
+                    yield EngineOutput(rid, as_payload(audio))
                 history = history[:, -self.left_context :] if self.left_context else history[:, :0]
             yield EngineOutput(rid, {}, finished=True, finish_reason="stop", usage={"audio_samples": samples})
         finally:

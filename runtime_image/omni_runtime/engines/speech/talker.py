@@ -6,7 +6,8 @@ aborted. API for a stage server or a test (all on the event loop): `add(id, firs
 params)`, `push(id, payload, finished)`, `frames(id)` (an async iterator of frame lists, ending
 when the request finishes), `abort(id)`. `generate(EngineInput)` wires the same for the stage
 server: the first chunk creates the request and is its first payload, each later chunk is pushed;
-the speaker is param `voice`; it yields `{"codes": int64 array (frames, codes per frame)}`.
+the speaker is param `voice`; it yields `TalkerOutput`s, `{"codes": int64 array (frames, codes per frame)}`.
+The payloads are `processors.payloads.TalkerInput`s, as `processors.thinker_to_talker` builds them.
 
 - `Qwen3TalkerEngine` (`runner: qwen3_omni_talker`, model `qwen3_talker.Qwen3Talker`, on CUDA wrapped
   in `slab_talker.SlabTalker`: KV slabs of `max_requests` slots, CUDA graphs): payloads are
@@ -14,9 +15,8 @@ the speaker is param `voice`; it yields `{"codes": int64 array (frames, codes pe
   media the first also has `thinker_media_rows` and `thinker_media_grids`: see `media_inputs`); 16
   codes per frame.
 - `Qwen25TalkerEngine` (`runner: qwen2_5_omni_talker`, model `qwen25_talker.Qwen25Talker`): payloads
-  also carry the thinker's rows (`thinker_embeds`, `thinker_hidden`, `thinker_hidden_layer`, as
-  `processors.thinker_to_talker` gives them; for a prompt with media the first also has
-  `thinker_media_grids`); 1 code per frame.
+  also carry the thinker's rows (`thinker_embeds`, `thinker_hidden`, `thinker_hidden_layer`; for a
+  prompt with media the first also has `thinker_media_grids`); 1 code per frame.
 
 One background task runs the decode loop (the model's `advance`) in a worker thread, one iteration
 at a time, over every live request. When no request can move (all wait for the thinker) the loop
@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from omni_runtime.engines.base import (
     SELF_CHECK_ID,
@@ -50,6 +50,7 @@ from omni_runtime.engines.base import (
 )
 from omni_runtime.engines.common import default_device, stage_dtype, stage_model_path, typed_engine_args
 from omni_runtime.engines.speech.sampling import Sampling
+from omni_runtime.processors.payloads import MediaGrids, TalkerInput, TalkerOutput, as_payload
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 from omni_runtime.spec.engine_args import TalkerArgs
 
@@ -64,16 +65,10 @@ def engine_device_and_dtype(stage: StageSpec, args: TalkerArgs) -> tuple[str, An
     return device, stage_dtype(stage.name, args.torch_dtype, "bfloat16" if device.startswith("cuda") else "float32")
 
 
-MEDIA_GRID_KEYS = {
-    "image_grid_thw",
-    "video_grid_thw",
-    "video_second_per_grid",
-    "audio_feature_lengths",
-    "use_audio_in_video",
-}
+MEDIA_GRID_KEYS = frozenset(MediaGrids.__annotations__)
 
 
-def media_inputs(data: dict[str, Any], stage: str, rows_needed: bool = True) -> Any:
+def media_inputs(data: TalkerInput, stage: str, rows_needed: bool = True) -> Any:
     """`MediaInputs` from a first chunk's `thinker_media_rows` (media positions, hidden) and
     `thinker_media_grids` ({image_grid_thw, video_grid_thw, video_second_per_grid,
     audio_feature_lengths, use_audio_in_video}); None without rows (`rows_needed`, Qwen3-Omni) or
@@ -118,7 +113,7 @@ class _Live:
     request: Any
     prompt_tokens: int
     out: asyncio.Queue[tuple[list[list[int]], str | None] | _Failed] = field(default_factory=asyncio.Queue)
-    inbox: list[dict[str, Any]] = field(default_factory=list)
+    inbox: list[TalkerInput] = field(default_factory=list)
     inbox_done: bool = False
     aborted: bool = False
     failure: str | None = None
@@ -152,17 +147,17 @@ class TalkerEngine(Engine):
         raise NotImplementedError
 
     def new_request(
-        self, request_id: str, first: dict[str, Any], speaker: str, sampling: Sampling, extra: Any = None
+        self, request_id: str, first: TalkerInput, speaker: str, sampling: Sampling, extra: Any = None
     ) -> Any:
         """The model's request for the first payload (`extra`: what `add` was given besides it);
         KeyError / ValueError / InvalidRequest say what is wrong."""
         raise NotImplementedError
 
-    def absorb(self, request: Any, payloads: list[dict[str, Any]], done: bool) -> None:
+    def absorb(self, request: Any, payloads: list[TalkerInput], done: bool) -> None:
         """Hand payloads that arrived to the model's request (in the loop's thread, between steps)."""
         raise NotImplementedError
 
-    def check(self, payload: dict[str, Any]) -> None:
+    def check(self, payload: TalkerInput) -> None:
         """Refuse a malformed payload before it reaches the loop (InvalidRequest); default: accept."""
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -176,7 +171,9 @@ class TalkerEngine(Engine):
         try:
             await self_check(
                 self,
-                EngineInput(SELF_CHECK_ID, self.self_check_payload(), {"max_tokens": 1, "temperature": 0.0}),
+                EngineInput(
+                    SELF_CHECK_ID, as_payload(self.self_check_payload()), {"max_tokens": 1, "temperature": 0.0}
+                ),
                 f"a greedy one-frame request for the default speaker {self.default_speaker!r} on {self.device} in "
                 f"{self.dtype}",
                 "check the stage's engine_args device and torch_dtype (float32 runs everywhere), and that the model "
@@ -188,7 +185,7 @@ class TalkerEngine(Engine):
         # the counters count served work from zero (the check is no client's)
         self._stats = dict.fromkeys(self._stats, 0.0)
 
-    def self_check_payload(self) -> dict[str, Any]:
+    def self_check_payload(self) -> TalkerInput:
         """The first (and only) payload of the self-check: a short user turn and the assistant's turn with
         two thinker tokens, the thinker done (the model's own ids, so the check fits any checkpoint)."""
         raise NotImplementedError
@@ -201,7 +198,7 @@ class TalkerEngine(Engine):
     def add(
         self,
         request_id: str,
-        first: dict[str, Any],
+        first: TalkerInput,
         speaker: str | None,
         params: dict[str, Any],
         extra: Any = None,
@@ -223,7 +220,7 @@ class TalkerEngine(Engine):
         self._live[request_id] = _Live(request, len(first.get("thinker_prompt_ids") or []))
         self._wake.set()
 
-    def push(self, request_id: str, payload: dict[str, Any], finished: bool = False) -> None:
+    def push(self, request_id: str, payload: TalkerInput, finished: bool = False) -> None:
         """Queue a payload for the request (and say whether the thinker is done); unknown ids are ignored."""
         live = self._live.get(request_id)
         if live is None:
@@ -264,17 +261,19 @@ class TalkerEngine(Engine):
         import numpy as np
 
         rid = request.request_id
-        self.add(rid, request.data, request.params.get("voice"), request.params)
+        first = cast(TalkerInput, request.data)  # thinker_to_talker built it
+        self.add(rid, first, request.params.get("voice"), request.params)
         try:
-            self.push(rid, request.data, finished=request.chunks is None)
+            self.push(rid, first, finished=request.chunks is None)
         except InvalidRequest:
             self._live.pop(rid, None)
             raise
-        feeder = asyncio.create_task(self._feed(rid, request.chunks)) if request.chunks is not None else None
+        chunks = cast(AsyncIterator[TalkerInput] | None, request.chunks)  # each through thinker_to_talker
+        feeder = asyncio.create_task(self._feed(rid, chunks)) if chunks is not None else None
         try:
             async for frames, reason in self.frames(rid):
                 if frames:
-                    yield EngineOutput(rid, {"codes": np.asarray(frames, dtype=np.int64)})
+                    yield EngineOutput(rid, as_payload(TalkerOutput(codes=np.asarray(frames, dtype=np.int64))))
                 if reason is not None:
                     live = self._live[rid]
                     usage = {"prompt_tokens": live.prompt_tokens, "completion_tokens": live.frames}
@@ -285,7 +284,7 @@ class TalkerEngine(Engine):
             await self.abort(rid)
             self._live.pop(rid, None)
 
-    async def _feed(self, rid: str, chunks: AsyncIterator[dict[str, Any]]) -> None:
+    async def _feed(self, rid: str, chunks: AsyncIterator[TalkerInput]) -> None:
         try:
             async for chunk in chunks:
                 self.push(rid, chunk)
@@ -375,7 +374,7 @@ class Qwen3TalkerEngine(TalkerEngine):
 
         return SlabTalker(talker, max_batch=self.max_requests)
 
-    def self_check_payload(self) -> dict[str, Any]:
+    def self_check_payload(self) -> TalkerInput:
         c = self.model.config
         user = [c.im_start_token_id, c.user_token_id, c.im_end_token_id]
         return {
@@ -384,7 +383,7 @@ class Qwen3TalkerEngine(TalkerEngine):
         }
 
     def new_request(
-        self, request_id: str, first: dict[str, Any], speaker: str, sampling: Sampling, extra: Any = None
+        self, request_id: str, first: TalkerInput, speaker: str, sampling: Sampling, extra: Any = None
     ) -> Any:
         """`extra`: a `qwen3_talker.MediaInputs` (else read from the payload by `media_inputs`)."""
         prompt = first.get("thinker_prompt_ids")
@@ -396,7 +395,7 @@ class Qwen3TalkerEngine(TalkerEngine):
         media = extra if extra is not None else media_inputs(first, self.stage.name)
         return self.model.new_request(request_id, [int(t) for t in prompt], speaker, sampling, media)
 
-    def absorb(self, request: Any, payloads: list[dict[str, Any]], done: bool) -> None:
+    def absorb(self, request: Any, payloads: list[TalkerInput], done: bool) -> None:
         for payload in payloads:
             request.text.extend(int(t) for t in payload.get("thinker_token_ids") or [])
         request.text_done = done
@@ -429,7 +428,7 @@ class Qwen25TalkerEngine(TalkerEngine):
 
         return Qwen25Talker(self.model_path, self.device, self.dtype)
 
-    def self_check_payload(self) -> dict[str, Any]:
+    def self_check_payload(self) -> TalkerInput:
         import torch
 
         rows = torch.zeros(3, self.model.hidden_size)  # two prompt positions and the first thinker token
@@ -442,7 +441,7 @@ class Qwen25TalkerEngine(TalkerEngine):
         }
 
     def new_request(
-        self, request_id: str, first: dict[str, Any], speaker: str, sampling: Sampling, extra: Any = None
+        self, request_id: str, first: TalkerInput, speaker: str, sampling: Sampling, extra: Any = None
     ) -> Any:
         prompt = first.get("thinker_prompt_ids")
         if not prompt or first.get("thinker_embeds") is None:
@@ -454,7 +453,7 @@ class Qwen25TalkerEngine(TalkerEngine):
         media = media_inputs(first, self.stage.name, rows_needed=False)
         return self.model.new_request(request_id, [int(t) for t in prompt], speaker, sampling, media)
 
-    def check(self, payload: dict[str, Any]) -> None:
+    def check(self, payload: TalkerInput) -> None:
         import torch
 
         if payload.get("thinker_embeds") is None:
@@ -468,7 +467,7 @@ class Qwen25TalkerEngine(TalkerEngine):
         except (TypeError, ValueError, RuntimeError) as exc:
             raise InvalidRequest(f"stage {self.stage.name!r}: {exc}") from None
 
-    def absorb(self, request: Any, payloads: list[dict[str, Any]], done: bool) -> None:
+    def absorb(self, request: Any, payloads: list[TalkerInput], done: bool) -> None:
         for payload in payloads:
             if not request.tokens:  # only the first is read (the talker's rope index)
                 request.tokens.extend(int(t) for t in payload.get("thinker_token_ids") or [])

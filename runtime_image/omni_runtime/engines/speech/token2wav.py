@@ -24,10 +24,10 @@ and reference mel) followed by BigVGAN. The DiT attends within blocks of `block_
   window schedule) have windows of one length until their last; `stats()` counts calls and windows.
 
 Speakers come from the checkpoint's `spk_dict.pt` (param `voice`, default Chelsie).
-Input chunks: `{"codes": (frames,) or (frames, 1)}` or `{"input": (1, frames)}` (int; the talker's
-codec ids, end token excluded). Output: `{"audio": float32 (samples,), "sample_rate": 24000}` per
-window (one for a whole output). Engine args: `device`, `num_steps` (10, the ODE steps of the DiT),
-`left_context` (25 codes).
+Input chunks: `Code2WavInput`, int codes (frames, 1) or (frames,) (the talker's codec ids of its one
+codebook, end token excluded; time first as on every edge). Output: `AudioOutput`, float32 (samples,) at
+`QWEN_CODEC_SAMPLE_RATE`, per window (one for a whole output). Engine args: `device`, `num_steps` (10,
+the ODE steps of the DiT), `left_context` (25 codes).
 
 Before the stage reports ready, `start()` decodes `SELF_CHECK_FRAMES` codes through `generate` (a
 self-check, whole or windowed as the edge says); when that fails it stops and raises with what to change.
@@ -41,7 +41,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omni_runtime.engines.base import (
     SELF_CHECK_ID,
@@ -54,6 +54,7 @@ from omni_runtime.engines.base import (
     self_check,
 )
 from omni_runtime.engines.common import default_device, stage_model_path, typed_engine_args
+from omni_runtime.processors.payloads import QWEN_CODEC_SAMPLE_RATE, AudioOutput, Code2WavInput, as_payload
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 from omni_runtime.spec.engine_args import Token2WavArgs
 
@@ -61,7 +62,6 @@ __all__ = ["Qwen25Token2Wav", "Token2WavEngine", "WindowJob"]
 
 log = logging.getLogger(__name__)
 
-SAMPLE_RATE = 24000
 SELF_CHECK_FRAMES = 4
 """Codec frames (all code 0) the self-check decodes before the stage reports ready: one short window."""
 DEFAULT_VOICE = "Chelsie"
@@ -243,7 +243,9 @@ class Token2WavEngine(Engine):
         try:
             await self_check(
                 self,
-                EngineInput(SELF_CHECK_ID, {"codes": torch.zeros(SELF_CHECK_FRAMES, dtype=torch.long)}),
+                EngineInput(
+                    SELF_CHECK_ID, as_payload(Code2WavInput(codes=torch.zeros(SELF_CHECK_FRAMES, dtype=torch.long)))
+                ),
                 f"decoding {SELF_CHECK_FRAMES} codec frames on {self.device}",
                 "check the stage's engine_args device and num_steps, and that the model folder holds the "
                 "token2wav of a complete checkpoint",
@@ -287,15 +289,15 @@ class Token2WavEngine(Engine):
             raise InvalidRequest(f"stage {self.stage.name!r}: voice {requested!r} is not one of {sorted(by_lower)}")
         return name
 
-    def _codes(self, chunk: dict[str, Any]) -> Any:
+    def _codes(self, chunk: Code2WavInput) -> Any:
+        """The chunk's codec ids, (frames, 1) or (frames,), as the flat LongTensor the model reads."""
         import torch
 
         assert self.model is not None
-        raw = chunk.get("codes") if chunk.get("codes") is not None else chunk.get("input")
-        if raw is None:
+        if chunk.get("codes") is None:
             return None
-        codes = torch.as_tensor(raw)
-        if codes.dtype.is_floating_point or codes.dim() > 2 or (codes.dim() == 2 and 1 not in codes.shape):
+        codes = torch.as_tensor(chunk["codes"])
+        if codes.dtype.is_floating_point or codes.dim() > 2 or (codes.dim() == 2 and codes.shape[1] != 1):
             raise InvalidRequest(
                 f"stage {self.stage.name!r} takes one codebook of integer codec ids, (frames,) or (frames, 1); "
                 f"got shape {tuple(codes.shape)} of {codes.dtype}"
@@ -344,7 +346,7 @@ class Token2WavEngine(Engine):
         self._running.add(rid)
         try:
             async for chunk in chunks():
-                codes = self._codes(chunk)
+                codes = self._codes(cast(Code2WavInput, chunk))  # talker_to_code2wav checked its layout
                 if codes is None or not codes.numel():
                     continue
                 parts.append(codes)
@@ -355,7 +357,7 @@ class Token2WavEngine(Engine):
                 history = torch.cat(parts)
                 wav = await self._decode_window(WindowJob(history, emitted, voice, seed))
                 emitted, samples = history.shape[0], samples + wav.shape[0]
-                yield EngineOutput(rid, {"audio": wav.numpy(), "sample_rate": SAMPLE_RATE})
+                yield EngineOutput(rid, as_payload(AudioOutput(audio=wav.numpy(), sample_rate=QWEN_CODEC_SAMPLE_RATE)))
             if rid in self._aborted:
                 yield EngineOutput(rid, {}, finished=True, finish_reason="abort")
                 return
@@ -363,7 +365,7 @@ class Token2WavEngine(Engine):
             if codes.numel() and not self.window:
                 wav = await asyncio.to_thread(self._decode, codes, voice, seed)
                 samples = wav.shape[0]
-                yield EngineOutput(rid, {"audio": wav.numpy(), "sample_rate": SAMPLE_RATE})
+                yield EngineOutput(rid, as_payload(AudioOutput(audio=wav.numpy(), sample_rate=QWEN_CODEC_SAMPLE_RATE)))
             usage = {"codec_tokens": int(codes.numel()), "audio_samples": samples}
             yield EngineOutput(rid, {}, finished=True, finish_reason="stop", usage=usage)
         finally:

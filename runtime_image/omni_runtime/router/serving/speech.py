@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from omni_runtime.router.errors import BadRequest, OmniError
-from omni_runtime.router.media import DEFAULT_SAMPLE_RATE, audio_of, b64, encode_audio, wav_stream_header
+from omni_runtime.router.media import audio_of, b64, encode_audio, wav_stream_header
 from omni_runtime.router.orchestrator import PipelineRequest, RunResult, StageEvent
 from omni_runtime.router.plan import plan_request
 from omni_runtime.router.protocol.audio import SPEECH_FORMATS, STREAM_FORMATS, SpeechRequest, VoiceList
@@ -25,6 +25,7 @@ from omni_runtime.router.serving.base import ManagedStream, ServingBase
 from omni_runtime.router.serving.clock import RequestClock
 from omni_runtime.router.serving.inputs import entry_inputs, stage_params
 from omni_runtime.router.serving.voices import all_voices, voice_params
+from omni_runtime.wire.audio import DEFAULT_SAMPLE_RATE
 
 __all__ = ["ServingSpeech"]
 
