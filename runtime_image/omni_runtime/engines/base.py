@@ -70,10 +70,11 @@ def refuse_unknown_params(stage: str, params: dict[str, Any], known: Iterable[st
 class EngineInput:
     """One unit of work for a stage.
 
-    `data` holds the stage's inputs after the edge's input processor ran: for an entry AR stage
-    `{"prompt": str}` or `{"messages": [...]}`, for a diffusion stage `{"prompt": str,
-    "negative_prompt": str | None}` or `{"prompt_embeds": tensor, ...}`, for a generation stage the
-    upstream tensors. `params` are the merged sampling parameters (stage defaults < request).
+    `data` holds the stage's inputs after the edge's input processor ran (the payload kinds of
+    `processors.payloads`): for an entry AR stage `{"prompt": str}` or `{"messages": [...]}`, for a
+    diffusion stage a `DiffusionPrompt` or `{"prompt_embeds": tensor, ...}`, for a talker a
+    `TalkerInput`, for a codec decoder a `Code2WavInput`, for a VAE decode stage a `VaeInput`.
+    `params` are the merged sampling parameters (stage defaults < request).
     `role` is "primary" or a companion role (e.g. "cfg_text"); a companion run by the same engine as
     its primary names that primary's `request_id` in `companion_of`. Engines match request ids whole
     (they never split one): what belongs together is said by `companion_of`, not by the id's shape.
@@ -96,9 +97,11 @@ class EngineInput:
 class EngineOutput:
     """A piece of a stage's output. An engine yields one or more; the last has `finished=True`.
 
-    `data` for ar: `{"text": delta_text, "token_ids": [...]}` (deltas when streaming; the first piece
-    also has `prompt_token_ids`);
-    for diffusion: `{"images": [png bytes, ...]}`; for generation: `{"audio": tensor, ...}`.
+    `data` is a payload kind of `processors.payloads`: for ar an `ArOutput` (deltas when streaming;
+    the first piece also has `prompt_token_ids`); for a talker a `TalkerOutput` (`codes`); for a codec
+    decoder (code2wav, token2wav) an `AudioOutput` (`audio`, `sample_rate`); for diffusion
+    `{"images": [png bytes, ...]}` or a `LatentsOutput`; for a VAE decode stage `{"images": [...]}` with
+    `chunk_index` and `num_chunks`.
     `usage` on the last output: `{"prompt_tokens": int, "completion_tokens": int}` where it applies.
     """
 

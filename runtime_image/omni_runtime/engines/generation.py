@@ -11,7 +11,8 @@ Engine args (`spec.engine_args.GenerationArgs`): `runner` (required), `chunk_siz
 available, else cpu). Other keys are left to the runner (`ModuleRunner.args`). The speech runners
 (talkers, code2wav, token2wav) are engines of their own in `engines.speech`, which refuse unknown keys.
 
-Input: `{"input": tensor}` (split here) or `{"chunks": [tensor, ...]}` (already split upstream).
+Input: `{"input": tensor}` (split here along `chunk_dim`; `dit_to_vae` gives a `processors.payloads.VaeInput`)
+or `{"chunks": [tensor, ...]}` (already split upstream).
 Output per chunk: the runner's payload plus `chunk_index` and `num_chunks`.
 """
 

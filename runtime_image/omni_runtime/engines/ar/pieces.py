@@ -4,11 +4,12 @@ hidden-state rows that go into its pieces (`attach_rows`, `attach_media_rows`; s
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from omni_runtime.engines.ar.extras import logprob_rows
 from omni_runtime.engines.ar.prompt import media_grids
 from omni_runtime.engines.base import EngineError
+from omni_runtime.processors.payloads import ArOutput
 
 __all__ = ["ROWS_TIMEOUT_S", "attach_media_rows", "attach_rows", "completion_pieces"]
 
@@ -19,7 +20,7 @@ so only a stalled process reaches this)."""
 
 def completion_pieces(
     out: Any, completion_tokens: dict[int, int], finish_reason: str | None, n: int, tools: Any, tokenizer: Any
-) -> tuple[list[dict[str, Any]], str | None]:
+) -> tuple[list[ArOutput], str | None]:
     """The pieces of one vLLM output (one per completion, at least one) and the request's finish reason so far.
 
     Counts each completion's new tokens into `completion_tokens`; a piece carries `logprobs` when asked
@@ -29,26 +30,26 @@ def completion_pieces(
     for completion in out.outputs:
         completion_tokens[completion.index] = completion_tokens.get(completion.index, 0) + len(completion.token_ids)
         finish_reason = completion.finish_reason or finish_reason
-        data: dict[str, Any] = {"text": completion.text, "token_ids": list(completion.token_ids)}
+        data = ArOutput(text=completion.text, token_ids=list(completion.token_ids))
         if completion.logprobs is not None:
             data["logprobs"] = logprob_rows(completion.logprobs, tokenizer)
         if n > 1:
             data["index"] = completion.index
         if tools is not None:
             done = completion.finish_reason is not None
-            data.update(tools.delta(completion.text, list(completion.token_ids), done))
+            data.update(cast(ArOutput, tools.delta(completion.text, list(completion.token_ids), done)))
             if done:
                 data["message"], data["finish_reason"] = tools.final(completion.finish_reason)
                 data["stream_finish_reason"] = tools.stream_finish(completion.finish_reason)
         pieces.append(data)
     if not pieces:
-        pieces.append({"text": "", "token_ids": []})
+        pieces.append(ArOutput(text="", token_ids=[]))
     return pieces, finish_reason
 
 
 async def attach_media_rows(
     rows: Any,
-    data: dict[str, Any],
+    data: ArOutput,
     prompt: dict[str, Any],
     out: Any,
     stage_name: str,
@@ -84,9 +85,7 @@ async def attach_media_rows(
     data["media_grids"] = media_grids(prompt)
 
 
-async def attach_rows(
-    rows: Any, data: dict[str, Any], prompt_tokens: int, generated: int, out: Any, stage_name: str
-) -> None:
+async def attach_rows(rows: Any, data: ArOutput, prompt_tokens: int, generated: int, out: Any, stage_name: str) -> None:
     """Put the rows that arrived for this output into `data["hidden_states"]`.
 
     Waits for the rows this step surely produced: every prompt row with the first token; later

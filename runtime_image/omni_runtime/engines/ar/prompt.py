@@ -13,6 +13,7 @@ from typing import Any
 from omni_runtime.engines.ar.extras import structured_outputs
 from omni_runtime.engines.ar.tools import template_tools
 from omni_runtime.engines.base import EngineError, InvalidRequest
+from omni_runtime.processors.payloads import MediaGrids
 from omni_runtime.spec import StageSpec
 
 __all__ = ["check_sampling", "media_grids", "render_prompt", "sampling_fields", "sampling_params"]
@@ -172,7 +173,7 @@ def _field_values(items: Any, modality: str, key: str) -> list[Any]:
     return values
 
 
-def media_grids(prompt: dict[str, Any]) -> dict[str, Any]:
+def media_grids(prompt: dict[str, Any]) -> MediaGrids:
     """The media shapes of a rendered vLLM prompt (its `mm_kwargs`), in prompt order per modality, as
     plain lists: what the Qwen3-Omni talker's rope index reads (transformers' names). Needs every item
     rendered, none from vLLM's media processor cache (EngineError otherwise)."""

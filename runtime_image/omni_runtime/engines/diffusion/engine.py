@@ -17,7 +17,8 @@ the pipeline's `__call__` names them (`prompt_embeds`, `pooled_prompt_embeds`, `
 with a leading batch axis of 1. Params: the pipeline's scalar call arguments (`height`, `width`,
 `num_inference_steps`, `guidance_scale`, ...) plus `seed` and `n` (images for this request).
 Output: `{"images": [png bytes, ...]}`; a stage whose `output_modality` is `hidden` gives
-`{"latents": tensor (n, C, h, w)}` instead (for a separate VAE stage, see `dit_to_vae`).
+a `processors.payloads.LatentsOutput`, `{"latents": tensor (n, C, h, w)}`, instead (for a separate VAE
+stage, see `dit_to_vae`).
 
 Video pipelines (their `__call__` takes `num_frames`) take `fps` too and give an MP4 per request, with
 progress outputs while they denoise: see `engines/diffusion/video.py` (its engine args: `max_frames`,
