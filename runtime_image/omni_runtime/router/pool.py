@@ -27,10 +27,10 @@ __all__ = ["StagePool"]
 log = logging.getLogger(__name__)
 
 ROLL_WAIT_S = 10.0
-ZERO_RETRY_AFTER_S = 10
-"""Retry-After of a request that timed out waiting for a stage to scale up from zero (a replica loads)."""
 """How long `pick` waits for a usable replica while a stage is between replicas (one draining, or one
 discovered and not answering yet), before the request fails with 503."""
+ZERO_RETRY_AFTER_S = 10
+"""Retry-After of a request that timed out waiting for a stage to scale up from zero (a replica loads)."""
 
 
 class StagePool:
