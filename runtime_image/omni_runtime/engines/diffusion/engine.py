@@ -67,6 +67,7 @@ from omni_runtime.engines.diffusion.accel import Accel
 from omni_runtime.engines.diffusion.batcher import Batcher, Interrupted
 from omni_runtime.engines.diffusion.request import Job, RequestRules, default_size, parse, size_multiple
 from omni_runtime.metrics import Stage as StageMetrics
+from omni_runtime.processors.payloads import LatentsOutput, as_payload
 from omni_runtime.spec import Modality, ResolvedPipeline, StageSpec
 from omni_runtime.spec.engine_args import DiffusionArgs
 
@@ -490,7 +491,7 @@ class DiffusionEngine(Engine):
             if self.video and not self.latent_output:
                 out.append({"frames": list(mine), "fps": job.fps})  # _encode makes MP4s
             elif self.latent_output:
-                out.append({"latents": mine.detach().to("cpu")})
+                out.append(as_payload(LatentsOutput(latents=mine.detach().to("cpu"))))
             else:
                 out.append({"images": list(mine)})  # PIL images; _encode makes PNGs
         return out
