@@ -19,6 +19,9 @@
   `spk_dict.pt`; loads in transformers (whole model, speaks) and in vLLM (thinker).
 - `tiny-wan2-2-t2v`, `tiny-wan2-2-i2v`: WanPipeline / WanImageToVideoPipeline with both experts
   (`transformer`, `transformer_2`, `boundary_ratio`); 64x64 5-frame videos in about a second.
+- `tiny-bagel`: BAGEL (BAGEL-7B-MoT layout: config.json + llm/vit configs, ema.safetensors with both
+  experts, a FLUX-format ae.safetensors); vLLM serves its understanding path
+  (`BagelForConditionalGeneration`), `engines.diffusion.bagel` its generation path.
 
 `ensure(name)` returns `<cache_dir>/<name>`, building it first unless a build of the current version
 is there; `build_all()` ensures every model. Builds are deterministic (fixed seeds, tokenizers trained
@@ -70,6 +73,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omni_runtime.tiny_models import (
+    bagel,
     flux,
     prompt_enhanced_t2i,
     qwen2_5_omni,
@@ -175,6 +179,12 @@ MODELS: dict[str, TinyModel] = {
             qwen2_5_omni.VERSION,
             lambda out, _cache: qwen2_5_omni.build(out),
             "Qwen2_5OmniForConditionalGeneration: thinker + talker + token2wav, spk_dict.pt (speech out)",
+        ),
+        TinyModel(
+            bagel.NAME,
+            bagel.VERSION,
+            lambda out, _cache: bagel.build(out),
+            "BAGEL (MoT: und + gen experts, SigLIP, FLUX AE) in the BAGEL-7B-MoT layout (vLLM thinker + torch dit)",
         ),
     )
 }
