@@ -268,12 +268,14 @@ def size_multiple(pipe: Any) -> int:
     """What height and width must be multiples of: the VAE scale factor x the DiT's patch size.
 
     Flux- and QwenImage-style pipelines pack 2x2 latent patches, whatever the transformer config says (`flux`).
+    Z-Image's DiT lists the patch sizes it has weights for (`all_patch_size`, (2,) in Z-Image-Turbo) instead of one
+    `patch_size`; a multiple of the largest (they are powers of two) suits every one its pipelines may use.
     """
     vae = int(getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8) or 8)
     patch = getattr(pipe, "patch_size", None)
     if patch is None:
-        transformer = getattr(pipe, "transformer", None)
-        patch = getattr(getattr(transformer, "config", None), "patch_size", None) or 1
+        config = getattr(getattr(pipe, "transformer", None), "config", None)
+        patch = getattr(config, "patch_size", None) or max(getattr(config, "all_patch_size", None) or (1,))
     if isinstance(patch, list | tuple):  # video DiTs patch (frames, height, width)
         patch = patch[-1]
     if flux.packs_latents(pipe):
