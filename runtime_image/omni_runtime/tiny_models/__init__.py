@@ -22,6 +22,8 @@
 - `tiny-bagel`: BAGEL (BAGEL-7B-MoT layout: config.json + llm/vit configs, ema.safetensors with both
   experts, a FLUX-format ae.safetensors); vLLM serves its understanding path
   (`BagelForConditionalGeneration`), `engines.diffusion.bagel` its generation path.
+- `tiny-z-image`: ZImagePipeline (Z-Image-Turbo's layout: single-stream DiT, Qwen3Model text encoder, FLUX.1's
+  VAE shape); loads with `DiffusionPipeline.from_pretrained`.
 
 `ensure(name)` returns `<cache_dir>/<name>`, building it first unless a build of the current version
 is there; `build_all()` ensures every model. Builds are deterministic (fixed seeds, tokenizers trained
@@ -83,6 +85,7 @@ from omni_runtime.tiny_models import (
     sd3,
     sd3_img2img,
     wan,
+    z_image,
 )
 from omni_runtime.tiny_models._build import build_atomically, default_cache_dir, read_stamp
 
@@ -155,6 +158,12 @@ MODELS: dict[str, TinyModel] = {
             qwen_image.VERSION,
             lambda out, _cache: qwen_image.build_edit(out),
             "QwenImageEditPipeline: tiny-qwen-image's components + a Qwen2-VL processor (images/edits)",
+        ),
+        TinyModel(
+            z_image.NAME,
+            z_image.VERSION,
+            lambda out, _cache: z_image.build(out),
+            "ZImagePipeline (Z-Image-Turbo layout: Qwen3 text encoder, single-stream DiT), 16-px multiples",
         ),
         TinyModel(
             wan.T2V_NAME,
