@@ -531,10 +531,13 @@ class EchoCluster:
         return self.app.state.context.pool
 
     async def wait_ready(self, timeout: float = 10) -> None:
-        """Until every replica of every stage is up."""
+        """Until every replica of every stage is up; a replica whose engine failed to load raises its error."""
         total = sum(len(s) for s in self.servers.values())
         async with asyncio.timeout(timeout):
             while sum(1 for c in self.pool.clients() if c.usable) < total:
+                for server in (s for group in self.servers.values() for s in group):
+                    if server.probe()[1]["status"] in ("engine failed to load", "connector unavailable"):
+                        await server.serve_forever()  # returns at once, raising why
                 await asyncio.sleep(0.02)
 
 
@@ -551,14 +554,16 @@ def echo_pipeline(topology, *, limits=None, name: str = "echo"):
 class echo_cluster:  # noqa: N801 (used as `async with echo_cluster(...)`)
     def __init__(
         self, pipeline, replicas: dict[str, int] | None = None, *, ping_timeout_s: float = 3.0, api_key_file=None,
-        engines: dict[str, type] | None = None,
+        engines: dict[str, type] | None = None, ready_timeout: float = 10,
     ) -> None:  # fmt: skip
-        """`engines`: the engine class per stage name (EchoEngine for the others)."""
+        """`engines`: the engine class per stage name (EchoEngine for the others); `ready_timeout`: seconds
+        every replica may take to load its engine (a real one loads its model)."""
         self.pipeline = pipeline
         self.replicas = replicas or {}
         self.ping_timeout_s = ping_timeout_s
         self.api_key_file = api_key_file
         self.engine_classes = engines or {}
+        self.ready_timeout = ready_timeout
 
     async def __aenter__(self) -> EchoCluster:
         import socket
@@ -600,7 +605,11 @@ class echo_cluster:  # noqa: N801 (used as `async with echo_cluster(...)`)
         self.cluster = EchoCluster(self.pipeline, servers, engines, f"http://127.0.0.1:{port}", task, server)
         self.cluster.key = key
         self._sock = sock
-        await self.cluster.wait_ready()
+        try:
+            await self.cluster.wait_ready(self.ready_timeout)
+        except BaseException:  # a stage that never came up: stop what runs before saying why
+            await self.__aexit__(None, None, None)
+            raise
         return self.cluster
 
     async def __aexit__(self, *exc) -> None:
