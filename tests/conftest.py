@@ -85,6 +85,11 @@ def tiny_qwen_image_edit_model() -> Path:
     return tiny_model("tiny-qwen-image-edit")
 
 
+@pytest.fixture(scope="session")
+def tiny_z_image_model() -> Path:
+    return tiny_model("tiny-z-image")
+
+
 # -- shared serves and the order of the tests that break them --------------------------------------
 
 

@@ -40,6 +40,7 @@ BUILTIN = {
     "stable-diffusion-3",
     "text-chat",
     "prompt-enhanced-t2i",
+    "z-image",
 }
 
 
@@ -140,6 +141,7 @@ def test_qwen2_5_omni_matches_its_architecture() -> None:
         ("wan2-2-t2v", "WanPipeline", "video"),
         ("wan2-2-i2v", "WanImageToVideoPipeline", "video"),
         ("stable-diffusion-3", "StableDiffusion3Pipeline", "image"),
+        ("z-image", "ZImagePipeline", "image"),
     ],
 )
 def test_single_stage_diffusion_pipelines(name: str, diffusers_class: str, modality: str) -> None:
@@ -190,6 +192,7 @@ def test_no_model_matches_two_builtin_pipelines() -> None:
         ("wan2.2-t2v", "wan2-2-t2v"),
         ("Qwen2.5-Omni", "qwen2-5-omni"),
         (" flux ", "flux"),
+        ("Z-Image-Turbo", "z-image"),
     ],
 )
 def test_names_and_aliases(typed: str, name: str) -> None:
@@ -204,6 +207,7 @@ def test_aliases_listing() -> None:
         "wan2.2-i2v": "wan2-2-i2v",
         "sd3": "stable-diffusion-3",
         "sd3-img2img": "stable-diffusion-3-img2img",
+        "z-image-turbo": "z-image",
     }
 
 
@@ -243,6 +247,7 @@ def test_resolve_from_config_json(tmp_path: Path, architectures: list[str], pipe
         ("WanPipeline", "wan2-2-t2v"),
         ("WanImageToVideoPipeline", "wan2-2-i2v"),
         ("StableDiffusion3Pipeline", "stable-diffusion-3"),
+        ("ZImagePipeline", "z-image"),
     ],
 )
 def test_resolve_from_model_index_json(tmp_path: Path, class_name: str, pipeline: str) -> None:

@@ -40,6 +40,7 @@ TINY_MODELS = {
     "text-chat": "tiny-qwen2-chat",
     "wan2-2-i2v": "tiny-wan2-2-i2v",
     "wan2-2-t2v": "tiny-wan2-2-t2v",
+    "z-image": "tiny-z-image",
 }
 """The tiny model (omni_runtime.tiny_models) of each built-in topology."""
 
@@ -62,6 +63,7 @@ DEFAULTS_SERVED: dict[str, list[str]] = {
     "text-chat": [HERE_AR],
     "wan2-2-i2v": ["test_serve_video.py::test_i2v_takes_the_first_frame_as_input_reference"],
     "wan2-2-t2v": ["test_serve_video.py::test_create_poll_download"],
+    "z-image": ["test_z_image.py::test_z_image_draws_the_requested_size_and_its_seed_decides_it"],
 }  # fmt: skip
 """Per topology, the tests that serve its tiny model with the topology's engine args (all its stages together)."""
 
