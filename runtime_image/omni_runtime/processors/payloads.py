@@ -2,15 +2,17 @@
 
 An engine builds its `EngineOutput.data` as one of these, an edge's processor (`processors.edges`) reads
 one and returns the next stage's, and the stage server's windowing and the router's audio read the
-markers declared here (`Items`, `downstream_only`), not lists of key names kept beside them.
+markers its fields carry (`Items`, `downstream_only`: `processors.markers`), not lists of key names kept beside them.
 
     ar ─ArOutput─▶ thinker_to_talker ─TalkerInput─▶ talker ─TalkerOutput─▶ talker_to_code2wav
        ─Code2WavInput─▶ code2wav | token2wav ─AudioOutput─▶ router
     ar ─ArOutput─▶ ar_text_to_prompt ─DiffusionPrompt─▶ diffusion ─LatentsOutput─▶ dit_to_vae ─VaeInput─▶ vae
+    ar (export_kv_cache) ─ArOutput.kv_cache: KvCachePayload (`processors.kv_cache`)─▶ a DiT attending to it
 
 **One array layout: time first.** Every array on an edge has its time (or sequence, or batch) axis
 first: codec codes are (frames, codebooks), hidden-state rows (rows, hidden), media rows (media
-positions, hidden), audio (samples,), latents (batch, channels, height, width). An engine whose model
+positions, hidden), audio (samples,), latents (batch, channels, height, width), a prompt's KV cache
+(tokens, layers, kv_heads, head_dim). An engine whose model
 wants another order transposes at its model call and nowhere else (code2wav's decoder takes
 (codebooks, frames)). The one exception is audio with channels, (channels, samples) as WAV encoders and
 the router read it: its time runs along the last axis (`Items(axis=-1)`); the speech engines send mono.
@@ -22,11 +24,12 @@ router read it.
 
 from __future__ import annotations
 
-import enum
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Annotated, Any, TypedDict
+
+from omni_runtime.processors.kv_cache import KvCachePayload
+from omni_runtime.processors.markers import Array, DtypeKind, Items, Layout, downstream_only
 
 __all__ = [
     "PAYLOAD_KINDS",
@@ -38,6 +41,7 @@ __all__ = [
     "DiffusionPrompt",
     "DtypeKind",
     "Items",
+    "KvCachePayload",
     "LatentsOutput",
     "Layout",
     "MediaGrids",
@@ -53,43 +57,6 @@ __all__ = [
 QWEN_CODEC_SAMPLE_RATE = 24000
 """Samples per second of the audio that Qwen-Omni's codecs decode to (Qwen3-Omni's code2wav, Qwen2.5-Omni's
 token2wav), and so of an `AudioOutput` that names no `sample_rate`."""
-
-Array = Any
-"""A torch tensor or a numpy array (connectors hand back either); Any, so importing this needs no torch."""
-
-
-class DtypeKind(enum.Enum):
-    """The kind of number an array field holds (its exact width is the producer's)."""
-
-    INT = "integer"
-    FLOAT = "floating point"
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The shapes an array field may have, as axis names (time first), and the kind of its numbers."""
-
-    shapes: tuple[tuple[str, ...], ...]
-    dtype: DtypeKind
-
-    def describe(self) -> str:
-        """The accepted shapes as a reader writes them: `(frames,) or (frames, codebooks)`."""
-        return " or ".join(f"({', '.join(axes)}{',' if len(axes) == 1 else ''})" for axes in self.shapes)
-
-
-@dataclass(frozen=True)
-class Items:
-    """Marks the field whose length counts a piece's items on a windowed edge, along `axis` of an array."""
-
-    axis: int = 0
-
-
-@dataclass(frozen=True)
-class _DownstreamOnly:
-    """Marks a field that an engine output carries for the next stage only, never for the client."""
-
-
-downstream_only = _DownstreamOnly()
 
 
 class MediaGrids(TypedDict, total=False):
@@ -137,6 +104,9 @@ class ArOutput(TypedDict, total=False):
     `media_hidden_layer`): on the first piece only."""
     media_grids: Annotated[MediaGrids, downstream_only]
     """The prompt's media shapes (first piece, a prompt with media)."""
+    kv_cache: Annotated[KvCachePayload, downstream_only]
+    """The prompt's K and V of every attention layer after its prefill (engine arg `export_kv_cache`): on the
+    final piece only, of the primary and of each CFG companion alike."""
 
 
 class TalkerInput(TypedDict, total=False):
@@ -221,6 +191,7 @@ PAYLOAD_KINDS: tuple[type, ...] = (
     Code2WavInput,
     DiffusionPrompt,
     VaeInput,
+    KvCachePayload,
 )
 """Every payload kind; the order is the precedence of their `Items` fields (a talker's codes before token ids)."""
 
