@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 from omni_runtime.spec.enums import StageKind
 from omni_runtime.spec.pipeline import PipelineSpec, SpecError, StageSpec
@@ -28,6 +28,7 @@ from omni_runtime.spec.reasons import Reason
 __all__ = [
     "ENGINE_ARGS_MODELS",
     "HIDDEN_ROUTE_EXCLUSIVE",
+    "KV_EXPORT_EXCLUSIVE",
     "AccelSettings",
     "ArArgs",
     "Code2WavArgs",
@@ -110,6 +111,11 @@ HIDDEN_ROUTE_EXCLUSIVE = ("speculative_config", "kv_transfer_config", "enable_pr
 route sets the first two itself and is not verified with the others."""
 
 
+KV_EXPORT_EXCLUSIVE = ("kv_transfer_config", "speculative_config", "async_scheduling")
+"""vLLM engine args an AR stage cannot set with `export_kv_cache`: the KV route sets the first itself (vLLM runs one
+KV connector per engine), a drafter's layers would join the export, and async scheduling is not verified with it."""
+
+
 class ArArgs(EngineArgs, RegistryOnlyKeys):
     """An `ar` stage on vLLM."""
 
@@ -142,6 +148,44 @@ class ArArgs(EngineArgs, RegistryOnlyKeys):
         "index as in `hidden_state_layers`, or `talker` (the checkpoint's `talker_config.accept_hidden_layer`). "
         "Same route and costs as `hidden_state_layers`, which it cannot be combined with. Never passed to vLLM.",
     )
+    export_kv_cache: StrictBool = Field(
+        False,
+        description="Send each request's prompt KV cache (every attention layer's K after rope and V, in the cache "
+        "dtype, once the prompt is prefilled) to the next stage with its final piece, the primary's and each CFG "
+        "companion's: what a DiT attending to the AR stage's context reads (AR -> DiT, BAGEL). Its blocks stay in "
+        "vLLM until sent; a request whose KV does not arrive fails naming its role. vLLM's `kv_transfer_config` is "
+        "then omnikube's: not with `hidden_state_layers` / `media_hidden_layer` (one KV connector per engine), "
+        "`speculative_config`, `async_scheduling` or a quantized `kv_cache_dtype`; one sequence per request (n 1). "
+        "Never passed to vLLM.",
+    )
+
+    @model_validator(mode="after")
+    def _kv_export_alone(self) -> ArArgs:
+        if not self.export_kv_cache:
+            return self
+        extra = self.model_extra or {}
+        hidden = [k for k in ("hidden_state_layers", "media_hidden_layer") if getattr(self, k) is not None]
+        if hidden:
+            raise _Conflict(
+                "export_kv_cache",
+                f"engine_args export_kv_cache cannot be combined with {hidden[0]}: each needs vLLM's KV connector and "
+                "vLLM runs one per engine; keep one of them",
+            )
+        taken = [k for k in KV_EXPORT_EXCLUSIVE if extra.get(k)]
+        if taken:
+            raise _Conflict(
+                taken[0],
+                f"engine_args {taken} cannot be combined with export_kv_cache (the KV route sets the KV transfer "
+                "config, would export a drafter's layers too, and is not verified with async scheduling); remove them",
+            )
+        cache_dtype = extra.get("kv_cache_dtype")
+        if cache_dtype not in (None, "auto"):
+            raise _Conflict(
+                "kv_cache_dtype",
+                f"engine_args kv_cache_dtype {cache_dtype!r} cannot be combined with export_kv_cache: the KV leaves in "
+                "the model's dtype and a quantized cache cannot be read back exactly; use auto or remove it",
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_hidden_state_route(self) -> ArArgs:
