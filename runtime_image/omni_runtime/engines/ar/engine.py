@@ -27,6 +27,12 @@ them). Text prompts carry neither and wait for no rows. With `hidden_state_layer
 thinker, whose talker reads every row) the first piece of a prompt with media also carries
 `media_grids`: that talker's rope index needs them too. These three keys go to the next stage only.
 
+With `export_kv_cache` (an AR -> DiT stage: BAGEL's thinker) the final piece of every request, the primary's
+and each companion's, carries `kv_cache`, the prompt's K and V of every attention layer as vLLM computed
+them (`processors.kv_cache.KvCachePayload`, `omni_runtime.engines.ar.kv_export`), checked against what the
+stage's own checkpoint gives. A request whose KV does not arrive within `kv_timeout_s` fails naming its
+role, never a final piece without it; an aborted one carries none and vLLM frees its blocks at once.
+
 On CPU, `cpu.cpu_defaults` fills in what a CPU deployment needs and vLLM's GPU-minded defaults get
 wrong, only where the user set nothing (see `cpu`). Prompt rendering, sampling params and the request
 checks are in `prompt`; the pieces a vLLM output becomes (and their hidden-state rows) in `pieces`; tool
@@ -52,8 +58,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from omni_runtime.engines.ar import cpu
+from omni_runtime.engines.ar.batching import CompanionGate
 from omni_runtime.engines.ar.extras import TOKEN_OPS, detokenize, tokenize
-from omni_runtime.engines.ar.pieces import attach_media_rows, attach_rows, completion_pieces
+from omni_runtime.engines.ar.pieces import KV_TIMEOUT_S, attach_kv, attach_media_rows, attach_rows, completion_pieces
 from omni_runtime.engines.ar.prompt import check_sampling, media_grids, render_prompt, sampling_fields, sampling_params
 from omni_runtime.engines.ar.tools import check_parser_name, open_session, parser_class
 from omni_runtime.engines.base import (
@@ -66,6 +73,7 @@ from omni_runtime.engines.base import (
     self_check,
 )
 from omni_runtime.engines.common import stage_model_path, typed_engine_args
+from omni_runtime.processors.kv_cache import KvExpectation, kv_expectation
 from omni_runtime.processors.payloads import as_payload
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 from omni_runtime.spec.engine_args import ArArgs
@@ -157,6 +165,13 @@ class AREngine(Engine):
         self.tool_parser: str | None = None
         """The stage's `tool_call_parser` (a vLLM tool-call parser name), checked at start."""
         self._tool_parser_cls: Any = None
+        self._kv: Any = None  # kv_export.KvReceiver when export_kv_cache
+        self.kv_expected: KvExpectation | None = None
+        """What this stage's KV payloads must match (its checkpoint and dtype) once started with export_kv_cache."""
+        self.kv_timeout_s = KV_TIMEOUT_S
+        """Seconds a finished request's KV cache may take to arrive (export_kv_cache)."""
+        self._gate = CompanionGate()
+        """export_kv_cache: a primary and its companions go to vLLM together, to prefill in one batch."""
         self.args = typed_engine_args(stage, ArArgs)
         """The stage's engine args (InvalidEngineArgs at construction when they are wrong); vLLM's are its
         extras, checked against AsyncEngineArgs by `engine_args`."""
@@ -274,6 +289,10 @@ class AREngine(Engine):
             self._rows = RowReceiver([layer], hidden_size)
             await self._rows.start()
             kwargs.update(vllm_engine_args([layer], self._rows.address))
+        config: dict[str, Any] = {}
+        if self.args.export_kv_cache:
+            config = await asyncio.to_thread(self._read_config)
+            kwargs = await self._start_kv_route(kwargs)
         args = AsyncEngineArgs(model=self.model_path, **kwargs)
         if current_platform.is_cpu():
             cpu.cpu_defaults({})  # the CPU environment defaults, before vLLM spawns its processes
@@ -286,9 +305,16 @@ class AREngine(Engine):
             if self._rows is not None:
                 await self._rows.stop()
                 self._rows = None
+            if self._kv is not None:
+                await self._kv.stop()
+                self._kv = None
             raise EngineError(f"stage {self.stage.name!r}: vLLM failed to load {self.model_path}: {exc}") from exc
         self._procs = cpu.started_since(before)
         self.max_model_len = self.llm.model_config.max_model_len
+        if self._kv is not None:
+            dtype = str(self.llm.model_config.dtype).removeprefix("torch.")
+            self.kv_expected = kv_expectation(config, dtype=dtype)
+            self._kv.model = self.kv_expected.model
         # Tokenize without vLLM's own length cut-off, so the length check can name the real count.
         renderer = self.llm.renderer
         self._cmpl_tok = dataclasses.replace(renderer.default_cmpl_tok_params, max_total_tokens=None)
@@ -306,6 +332,31 @@ class AREngine(Engine):
             "stage %s: vLLM loaded %s and passed its self-check in %.1fs",
             self.stage.name, self.model_path, self.load_seconds,
         )  # fmt: skip
+
+    def _read_config(self) -> dict[str, Any]:
+        """The checkpoint's config.json, parsed (what its KV payloads are fingerprinted with)."""
+        import json
+
+        path = os.path.join(self.model_path, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                return dict(json.load(f))
+        except (OSError, ValueError) as exc:
+            raise EngineError(
+                f"stage {self.stage.name!r}: export_kv_cache reads {path} to fingerprint the KV it sends: {exc}"
+            ) from exc
+
+    async def _start_kv_route(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Bind the KV receiver; `kwargs` with the connector that sends to it (export_kv_cache)."""
+        from omni_runtime.engines.ar.kv_export import KvExportError, KvReceiver, add_to_engine_args
+
+        try:
+            add_to_engine_args(kwargs, "")  # refuses a KV connector already set, before anything is bound
+        except KvExportError as exc:
+            raise EngineError(f"stage {self.stage.name!r}: {exc}") from exc
+        self._kv = KvReceiver()
+        await self._kv.start()
+        return add_to_engine_args(kwargs, self._kv.address)
 
     async def _self_check(self) -> None:
         """One greedy 1-token request through `generate` (the stage's sampling_params, prompt rendering,
@@ -365,8 +416,11 @@ class AREngine(Engine):
             tools=tools is not None,
             one_sequence_rows=bool(self.hidden_layers),
             speculative_rows=self._rows is not None,
+            kv_export=self._kv is not None,
         )
         self._active[rid] = request.companion_of
+        if self._kv is not None and rid != SELF_CHECK_ID:
+            self._gate.join(rid, request.companion_of or rid)
         try:
             data_in = request.data
             if tools is not None:
@@ -377,13 +431,17 @@ class AREngine(Engine):
             if context_cap is not None and "max_tokens" not in {**self.stage.sampling_params, **params}:
                 room = self.max_model_len - len(prompt["prompt_token_ids"])  # >= 1: render_prompt checked
                 sampling.max_tokens = max(1, min(int(context_cap), room))
+            if self._kv is not None:
+                await self._submit_with_group(rid, request.companion_of or rid, sampling)
         except BaseException:
             self._active.pop(rid, None)
             self._abort_pending.discard(rid)
+            self._gate.leave(rid)
             raise
         if rid in self._abort_pending:  # aborted while its prompt was being rendered
             self._active.pop(rid, None)
             self._abort_pending.discard(rid)
+            self._gate.leave(rid)
             yield EngineOutput(rid, {"text": "", "token_ids": []}, finished=True, finish_reason="abort")
             return
         completion_tokens: dict[int, int] = {}
@@ -393,6 +451,8 @@ class AREngine(Engine):
         has_media = bool(self._media_ids & set(prompt["prompt_token_ids"]))
         media_rows = self.media_layer is not None and has_media
         rows = self._rows.open(rid) if self.hidden_layers or media_rows else None
+        if self._kv is not None:
+            self._kv.open(rid)  # before vLLM has it: its KV is sent the step after it finishes
         tokenizer = self.llm.renderer.tokenizer if sampling.logprobs is not None else None
         try:
             async for out in self.llm.generate(prompt, sampling, rid):
@@ -417,6 +477,12 @@ class AREngine(Engine):
                     rows = None
                 elif rows is not None:
                     await attach_rows(rows, pieces[0], prompt_tokens, completion_tokens.get(0, 0), out, self.stage.name)
+                if self._kv is not None and out.finished and finish_reason != "abort":
+                    assert self.kv_expected is not None
+                    await attach_kv(
+                        self._kv, pieces[-1], self.kv_expected, request_id=rid, role=request.role,
+                        prompt_tokens=prompt_tokens, stage_name=self.stage.name, timeout=self.kv_timeout_s,
+                    )  # fmt: skip
                 for i, data in enumerate(pieces):
                     last = out.finished and i == len(pieces) - 1
                     yield EngineOutput(
@@ -443,6 +509,20 @@ class AREngine(Engine):
             self._abort_pending.discard(rid)
             if self._rows is not None:
                 self._rows.close(rid)
+            if self._kv is not None:
+                self._kv.close(rid)
+            self._gate.leave(rid)
+
+    async def _submit_with_group(self, rid: str, primary: str, sampling: Any) -> None:
+        """Wait for the rest of `rid`'s group (`batching.CompanionGate`) and tell vLLM's connector which group it
+        belongs to, so the group prefills in one batch (export_kv_cache)."""
+        from omni_runtime.engines.ar.kv_export import group_params
+
+        size = await self._gate.ready(rid)
+        if size > 1:
+            extra = dict(sampling.extra_args or {})
+            extra["kv_transfer_params"] = group_params(primary, size)
+            sampling.extra_args = extra
 
     async def _token_op(self, rid: str, op: str, spec: Any) -> EngineOutput:
         """One finished piece answering `/tokenize` or `/detokenize` (no generation runs)."""
@@ -478,6 +558,9 @@ class AREngine(Engine):
         if self._rows is not None:
             await self._rows.stop()
             self._rows = None
+        if self._kv is not None:
+            await self._kv.stop()
+            self._kv = None
 
     def _reap(self) -> None:
         """Wait for the processes vLLM started (engine core, workers), killing any that linger (`cpu.reap`)."""

@@ -1,5 +1,6 @@
-"""What a running AR request streams: the pieces one vLLM output becomes (`completion_pieces`), and the
-hidden-state rows that go into its pieces (`attach_rows`, `attach_media_rows`; see `hidden_states`).
+"""What a running AR request streams: the pieces one vLLM output becomes (`completion_pieces`), the
+hidden-state rows that go into its pieces (`attach_rows`, `attach_media_rows`; see `hidden_states`), and
+the prompt's KV cache on its final piece (`attach_kv`; see `kv_export`).
 """
 
 from __future__ import annotations
@@ -9,13 +10,18 @@ from typing import Any, cast
 from omni_runtime.engines.ar.extras import logprob_rows
 from omni_runtime.engines.ar.prompt import media_grids
 from omni_runtime.engines.base import EngineError
+from omni_runtime.processors.kv_cache import KvExpectation, KvPayloadMismatch, check_kv_payload
 from omni_runtime.processors.payloads import ArOutput
 
-__all__ = ["ROWS_TIMEOUT_S", "attach_media_rows", "attach_rows", "completion_pieces"]
+__all__ = ["KV_TIMEOUT_S", "ROWS_TIMEOUT_S", "attach_kv", "attach_media_rows", "attach_rows", "completion_pieces"]
 
 ROWS_TIMEOUT_S = 120.0
 """How long a step's hidden-state rows may lag its tokens (they are pushed before the tokens go out,
 so only a stalled process reaches this)."""
+
+KV_TIMEOUT_S = 120.0
+"""How long a finished request's KV cache may take to arrive after its last token: the engine core sends it in
+the step after the request finished, so only a stalled engine or a lost message reaches this."""
 
 
 def completion_pieces(
@@ -108,3 +114,41 @@ async def attach_rows(rows: Any, data: ArOutput, prompt_tokens: int, generated: 
     taken = rows.take()
     if taken is not None:
         data["hidden_states"] = taken
+
+
+async def attach_kv(
+    receiver: Any,
+    data: ArOutput,
+    expected: KvExpectation,
+    *,
+    request_id: str,
+    role: str,
+    prompt_tokens: int,
+    stage_name: str,
+    timeout: float,
+) -> None:
+    """Put the prompt KV cache of `request_id` (opened on `receiver`, a `kv_export.KvReceiver`) into its final
+    piece `data`, checked against what this stage's checkpoint gives (`expected`). Raises EngineError naming the
+    request and its `role` when it does not arrive within `timeout` seconds or is not what was sent for."""
+    from omni_runtime.engines.ar.kv_export import KvExportError
+
+    try:
+        payload = await receiver.get(request_id, timeout)
+    except TimeoutError as exc:
+        raise EngineError(
+            f"stage {stage_name!r}: the KV cache of request {request_id!r} (role {role}) did not arrive within "
+            f"{timeout:g}s after its prefill; the engine is stalled or the KV route lost it (no output goes on "
+            "without it: a DiT would guide without this role)"
+        ) from exc
+    except KvExportError as exc:
+        raise EngineError(f"stage {stage_name!r}, request {request_id!r} (role {role}): {exc}") from exc
+    try:
+        check_kv_payload(payload, expected, role=role, edge=f"vLLM->{stage_name}")
+    except KvPayloadMismatch as exc:
+        raise EngineError(f"stage {stage_name!r}, request {request_id!r}: {exc}") from exc
+    if payload["seq_len"] != prompt_tokens:
+        raise EngineError(
+            f"stage {stage_name!r}: the KV cache of request {request_id!r} (role {role}) covers {payload['seq_len']} "
+            f"tokens, its prompt has {prompt_tokens}; the KV route broke"
+        )
+    data["kv_cache"] = payload

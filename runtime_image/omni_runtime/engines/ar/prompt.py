@@ -128,11 +128,13 @@ def check_sampling(
     tools: bool,
     one_sequence_rows: bool,
     speculative_rows: bool,
+    kv_export: bool = False,
 ) -> None:
     """Refuse what this stage cannot run for a request with `sampling` (vLLM SamplingParams): `max_tokens`
     beyond `max_model_len` when the client set it (`check_max_tokens`), several sequences when tool calls are
-    parsed (`tools`) or every hidden-state row is streamed (`one_sequence_rows`), and the logits processors
-    that vLLM's speculative decoding, which the hidden-state route is (`speculative_rows`), does not apply."""
+    parsed (`tools`), every hidden-state row is streamed (`one_sequence_rows`) or the prompt's KV cache goes
+    out (`kv_export`), and the logits processors that vLLM's speculative decoding, which the hidden-state
+    route is (`speculative_rows`), does not apply."""
     if check_max_tokens and sampling.max_tokens is not None and sampling.max_tokens > max_model_len:
         raise InvalidRequest(
             f"max_tokens={sampling.max_tokens} cannot be greater than max_model_len={max_model_len} "
@@ -147,6 +149,11 @@ def check_sampling(
         raise InvalidRequest(
             f"stage {stage_name!r} streams hidden states, which needs one sequence per request; "
             f"got n={sampling.n}, send n=1"
+        )
+    if kv_export and sampling.n > 1:
+        raise InvalidRequest(
+            f"stage {stage_name!r} exports each request's prompt KV cache, once per request; got n={sampling.n}, "
+            "send n=1 (the prompt's KV is the same for every sequence)"
         )
     if speculative_rows:
         # The hidden-state route is vLLM speculative decoding, whose rejection sampler skips the
