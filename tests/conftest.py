@@ -90,6 +90,11 @@ def tiny_z_image_model() -> Path:
     return tiny_model("tiny-z-image")
 
 
+@pytest.fixture(scope="session")
+def tiny_bagel_model() -> Path:
+    return tiny_model("tiny-bagel")
+
+
 # -- shared serves and the order of the tests that break them --------------------------------------
 
 

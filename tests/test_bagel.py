@@ -2,8 +2,8 @@
 
 Unit tests (no model): the sampler's schedule, guidance and its bounds, the context checks. With the tiny model
 (`models`): the generator's behaviour, the anchor against BAGEL's upstream code (`bagel_reference`: prefill K/V
-and generated latents equal upstream's in float32), and vLLM loading the folder (one AsyncLLM start for the
-module, in a subprocess: vLLM spawns processes and rebinds the threads of the process it runs in).
+and generated latents equal upstream's in float32), and `BagelEngine` (the dit stage) on payloads a thinker would
+send. vLLM loading the folder (text and image understanding) is tests/test_serve_bagel.py's, through the router.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
-from servelib import run_vllm_script, tiny_model
+from servelib import tiny_model
 
 from omni_runtime.engines.diffusion.bagel import BagelGuidance, KvContext, MissingContext, empty_context
 from omni_runtime.engines.diffusion.bagel.generate import latent_grid, select_contexts
@@ -434,74 +434,110 @@ def test_prefill_kv_and_generated_latents_equal_upstream_bagel(
         torch.testing.assert_close(decoded, upstream["images"][case["name"]], atol=UPSTREAM_ATOL, rtol=0)
 
 
-# --- vLLM serves the understanding path ------------------------------------------------------------------------
-
-_VLLM_BAGEL_SCRIPT = """
-import asyncio, json, sys
-
-async def run(path):
-    from PIL import Image
-    from transformers import AutoTokenizer
-    from vllm import SamplingParams
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=path, dtype="bfloat16", max_model_len=512, kv_cache_memory_bytes=64 * 1024**2,
-        enforce_eager=True, seed=0, limit_mm_per_prompt={"image": 1}))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
-
-    def chat(content):
-        return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)
-
-    async def one(request_id, prompt):
-        async for out in engine.generate(prompt, params, request_id=request_id):
-            final = out
-        step = final.outputs[0].logprobs[0]
-        return {"prompt_ids": list(final.prompt_token_ids), "tokens": list(final.outputs[0].token_ids),
-                "first_logprob": max(entry.logprob for entry in step.values())}
-
-    picture = [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]
-    results = {
-        "text": await one("text", {"prompt": chat("Describe a red apple.")}),
-        "red": await one("red", {"prompt": chat(picture),
-                                 "multi_modal_data": {"image": Image.new("RGB", (80, 60), (220, 30, 30))}}),
-        "blue": await one("blue", {"prompt": chat(picture),
-                                   "multi_modal_data": {"image": Image.new("RGB", (80, 60), (20, 40, 230))}}),
-    }
-    engine.shutdown()
-    print("RESULT " + json.dumps(results))
-
-if __name__ == "__main__":
-    asyncio.run(run(sys.argv[1]))
-"""
+# --- the dit stage's engine, on payloads a thinker would send ----------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def vllm_results(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One AsyncLLM start for the module: a text prompt and two single-image prompts."""
-    return run_vllm_script(_VLLM_BAGEL_SCRIPT, model_dir, tmp_path_factory.mktemp("vllm-bagel"))
+def dit_engine(model_dir: Path):
+    """The bagel topology's dit stage (its engine args as the registry has them), started: it loads the generation
+    path and passes its self-check."""
+    import asyncio
+
+    from omni_runtime.engines.diffusion.bagel.engine import BagelEngine
+    from omni_runtime.registry import get_pipeline
+    from omni_runtime.spec import resolve_pipeline
+
+    pipeline = resolve_pipeline(get_pipeline("bagel"), name="bagel-dit", model=str(model_dir))
+    engine = BagelEngine(pipeline, pipeline.topology.stage("dit"))
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(engine.start())
+    yield engine, loop
+    loop.run_until_complete(engine.stop())
+    loop.close()
 
 
-@pytest.mark.models
-def test_vllm_serves_tiny_bagel_text_only(vllm_results: dict) -> None:
-    assert len(vllm_results["text"]["tokens"]) == 8
+def _payload(engine, context: KvContext, dtype: torch.dtype = torch.bfloat16) -> dict:
+    from omni_runtime.processors.kv_cache import make_kv_payload
 
-
-@pytest.mark.models
-def test_vllm_serves_tiny_bagel_with_one_image(vllm_results: dict, model_dir: Path) -> None:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    pad, start, end = (
-        tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
+    n = context.num_tokens
+    return dict(
+        make_kv_payload(
+            context.keys.to(dtype), context.values.to(dtype), model=engine.expected.model, positions=list(range(n))
+        )
     )
-    ids = vllm_results["red"]["prompt_ids"]
-    # the placeholder became vit_max_num_patch_per_side**2 = 16 image tokens, framed by vision start / end
-    assert ids.count(pad) == 16
-    first = ids.index(pad)
-    assert ids[first - 1] == start and ids[first + 16] == end
-    assert len(vllm_results["red"]["tokens"]) == 8
-    # the picture reaches the model through SigLIP: another picture, another next-token distribution
-    assert vllm_results["red"]["first_logprob"] != vllm_results["blue"]["first_logprob"]
+
+
+def _draw(engine, loop, contexts: dict, **params):
+    from omni_runtime.engines.base import EngineInput
+
+    request = EngineInput("r1", {"contexts": contexts}, {"height": 32, "width": 32, "num_inference_steps": 2,
+                                                          "seed": 1, **params})  # fmt: skip
+
+    async def run():
+        return [out async for out in engine.generate(request)]
+
+    return loop.run_until_complete(run())
+
+
+@pytest.mark.models
+def test_the_dit_stage_draws_from_the_thinkers_payloads(dit_engine, generator, prompt_ids) -> None:
+    engine, loop = dit_engine
+    primary = generator.prefill(generator.frame_text(prompt_ids))
+    empty = generator.prefill(generator.frame_text([]))
+    (out,) = _draw(engine, loop, {"primary": _payload(engine, primary), "cfg_text": _payload(engine, empty)})
+    assert out.finished and out.data["images"][0][:8] == b"\x89PNG\r\n\x1a\n"
+    assert engine.forwards_log[-1] == {"primary": 2, "cfg_text": 2, "cfg_img": 0}
+    (unguided,) = _draw(engine, loop, {"primary": _payload(engine, primary)}, cfg_text_scale=1)
+    assert engine.forwards_log[-1]["cfg_text"] == 0 and unguided.data["images"] != out.data["images"]
+
+
+@pytest.mark.models
+def test_a_companion_whose_kv_did_not_arrive_fails_the_request_naming_its_role(dit_engine, generator, prompt_ids):
+    from omni_runtime.engines.base import EngineError
+
+    engine, loop = dit_engine
+    primary = _payload(engine, generator.prefill(generator.frame_text(prompt_ids)))
+    with pytest.raises(EngineError, match="context 'cfg_text' is missing"):
+        _draw(engine, loop, {"primary": primary})  # the stage's default cfg_text_scale is 4: it needs cfg_text
+
+
+@pytest.mark.models
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_layers": 28}, "payload from a checkpoint with 28 layers"),
+        ({"kv_version": 2}, "version 2), this stage expects"),
+        ({"model": "Other/2L/2x32/bfloat16/0123"}, "payload from checkpoint 'Other/2L/2x32/bfloat16/0123'"),
+    ],
+)
+def test_a_payload_from_another_checkpoint_or_version_is_refused_naming_both(
+    dit_engine, generator, prompt_ids, change: dict, message: str
+) -> None:
+    from omni_runtime.engines.base import EngineError
+
+    engine, loop = dit_engine
+    context = generator.prefill(generator.frame_text(prompt_ids))
+    bad = {**_payload(engine, context), **change}
+    with pytest.raises(EngineError, match="role primary") as err:
+        _draw(engine, loop, {"primary": bad, "cfg_text": _payload(engine, context)})
+    assert message in str(err.value) and "this stage expects" in str(err.value)
+    float32 = _payload(engine, context, torch.float32)  # another cache dtype: the header and arrays agree
+    with pytest.raises(EngineError, match="float32.*this stage expects .*bfloat16"):
+        _draw(engine, loop, {"primary": float32, "cfg_text": _payload(engine, context)})
+
+
+@pytest.mark.models
+def test_the_dit_stage_refuses_what_it_does_not_read(dit_engine, generator, prompt_ids) -> None:
+    from omni_runtime.engines.base import InvalidRequest
+
+    engine, loop = dit_engine
+    contexts = {"primary": _payload(engine, generator.prefill(generator.frame_text(prompt_ids)))}
+    refused = (
+        ({"guidance_scale": 2.0}, "guidance_scale"),
+        ({"cfg_text_scale": 9}, "cfg_text_scale"),
+        ({"height": 40}, "height"),
+        ({"num_inference_steps": 500}, "num_inference_steps"),
+    )
+    for params, field in refused:
+        with pytest.raises(InvalidRequest, match=field):
+            _draw(engine, loop, contexts, **params)

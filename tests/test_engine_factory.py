@@ -41,7 +41,7 @@ def test_an_unknown_generation_runner_lists_every_runner_of_the_kind(runner: obj
 
 def test_runners_per_kind() -> None:
     assert runners(StageKind.GENERATION) == ALL_GENERATION_RUNNERS
-    assert runners(StageKind.AR) == [] and runners(StageKind.DIFFUSION) == []
+    assert runners(StageKind.AR) == [] and runners(StageKind.DIFFUSION) == ["bagel"]
 
 
 def test_every_stage_kind_has_an_engine_and_each_table_entry_is_an_engine_class() -> None:

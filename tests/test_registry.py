@@ -41,6 +41,7 @@ BUILTIN = {
     "text-chat",
     "prompt-enhanced-t2i",
     "z-image",
+    "bagel",
 }
 
 
@@ -215,7 +216,7 @@ def test_unknown_name_lists_the_known_ones() -> None:
     with pytest.raises(RegistryError) as info:
         get_pipeline("qwen4-omni")
     message = str(info.value)
-    assert message.startswith("pipeline 'qwen4-omni' is unknown; known pipelines are ['flux', ")
+    assert message.startswith("pipeline 'qwen4-omni' is unknown; known pipelines are ['bagel', 'flux', ")
     for name in BUILTIN:
         assert repr(name) in message
     assert "qwen2.5-omni -> qwen2-5-omni" in message
@@ -232,6 +233,7 @@ def test_unknown_name_lists_the_known_ones() -> None:
         (["LlamaForCausalLM"], "text-chat"),
         (["Qwen3OmniMoeForConditionalGeneration"], "qwen3-omni"),
         (["Qwen2_5OmniForConditionalGeneration"], "qwen2-5-omni"),
+        (["BagelForConditionalGeneration"], "bagel"),
     ],
 )
 def test_resolve_from_config_json(tmp_path: Path, architectures: list[str], pipeline: str) -> None:

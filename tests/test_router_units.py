@@ -27,7 +27,12 @@ from omni_runtime.router.errors import (
     error_response,
     from_stage_failure,
 )
-from omni_runtime.router.plan import companion_inputs, plan_request, producible_modalities
+from omni_runtime.router.plan import (
+    companion_inputs,
+    plan_request,
+    producible_modalities,
+    without_unweighted_companions,
+)
 from omni_runtime.router.protocol.chat import ChatMessage
 from omni_runtime.router.protocol.images import parse_size
 from omni_runtime.router.serving.inputs import entry_inputs, normalize_messages, stage_params
@@ -187,6 +192,8 @@ def test_validation_and_http_errors_map_to_openai_bodies() -> None:
 
 # -- planning ------------------------------------------------------------------------------------
 
+ROLES = ("primary", "cfg_text")
+
 
 def test_plan_of_the_prompt_enhanced_pipeline_runs_the_companion() -> None:
     topology = get_pipeline("prompt-enhanced-t2i")
@@ -217,12 +224,78 @@ def test_plan_runs_only_what_the_modalities_need_and_streams_windowed_edges() ->
 def test_companion_inputs_replace_the_last_user_message() -> None:
     topology = get_pipeline("prompt-enhanced-t2i")
     entry = {"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "a cat"}]}
-    default = companion_inputs(topology, "enhancer", entry, None)["cfg_text"]
+    default = companion_inputs(topology, "enhancer", entry, None, ROLES)["cfg_text"]
     assert default["messages"][0] == {"role": "system", "content": "sys"}
     assert default["messages"][1]["content"].startswith("blurry, low quality")
-    assert companion_inputs(topology, "enhancer", entry, "dark")["cfg_text"]["messages"][1]["content"] == "dark"
+    assert companion_inputs(topology, "enhancer", entry, "dark", ROLES)["cfg_text"]["messages"][1]["content"] == "dark"
     assert entry["messages"][1]["content"] == "a cat"  # the primary's input is untouched
-    assert companion_inputs(topology, "enhancer", {"prompt": "x"}, "neg")["cfg_text"] == {"prompt": "neg"}
+    assert companion_inputs(topology, "enhancer", {"prompt": "x"}, "neg", ROLES)["cfg_text"] == {"prompt": "neg"}
+
+
+def test_bagel_images_run_the_thinker_for_its_context_only_and_a_chat_runs_it_alone() -> None:
+    topology = get_pipeline("bagel")
+    images = plan_request(topology, ["image"])
+    thinker = images.stages["thinker"]
+    assert thinker.roles == ("primary", "cfg_text") and thinker.context_only and not thinker.final
+    assert images.stages["dit"].input_processor == "ar_kv_to_bagel" and images.final == ("dit",)
+    chat = plan_request(topology, ["text"])  # understanding: the dit gets no work
+    assert list(chat.stages) == ["thinker"] and not chat.stages["thinker"].context_only
+    assert chat.stages["thinker"].roles == ("primary",)
+    enhancer = plan_request(get_pipeline("prompt-enhanced-t2i"), ["image"]).stages["enhancer"]
+    assert not enhancer.context_only  # its text is the dit's prompt: it must generate
+
+
+def test_a_bagel_chat_answers_in_text_unless_it_asks_for_the_image_alone() -> None:
+    from omni_runtime.router.plan import chat_modalities, context_drawn
+
+    bagel = get_pipeline("bagel")
+    assert context_drawn(bagel) == {"image": "thinker"}
+    assert chat_modalities(bagel, None) == ["text"]  # understanding
+    assert chat_modalities(bagel, ["image"]) == ["image"]
+    with pytest.raises(ValueError, match="either answers in text or prefills the context"):
+        chat_modalities(bagel, ["text", "image"])
+    omni = get_pipeline("qwen3-omni")  # speech is streamed from the thinker's text, not drawn from a context
+    assert context_drawn(omni) == {} and chat_modalities(omni, None) == ["text", "audio"]
+
+
+def test_a_companion_whose_guidance_is_one_is_not_planned() -> None:
+    topology = get_pipeline("bagel")
+    plan = plan_request(topology, ["image"])
+    default = without_unweighted_companions(topology, plan, {"dit": {}})  # the dit's default cfg_text_scale is 4
+    assert default.stages["thinker"].roles == ("primary", "cfg_text")
+    off = without_unweighted_companions(topology, plan, {"dit": {"cfg_text_scale": 1}})
+    assert off.stages["thinker"].roles == ("primary",)
+    assert plan.stages["thinker"].roles == ("primary", "cfg_text")  # the shared plan is untouched
+    # no guidance field: the prompt enhancer's companion always runs
+    enhanced = get_pipeline("prompt-enhanced-t2i")
+    eplan = plan_request(enhanced, ["image"])
+    assert without_unweighted_companions(enhanced, eplan, {"dit": {"guidance_scale": 1}}) == eplan
+
+
+def test_companion_inputs_drop_the_text_or_the_images() -> None:
+    from omni_runtime.processors.companions import companion_input
+    from omni_runtime.spec import CompanionSpec
+
+    picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    entry = {
+        "messages": [{"role": "user", "content": [picture, {"type": "text", "text": "make it red"}]}],
+        "image": b"png",
+        "negative_prompt": "dull",
+    }
+    text_free = companion_input(CompanionSpec(role="cfg_text", drops="text"), entry, None)
+    assert text_free["messages"][0]["content"] == [picture, {"type": "text", "text": ""}]
+    assert text_free["image"] == b"png" and "negative_prompt" not in text_free
+    image_free = companion_input(CompanionSpec(role="cfg_img", drops="image"), entry, "ignored")
+    assert image_free["messages"][0]["content"] == "make it red" and "image" not in image_free
+    assert entry["messages"][0]["content"][0] is picture  # the primary's input is untouched
+
+
+def test_companion_roles_must_be_distinct_and_not_primary() -> None:
+    from omni_runtime.spec import StageSpec
+
+    for roles in (["cfg_text", "cfg_text"], ["primary"]):
+        with pytest.raises(ValidationError, match="must be distinct and never 'primary'"):
+            StageSpec(name="a", kind="ar", companions=[{"role": r} for r in roles])
 
 
 def test_stage_params_by_kind_and_choice() -> None:

@@ -25,6 +25,8 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 _RTF = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2, 3, 5, 10, 20)
+_KV_BYTES = (1e4, 1e5, 1e6, 1e7, 3e7, 1e8, 3e8, 1e9, 3e9)
+"""A KV cache's size: a tiny model's few kB to HunyuanImage-3's ~90 MB and long contexts' GBs."""
 _TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 
@@ -174,6 +176,23 @@ class Stage:
     denoise_step = Histogram(
         "omnikube_stage_denoise_step_seconds", "Time of one denoising step of a diffusion pipeline call "
         "(the whole batch's step).", ["pipeline", "stage"], buckets=_LATENCY, registry=REGISTRY,
+    )  # fmt: skip
+    kv_bytes = Histogram(
+        "omnikube_stage_kv_cache_bytes", "Bytes of one KV cache (one role of one request) this stage received "
+        "from an AR stage over an edge that hands over KV (AR -> DiT).",
+        ["pipeline", "stage", "source"], buckets=_KV_BYTES, registry=REGISTRY,
+    )  # fmt: skip
+    kv_seconds = Histogram(
+        "omnikube_stage_kv_cache_transfer_seconds", "Time to get one KV cache (one role of one request) out of "
+        "the edge's connector.", ["pipeline", "stage", "source"], buckets=_LATENCY, registry=REGISTRY,
+    )  # fmt: skip
+    kv_companions = Histogram(
+        "omnikube_stage_cfg_companions", "CFG companion contexts a request brought to this stage (0: unguided, "
+        "or guidance that needs none).", ["pipeline", "stage"], buckets=(0, 1, 2, 3), registry=REGISTRY,
+    )  # fmt: skip
+    vae_decode = Histogram(
+        "omnikube_stage_vae_decode_seconds", "Time of one VAE decode of a diffusion stage (after its denoising "
+        "steps).", ["pipeline", "stage"], buckets=_LATENCY, registry=REGISTRY,
     )  # fmt: skip
     connector_unreleased = Gauge(
         "omnikube_connector_payloads_unreleased", "Payloads this stage process put that are not released "

@@ -91,6 +91,12 @@ class EngineInput:
     companion_of: str | None = None
     """The `request_id` of the primary this CFG companion runs beside (aborting that primary aborts this
     too); None for a primary."""
+    group_size: int = 1
+    """How many requests prefill together with this one: the primary and the CFG companions the router sent this
+    stage for the same request (each as its own work, the companions naming the primary in `companion_of`)."""
+    context_only: bool = False
+    """The next stage reads only this request's context (an AR stage's KV cache after prefill): prefill, send
+    the context, generate nothing. An engine that cannot export a context refuses it."""
 
 
 @dataclass

@@ -1,11 +1,11 @@
 """`make_engine`: the engine for one stage of a resolved pipeline, chosen by the stage's kind and runner.
 
 `ENGINES` is the one table of every engine a stage server can build: `(stage kind, runner)` to
-`"module:Class"`. The runner is the stage's `engine_args.runner`; a kind with one engine has the key
-`(kind, None)` and does not read `engine_args.runner` (an AR stage's `runner` is vLLM's own engine arg,
-passed on). Engine modules are imported by name only when their key is asked for, so importing the
-factory imports no torch, vLLM or diffusers, a diffusion stage never imports vLLM and an AR stage
-never imports diffusers.
+`"module:Class"`. The runner is the stage's `engine_args.runner`; a kind's default engine has the key
+`(kind, None)` and runs every stage of the kind whose `runner` names no other engine (an AR stage's `runner`
+is vLLM's own engine arg, passed on; a diffusion stage's `runner: bagel` picks BAGEL's generation engine).
+Engine modules are imported by name only when their key is asked for, so importing the factory imports no
+torch, vLLM or diffusers, a diffusion stage never imports vLLM and an AR stage never imports diffusers.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ __all__ = ["ENGINES", "engine_class", "make_engine", "runners"]
 ENGINES: Mapping[tuple[StageKind, str | None], str] = {
     (StageKind.AR, None): "omni_runtime.engines.ar.engine:AREngine",
     (StageKind.DIFFUSION, None): "omni_runtime.engines.diffusion.engine:DiffusionEngine",
+    (StageKind.DIFFUSION, "bagel"): "omni_runtime.engines.diffusion.bagel.engine:BagelEngine",
     (StageKind.GENERATION, "vae_decode"): "omni_runtime.engines.generation:VAEDecodeEngine",
     (StageKind.GENERATION, "qwen3_omni_talker"): "omni_runtime.engines.speech.talker:Qwen3TalkerEngine",
     (StageKind.GENERATION, "qwen2_5_omni_talker"): "omni_runtime.engines.speech.talker:Qwen25TalkerEngine",
@@ -41,9 +42,9 @@ def engine_class(kind: StageKind, runner: object = None, stage_name: str = "?") 
 
     Raises EngineError naming every valid runner for the kind (every kind when the kind has no engine).
     """
-    key: tuple[StageKind, str | None] | None = (kind, None)
+    key: tuple[StageKind, str | None] | None = (kind, runner) if isinstance(runner, str) else None
     if key not in ENGINES:
-        key = (kind, runner) if isinstance(runner, str) else None
+        key = (kind, None) if (kind, None) in ENGINES else key
     target = ENGINES.get(key) if key is not None else None
     if key is None or target is None:
         kinds = sorted({k.value for k, _ in ENGINES})

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from omni_runtime.processors.kv_cache import BagelContexts, KvCachePayload
 from omni_runtime.processors.payloads import (
     ArOutput,
     Code2WavInput,
@@ -43,6 +44,7 @@ __all__ = [
     "ProcessorContext",
     "ProcessorError",
     "apply_processor",
+    "ar_kv_to_bagel",
     "ar_text_to_prompt",
     "dit_to_vae",
     "identity",
@@ -269,12 +271,36 @@ def dit_to_vae(upstream: StageSpec, outputs: dict[str, Payload], context: Proces
     return VaeInput(input=latents)
 
 
+def ar_kv_to_bagel(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> BagelContexts:
+    """BAGEL's thinker -> generation expert: each role's `ArOutput.kv_cache` (`KvCachePayload`) -> `BagelContexts`.
+
+    The primary's KV is required; a companion's is passed on under its role when its output arrived. A companion
+    output that arrived without its KV is an error naming the role (the thinker lacks `export_kv_cache`): never
+    a context silently dropped. Which roles the image needs is the dit's to say (its guidance: a companion at
+    scale 1 was never planned), so a role absent here fails there, named, if the guidance needs it.
+    """
+    contexts: dict[str, KvCachePayload] = {}
+    for role in (PRIMARY, *(c.role for c in upstream.companions)):
+        output = _primary(upstream, outputs) if role == PRIMARY else outputs.get(role)
+        if output is None:
+            continue
+        kv = output.get("kv_cache")
+        if kv is None:
+            raise ProcessorError(
+                f"edge {_edge(upstream, context)}: the {role} output of stage {upstream.name!r} has no 'kv_cache' "
+                f"(it has {sorted(output)}); set engine_args.export_kv_cache: true on that stage"
+            )
+        contexts[role] = kv
+    return BagelContexts(contexts=contexts)
+
+
 PROCESSORS: dict[str, Processor] = {
     "identity": identity,
     "ar_text_to_prompt": ar_text_to_prompt,
     "thinker_to_talker": thinker_to_talker,
     "talker_to_code2wav": talker_to_code2wav,
     "dit_to_vae": dit_to_vae,
+    "ar_kv_to_bagel": ar_kv_to_bagel,
 }
 """Implementations by name; the keys equal `INPUT_PROCESSORS`' (a test checks it)."""
 

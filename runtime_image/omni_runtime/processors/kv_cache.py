@@ -33,6 +33,7 @@ from typing import Annotated, Any, TypedDict
 from omni_runtime.processors.markers import Array, DtypeKind, Layout, downstream_only
 
 __all__ = [
+    "BagelContexts",
     "KV_LAYOUT",
     "KV_PAYLOAD_VERSION",
     "TEXT_CONFIG_KEYS",
@@ -84,6 +85,13 @@ class KvCachePayload(TypedDict):
     """K after rope (tokens, layers, kv_heads, head_dim), in `dtype`."""
     values: Annotated[Array, KV_LAYOUT, downstream_only]
     """V (tokens, layers, kv_heads, head_dim), in `dtype`."""
+
+
+class BagelContexts(TypedDict):
+    """What `ar_kv_to_bagel` gives BAGEL's generation stage: each context's KV cache the thinker ran, by role
+    (`primary`, and `cfg_text` / `cfg_img` for the CFG companions that ran)."""
+
+    contexts: Annotated[dict[str, KvCachePayload], downstream_only]
 
 
 @dataclass(frozen=True)

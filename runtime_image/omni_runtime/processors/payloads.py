@@ -7,7 +7,8 @@ markers its fields carry (`Items`, `downstream_only`: `processors.markers`), not
     ar ─ArOutput─▶ thinker_to_talker ─TalkerInput─▶ talker ─TalkerOutput─▶ talker_to_code2wav
        ─Code2WavInput─▶ code2wav | token2wav ─AudioOutput─▶ router
     ar ─ArOutput─▶ ar_text_to_prompt ─DiffusionPrompt─▶ diffusion ─LatentsOutput─▶ dit_to_vae ─VaeInput─▶ vae
-    ar (export_kv_cache) ─ArOutput.kv_cache: KvCachePayload (`processors.kv_cache`)─▶ a DiT attending to it
+    ar (export_kv_cache) ─ArOutput.kv_cache: KvCachePayload (`processors.kv_cache`)─▶ ar_kv_to_bagel
+       ─BagelContexts (the KV of each role)─▶ BAGEL's generation stage (diffusion, runner bagel)
 
 **One array layout: time first.** Every array on an edge has its time (or sequence, or batch) axis
 first: codec codes are (frames, codebooks), hidden-state rows (rows, hidden), media rows (media
@@ -28,7 +29,7 @@ import typing
 from collections.abc import Mapping
 from typing import Annotated, Any, TypedDict
 
-from omni_runtime.processors.kv_cache import KvCachePayload
+from omni_runtime.processors.kv_cache import BagelContexts, KvCachePayload
 from omni_runtime.processors.markers import Array, DtypeKind, Items, Layout, downstream_only
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "DiffusionPrompt",
     "DtypeKind",
     "Items",
+    "BagelContexts",
     "KvCachePayload",
     "LatentsOutput",
     "Layout",
@@ -192,6 +194,7 @@ PAYLOAD_KINDS: tuple[type, ...] = (
     DiffusionPrompt,
     VaeInput,
     KvCachePayload,
+    BagelContexts,
 )
 """Every payload kind; the order is the precedence of their `Items` fields (a talker's codes before token ids)."""
 

@@ -167,13 +167,19 @@ class _Run:
         entry = self.req.entry.get(stage, {})
         roles = {PRIMARY: entry}
         if len(sp.roles) > 1:
-            roles.update(companion_inputs(self.orch.pipeline.topology, stage, entry, self.req.negative_prompt))
+            roles.update(
+                companion_inputs(self.orch.pipeline.topology, stage, entry, self.req.negative_prompt, sp.roles)
+            )
         for role in sp.roles:
             self._submit(stage, role, client, inline=roles[role], inputs=[])
 
     async def _pick(self, stage: str) -> ReplicaClient:
         """A replica for new work: never a draining one (it only finishes what it runs)."""
         return await self.orch.pool.pick(stage)
+
+    def _work_id(self, stage: str, role: str) -> str:
+        """The id of this request's work for `role` on `stage`: unique per router over time."""
+        return f"{self.req.request_id}.{self.req.choice}.{stage}.{role}"
 
     def _submit(
         self,
@@ -186,7 +192,7 @@ class _Run:
         more: bool = False,
     ) -> _Work:
         sp = self.plan.stages[stage]
-        work_id = f"{self.req.request_id}.{self.req.choice}.{stage}.{role}"
+        work_id = self._work_id(stage, role)
         work = _Work(id=work_id, stage=stage, role=role, client=client, final=sp.final and role == PRIMARY)
         self.works.setdefault(stage, {})[role] = work
         submit = P.Submit(
@@ -203,6 +209,9 @@ class _Run:
             final=work.final,
             stream=self.req.stream and work.final,
             edges=list(sp.edges),
+            context_only=sp.context_only,
+            companion_of=None if role == PRIMARY else self._work_id(stage, PRIMARY),
+            group_size=len(sp.roles) if inline is not None else 1,
         )
         work.delivered.extend(inputs)
         try:

@@ -4,20 +4,33 @@ edges stream. Pure functions of the topology and the requested modalities.
 - The stages that run are the final-output stages producing a requested modality plus everything
   upstream of them (Qwen-Omni asked for text only runs the thinker alone).
 - A stage's companions (CFG) run beside its primary only on entry stages with downstream work; their
-  prompt is the request's `negative_prompt`, else the companion's default.
+  input is the primary's less its text (the request's `negative_prompt`, else the companion's default) or
+  its images; a companion whose guidance scale the request sets to 1 does not run
+  (`without_unweighted_companions`).
 - An edge streams (`window` > 0) only when its target has that one upstream edge and its source runs no
   companions; otherwise the whole output travels as one handle.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_runtime.spec import Modality, PipelineSpec, StageKind
+from omni_runtime.processors.companions import companion_input, unweighted_companions
+from omni_runtime.spec import CONTEXT_ONLY_PROCESSORS, Modality, PipelineSpec, StageKind
 from omni_runtime.wire.protocol import EdgeOut
 
-__all__ = ["Plan", "StagePlan", "companion_inputs", "plan_request", "producible_modalities"]
+__all__ = [
+    "Plan",
+    "StagePlan",
+    "chat_modalities",
+    "companion_inputs",
+    "context_drawn",
+    "plan_request",
+    "producible_modalities",
+    "without_unweighted_companions",
+]
 
 PRIMARY = "primary"
 
@@ -37,6 +50,9 @@ class StagePlan:
     streamed_input: bool = False
     """Its single upstream edge streams: it is submitted on the first chunk and fed the rest."""
     input_processor: str = "identity"
+    context_only: bool = False
+    """Every planned edge out of it reads only its context (`CONTEXT_ONLY_PROCESSORS`): an AR stage prefills and
+    stops."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +70,38 @@ def producible_modalities(topology: PipelineSpec) -> list[str]:
         if stage.final_output and stage.output_modality.value not in out:
             out.append(stage.output_modality.value)
     return out
+
+
+def context_drawn(topology: PipelineSpec) -> dict[str, str]:
+    """Modality -> the stage whose context draws it: the modalities a final stage makes from a context-only edge
+    (`CONTEXT_ONLY_PROCESSORS`) out of a stage that answers in text itself (BAGEL's images, from the thinker's KV).
+    Such a stage either answers or prefills a context for the other, not both in one request."""
+    out: dict[str, str] = {}
+    for stage in topology.stages:
+        if not stage.final_output:
+            continue
+        for edge in topology.upstream(stage.name):
+            source = topology.stage(edge.source)
+            if edge.input_processor in CONTEXT_ONLY_PROCESSORS and source.final_output:
+                out.setdefault(stage.output_modality.value, source.name)
+    return out
+
+
+def chat_modalities(topology: PipelineSpec, wanted: list[str] | None) -> list[str]:
+    """What a chat asking for `wanted` (None: nothing said) gets: the producible modalities, less those drawn from a
+    context (`context_drawn`) when it names none, since the answering stage cannot also prefill for them. ValueError
+    when `wanted` asks for text and such a modality together (BAGEL's think-then-draw mode is not served)."""
+    drawn = context_drawn(topology)
+    if wanted is None:
+        return [m for m in producible_modalities(topology) if m not in drawn]
+    together = [m for m in wanted if m in drawn and topology.stage(drawn[m]).output_modality.value in wanted]
+    if together:
+        raise ValueError(
+            f"modalities {sorted(set(wanted))}: stage {drawn[together[0]]!r} either answers in text or prefills the "
+            f"context the {together[0]} is drawn from, not both in one request; ask for ['text'] or "
+            f"[{together[0]!r}]"
+        )
+    return wanted
 
 
 def plan_request(topology: PipelineSpec, modalities: list[str]) -> Plan:
@@ -94,6 +142,8 @@ def plan_request(topology: PipelineSpec, modalities: list[str]) -> Plan:
             outs.append(
                 EdgeOut(target=e.target, connector=topology.edge_connector(e).value, window=window, first_window=first)
             )
+        out_edges = [e for e in edges if e.source == name]
+        context_only = bool(out_edges) and all(e.input_processor in CONTEXT_ONLY_PROCESSORS for e in out_edges)
         stages[name] = StagePlan(
             name=name,
             kind=spec.kind,
@@ -104,28 +154,30 @@ def plan_request(topology: PipelineSpec, modalities: list[str]) -> Plan:
             edges=tuple(outs),
             streamed_input=streamed,
             input_processor=processor,
+            context_only=context_only and name not in final,
         )
     return Plan(stages=stages, entry=entry, final=tuple(final))
 
 
 def companion_inputs(
-    topology: PipelineSpec, stage: str, entry: dict[str, Any], negative_prompt: str | None
+    topology: PipelineSpec, stage: str, entry: dict[str, Any], negative_prompt: str | None, roles: tuple[str, ...]
 ) -> dict[str, dict[str, Any]]:
-    """The inline input of each companion role of `stage`: the primary's, with its prompt (the last
-    user message of a chat) replaced by `negative_prompt` or the companion's default."""
-    out = {}
-    for companion in topology.stage(stage).companions:
-        text = negative_prompt or companion.negative_prompt
-        data = {k: v for k, v in entry.items() if k != "negative_prompt"}
-        if "messages" in entry:
-            messages = [dict(m) for m in entry["messages"]]
-            users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-            if users:
-                messages[users[-1]]["content"] = text
-            else:
-                messages.append({"role": "user", "content": text})
-            data["messages"] = messages
-        else:
-            data["prompt"] = text
-        out[companion.role] = data
-    return out
+    """The inline input of each companion role of `stage` in `roles`, derived from the primary's `entry`
+    (`processors.companions.companion_input`: its text replaced by `negative_prompt` or the companion's
+    default, or its images dropped)."""
+    return {
+        c.role: companion_input(c, entry, negative_prompt) for c in topology.stage(stage).companions if c.role in roles
+    }
+
+
+def without_unweighted_companions(topology: PipelineSpec, plan: Plan, params: dict[str, dict[str, Any]]) -> Plan:
+    """`plan` less the companions this request's guidance makes useless (a scale of 1:
+    `processors.companions.unweighted_companions`), so that no work for them is ever sent."""
+    stages = dict(plan.stages)
+    for name, sp in plan.stages.items():
+        if len(sp.roles) == 1:
+            continue
+        skip = unweighted_companions(topology, name, params, plan.stages)
+        if skip:
+            stages[name] = dataclasses.replace(sp, roles=tuple(r for r in sp.roles if r not in skip))
+    return dataclasses.replace(plan, stages=stages)

@@ -19,6 +19,7 @@ from omni_runtime.spec.engine_args import (
     engine_args_for,
 )
 from omni_runtime.spec.enums import (
+    CONTEXT_ONLY_PROCESSORS,
     INPUT_PROCESSORS,
     Modality,
     MooncakeMode,
@@ -26,6 +27,7 @@ from omni_runtime.spec.enums import (
     StageKind,
 )
 from omni_runtime.spec.pipeline import (
+    CompanionDrops,
     CompanionSpec,
     EdgeSpec,
     ModelMatch,
@@ -61,10 +63,12 @@ __all__ = [
     "CONNECTOR_KINDS",
     "DRAIN_TIMEOUT_S",
     "ENGINE_ARGS_MODELS",
+    "CONTEXT_ONLY_PROCESSORS",
     "INPUT_PROCESSORS",
     "ROUTER_PORT",
     "STAGE_HTTP_PORT",
     "STAGE_PORT",
+    "CompanionDrops",
     "CompanionSpec",
     "ConnectorKind",
     "ConnectorKindFacts",

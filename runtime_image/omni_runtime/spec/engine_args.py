@@ -31,6 +31,7 @@ __all__ = [
     "KV_EXPORT_EXCLUSIVE",
     "AccelSettings",
     "ArArgs",
+    "BagelArgs",
     "Code2WavArgs",
     "DiffusionArgs",
     "EngineArgs",
@@ -157,6 +158,15 @@ class ArArgs(EngineArgs, RegistryOnlyKeys):
         "then omnikube's: not with `hidden_state_layers` / `media_hidden_layer` (one KV connector per engine), "
         "`speculative_config`, `async_scheduling` or a quantized `kv_cache_dtype`; one sequence per request (n 1). "
         "Never passed to vLLM.",
+    )
+
+    context_format: Literal["chat_template", "bagel"] = Field(
+        "chat_template",
+        description="How a context-only request (one whose next stage reads only its KV cache: `ar_kv_to_bagel`) "
+        "is tokenized: `chat_template`, the model's template as every chat; `bagel`, BAGEL's contexts (every "
+        "message's text as `<|im_start|>` + text + `<|im_end|>`, no role word, nothing after), what its "
+        "generation expert was trained on. Chats the stage answers itself always use the template. Never passed "
+        "to vLLM.",
     )
 
     @model_validator(mode="after")
@@ -328,6 +338,29 @@ class DiffusionArgs(EngineArgs, AccelSettings, VideoArgs, RegistryOnlyKeys):
     )
 
 
+class BagelArgs(EngineArgs):
+    """A `diffusion` stage with `runner: bagel`: BAGEL's generation expert drawing over the thinker's KV caches
+    (`engines.diffusion.bagel`), loaded from the same checkpoint folder as the thinker."""
+
+    model_config = ConfigDict(extra="forbid")
+    passes_through = ""
+
+    runner: Literal["bagel"] = Field(description="The BAGEL generation engine: bagel.")
+    torch_dtype: StrictStr | None = Field(
+        None,
+        description="A torch dtype name (float32, bfloat16); unset: float32 on a CPU, bfloat16 on CUDA. A name "
+        "torch lacks fails the stage at start.",
+    )
+    device: Device = None
+    max_inference_steps: int = Field(200, ge=1, description="Most denoising steps a request may ask for.")
+    kv_dtype: StrictStr | None = Field(
+        None,
+        description="The dtype of the thinker's KV cache, which every payload must have (a payload of another "
+        "dtype is refused, naming both); unset: the checkpoint's torch_dtype, what the thinker's vLLM runs unless "
+        "its own `dtype` says otherwise.",
+    )
+
+
 class GenerationArgs(EngineArgs):
     """A `generation` stage with `runner: vae_decode` (diffusers AutoencoderKL latents to PNG images)."""
 
@@ -392,6 +425,7 @@ class Token2WavArgs(EngineArgs):
 ENGINE_ARGS_MODELS: Mapping[tuple[StageKind, str | None], type[EngineArgs]] = {
     (StageKind.AR, None): ArArgs,
     (StageKind.DIFFUSION, None): DiffusionArgs,
+    (StageKind.DIFFUSION, "bagel"): BagelArgs,
     (StageKind.GENERATION, "vae_decode"): GenerationArgs,
     (StageKind.GENERATION, "qwen3_omni_talker"): TalkerArgs,
     (StageKind.GENERATION, "qwen2_5_omni_talker"): TalkerArgs,
@@ -399,7 +433,8 @@ ENGINE_ARGS_MODELS: Mapping[tuple[StageKind, str | None], type[EngineArgs]] = {
     (StageKind.GENERATION, "qwen2_5_omni_token2wav"): Token2WavArgs,
 }
 """The args model of every engine, keyed as `engines.factory.ENGINES` (a test keeps the two keys equal): a
-kind with one engine has `(kind, None)` and reads no `runner` (an AR stage's `runner` is vLLM's own)."""
+kind's default engine has `(kind, None)`: it runs a stage whose `runner` names no other engine of the kind (an AR
+stage's `runner` is vLLM's own)."""
 
 
 def _runners(kind: StageKind) -> list[str]:
@@ -408,11 +443,9 @@ def _runners(kind: StageKind) -> list[str]:
 
 def engine_args_model(stage: StageSpec) -> type[EngineArgs]:
     """The args model of the engine that runs `stage`; InvalidEngineArgs when its `runner` names none."""
-    model = ENGINE_ARGS_MODELS.get((stage.kind, None))
-    if model is not None:
-        return model
     runner = stage.engine_args.get("runner")
     model = ENGINE_ARGS_MODELS.get((stage.kind, runner)) if isinstance(runner, str) else None
+    model = model or ENGINE_ARGS_MODELS.get((stage.kind, None))
     if model is not None:
         return model
     what = "has no engine_args.runner" if runner is None else f"names runner {runner!r}"

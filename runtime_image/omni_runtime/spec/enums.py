@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["Modality", "MooncakeMode", "MooncakeProtocol", "StageKind", "INPUT_PROCESSORS"]
+__all__ = ["Modality", "MooncakeMode", "MooncakeProtocol", "StageKind", "CONTEXT_ONLY_PROCESSORS", "INPUT_PROCESSORS"]
 
 
 class StageKind(str, Enum):
@@ -54,7 +54,14 @@ INPUT_PROCESSORS: dict[str, str] = {
     "thinker_to_talker": "Feed the thinker's hidden states and tokens to the talker (Qwen-Omni).",
     "talker_to_code2wav": "Feed the talker's codec tokens to the code-to-waveform module in chunks.",
     "dit_to_vae": "Feed diffusion latents to a separate VAE decode stage.",
+    "ar_kv_to_bagel": "Hand the AR stage's KV cache of the primary context and of each CFG companion to BAGEL's "
+    "generation stage (AR -> DiT over KV).",
 }
 """Named transforms applied to an upstream output before the downstream stage sees it.
 
 The runtime registers one implementation per name; a test checks the two lists agree."""
+
+CONTEXT_ONLY_PROCESSORS: frozenset[str] = frozenset({"ar_kv_to_bagel"})
+"""Input processors that read only the upstream AR stage's context (its KV cache after prefill), never text it
+generates: a request whose every planned edge out of an AR stage has one of these runs that stage's prefill
+alone (`Submit.context_only`)."""

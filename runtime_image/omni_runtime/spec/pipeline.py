@@ -6,6 +6,7 @@ It is pure pydantic: importing it never pulls in torch or an engine.
 
 from __future__ import annotations
 
+import enum
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -15,6 +16,7 @@ from omni_runtime.spec.enums import INPUT_PROCESSORS, Modality, StageKind
 from omni_runtime.spec.reasons import Reason
 
 __all__ = [
+    "CompanionDrops",
     "CompanionSpec",
     "EdgeSpec",
     "ModelMatch",
@@ -57,13 +59,42 @@ class NoUsableConnector(SpecError):
     reason: ClassVar[Reason] = Reason.NO_USABLE_CONNECTOR
 
 
+class CompanionDrops(str, enum.Enum):
+    """What a CFG companion's input leaves out of the primary's."""
+
+    TEXT = "text"
+    """The prompt's text: the last user message becomes the negative prompt (a text-free context)."""
+    IMAGE = "image"
+    """The request's images: the text stays (the image-free context an edit's image guidance needs)."""
+
+
 class CompanionSpec(BaseModel):
-    """A CFG companion: the AR stage also runs a negative prompt, and both outputs reach the next stage."""
+    """A CFG companion: the AR stage also runs a second context beside the primary (a negative prompt, or the
+    prompt without its image), and both outputs reach the next stage together."""
 
     model_config = ConfigDict(extra="forbid")
 
-    role: str = Field("cfg_text", description="Tag carried by the companion request (seed: `cfg_text`).")
+    role: str = Field(
+        "cfg_text",
+        pattern=r"^[a-z][a-z0-9_]*$",  # it becomes part of work ids (`<request>.<choice>.<stage>.<role>`)
+        max_length=40,
+        description="Tag carried by the companion request and its output (seed: `cfg_text`, `cfg_img`).",
+    )
     negative_prompt: str = Field("", description="Prompt used when the request gives no `negative_prompt` of its own.")
+    drops: CompanionDrops = Field(
+        CompanionDrops.TEXT,
+        description="What the companion's input leaves out: `text` (the last user message's text becomes the "
+        "request's `negative_prompt`, else `negative_prompt` here) or `image` (the request's images are removed, "
+        "the text kept).",
+    )
+    guidance: str | None = Field(
+        None,
+        pattern=r"^[a-z][a-z0-9_]*$",
+        max_length=64,
+        description="The request parameter of the stage this companion feeds that weights it (e.g. "
+        "`cfg_text_scale`): when the request's value, else that stage's default, is 1 (no guidance), the "
+        "companion does not run. Unset: it always runs.",
+    )
 
 
 class StageSpec(BaseModel):
@@ -99,6 +130,12 @@ class StageSpec(BaseModel):
             raise ValueError(
                 f"stage {self.name!r}: companions are only supported on ar stages, not {self.kind.value}; "
                 "move them to the AR stage that feeds this one"
+            )
+        roles = [c.role for c in self.companions]
+        if "primary" in roles or len(set(roles)) != len(roles):
+            raise ValueError(
+                f"stage {self.name!r}: companion roles {roles} must be distinct and never 'primary' (the primary "
+                "request's own role); rename the companion"
             )
         if self.final_output and self.output_modality is Modality.HIDDEN:
             raise ValueError(

@@ -24,7 +24,7 @@ from omni_runtime.connectors import ConnectorError, Handle
 from omni_runtime.engines.base import Engine, EngineInput, EngineOutput, InvalidRequest, chunk_request_id
 from omni_runtime.metrics import Stage as M
 from omni_runtime.processors import ProcessorError
-from omni_runtime.spec import ResolvedPipeline
+from omni_runtime.spec import CONTEXT_ONLY_PROCESSORS, ResolvedPipeline
 from omni_runtime.stage.connectors import ConnectorSet
 from omni_runtime.stage.inputs import owned, process_inputs
 from omni_runtime.stage.outputs import client_fields, count_items, merge, summarize
@@ -218,7 +218,15 @@ class WorkRunner:
             if s.more_inputs:
                 chunk_params.update(chunk_index=chunk_index, last_chunk=is_last)
             engine_id = work.id if not s.more_inputs else chunk_request_id(work.id, chunk_index)
-            request = EngineInput(request_id=engine_id, data=data, params=chunk_params, role=s.role)
+            request = EngineInput(
+                request_id=engine_id,
+                data=data,
+                params=chunk_params,
+                role=s.role,
+                companion_of=s.companion_of,
+                group_size=s.group_size,
+                context_only=s.context_only,
+            )
             await self._engine_run(work, request, edges, acc, ends_work=is_last)
             work.phase = "outputs"
             if s.more_inputs:  # a chunk is done with once its engine run is; whole inputs at the end,
@@ -242,7 +250,16 @@ class WorkRunner:
             async for inputs, _ in chunks:
                 yield await self._take(work, None, inputs)
 
-        request = EngineInput(request_id=work.id, data=data, params=dict(params), role=s.role, chunks=rest())
+        request = EngineInput(
+            request_id=work.id,
+            data=data,
+            params=dict(params),
+            role=s.role,
+            chunks=rest(),
+            companion_of=s.companion_of,
+            group_size=s.group_size,
+            context_only=s.context_only,
+        )
         await self._engine_run(work, request, edges, acc, ends_work=True)
 
     async def _take(self, work: Work, inline: dict[str, Any] | None, inputs: list[P.Input]) -> dict[str, Any]:
@@ -313,7 +330,15 @@ class WorkRunner:
         s = work.submit
         if not inputs:
             return dict(inline or {})
-        loaded = [(item, await self.connectors.get(item.handle)) for item in inputs]
+        kv_edge = s.input_processor in CONTEXT_ONLY_PROCESSORS
+        loaded = []
+        for item in inputs:
+            started = time.perf_counter()
+            loaded.append((item, await self.connectors.get(item.handle)))
+            if kv_edge:  # an AR stage's KV cache (one role): the hand-off's own bytes and seconds
+                labels = (self.pipeline.name, self.stage, item.source)
+                M.kv_seconds.labels(*labels).observe(time.perf_counter() - started)
+                M.kv_bytes.labels(*labels).observe(item.handle.nbytes)
         data = process_inputs(
             s.input_processor,
             loaded,

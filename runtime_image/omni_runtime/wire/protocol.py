@@ -106,6 +106,13 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
     """With `final`: send every engine output as it comes (deltas); else only merged at the end."""
     edges: list[EdgeOut] = []
     """Downstream edges to `put` this work's output on."""
+    companion_of: str | None = None
+    """A CFG companion's work: the `id` of its primary's work on this stage (they run as one group)."""
+    group_size: int = 1
+    """Works of this request the router sends this stage together: the primary and its CFG companions."""
+    context_only: bool = False
+    """The downstream stages read only this work's context (an AR stage's KV cache after prefill), not text it
+    would generate: the stage prefills and stops."""
 
 
 class Feed(msgspec.Struct, frozen=True, kw_only=True, tag="feed"):

@@ -73,6 +73,7 @@ from omni_runtime.engines.base import (
     self_check,
 )
 from omni_runtime.engines.common import stage_model_path, typed_engine_args
+from omni_runtime.processors.companions import companion_input
 from omni_runtime.processors.kv_cache import KvExpectation, kv_expectation
 from omni_runtime.processors.payloads import as_payload
 from omni_runtime.spec import ResolvedPipeline, StageSpec
@@ -113,30 +114,23 @@ def companion_id(request_id: str, role: str) -> str:
 
 
 def companion_requests(stage: StageSpec, request: EngineInput) -> list[EngineInput]:
-    """The companion EngineInputs the stage runs beside `request` (one per `stage.companions`).
-
-    A companion's prompt is the request's `negative_prompt` (data or params) or the companion's own
-    default; for chat input it replaces the last user message's content, keeping the system turn.
-    Sampling params are the primary's, so both sequences decode alike.
+    """The companion EngineInputs the stage runs beside `request` (one per `stage.companions`), each input
+    derived from the request's (`processors.companions.companion_input`: the request's `negative_prompt`, data
+    or params, else the companion's default replaces the text; or the images are dropped). Sampling params are
+    the primary's, so both sequences decode alike.
     """
     params = {k: v for k, v in request.params.items() if k != "negative_prompt"}
     negative = request.data.get("negative_prompt") or request.params.get("negative_prompt")
-    out = []
-    for companion in stage.companions:
-        text = negative or companion.negative_prompt
-        if "messages" in request.data:
-            messages = [dict(m) for m in request.data["messages"]]
-            users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-            if users:
-                messages[users[-1]]["content"] = text
-            else:
-                messages.append({"role": "user", "content": text})
-            data: dict[str, Any] = {"messages": messages}
-        else:
-            data = {"prompt": text}
-        companion_rid = companion_id(request.request_id, companion.role)
-        out.append(EngineInput(companion_rid, data, dict(params), companion.role, companion_of=request.request_id))
-    return out
+    return [
+        EngineInput(
+            companion_id(request.request_id, c.role),
+            companion_input(c, request.data, negative),
+            dict(params),
+            c.role,
+            companion_of=request.request_id,
+        )
+        for c in stage.companions
+    ]
 
 
 class AREngine(Engine):
@@ -405,6 +399,8 @@ class AREngine(Engine):
             except Exception as exc:  # vLLM's parsers and grammar builders raise many types on odd tools
                 raise InvalidRequest(f"stage {self.stage.name!r} could not use the tools: {exc}") from exc
         params = {**request.params, **tools.sampling_overrides()} if tools is not None else dict(request.params)
+        if request.context_only:
+            params = self._context_only_params(params)
         context_cap = params.pop(CONTEXT_MAX_TOKENS, None)
         check = params.pop(CHECK_MAX_TOKENS, False)
         sampling = self.sampling_params(params)
@@ -420,11 +416,13 @@ class AREngine(Engine):
         )
         self._active[rid] = request.companion_of
         if self._kv is not None and rid != SELF_CHECK_ID:
-            self._gate.join(rid, request.companion_of or rid)
+            self._gate.join(rid, request.companion_of or rid, request.group_size)
         try:
             data_in = request.data
             if tools is not None:
                 data_in = {**request.data, "template_tools": tools.template_tools}
+            if request.context_only:
+                data_in = self._context_input(data_in)
             prompt = await self.render_prompt(data_in)
             if tools is not None:
                 tools.prompt_token_ids = list(prompt["prompt_token_ids"])
@@ -512,6 +510,35 @@ class AREngine(Engine):
             if self._kv is not None:
                 self._kv.close(rid)
             self._gate.leave(rid)
+
+    def _context_only_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """A context-only request's sampling: prefill, then the one token vLLM always samples (its KV is never
+        computed: the KV sent is the prompt's). EngineError when the stage cannot send its KV."""
+        if self._kv is None:
+            raise EngineError(
+                f"stage {self.stage.name!r} got a context-only request (its next stage reads its KV cache) but does "
+                "not export it; set engine_args.export_kv_cache: true on it"
+            )
+        out = {k: v for k, v in params.items() if k not in ("ignore_eos", "min_tokens", CONTEXT_MAX_TOKENS)}
+        return {**out, "max_tokens": 1}
+
+    def _context_input(self, data: dict[str, Any]) -> dict[str, Any]:
+        """A context-only request's input as `context_format` frames it (`context`): BAGEL's framing as token ids,
+        or the input as it is for the model's chat template. InvalidRequest for an input image BAGEL's context
+        cannot take yet."""
+        if self.args.context_format != "bagel":
+            return data
+        from omni_runtime.engines.ar.context import bagel_context_ids
+
+        if data.get("image") is not None:
+            raise InvalidRequest(
+                f"stage {self.stage.name!r}: image editing with BAGEL is not served yet (the input image must enter "
+                "the context through the VAE as well as the ViT); use /v1/images/generations with a text prompt, "
+                "or /v1/chat/completions to ask about an image"
+            )
+        messages = data.get("messages") or [{"role": "user", "content": str(data.get("prompt", ""))}]
+        ids = bagel_context_ids(self.llm.renderer.tokenizer, messages, self.stage.name)
+        return {"prompt_token_ids": ids}
 
     async def _submit_with_group(self, rid: str, primary: str, sampling: Any) -> None:
         """Wait for the rest of `rid`'s group (`batching.CompanionGate`) and tell vLLM's connector which group it

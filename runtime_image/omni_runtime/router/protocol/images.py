@@ -1,8 +1,8 @@
 """`POST /v1/images/generations` and `/v1/images/edits`: request and response models.
 
 Only `response_format: b64_json` exists (the router keeps no files to link to). `size` is `WxH`;
-`seed`, `negative_prompt`, `num_inference_steps`, `guidance_scale` and vLLM-Omni's
-`sampling_params_list` (one dict per stage) come through `extra_body`.
+`seed`, `negative_prompt`, `num_inference_steps`, `guidance_scale`, BAGEL's guidance (`BAGEL_GUIDANCE`) and
+vLLM-Omni's `sampling_params_list` (one dict per stage) come through `extra_body`.
 Each returned image carries `revised_prompt`: the prompt the image stage actually received (after a
 prompt-enhancing stage), and `revised_negative_prompt` likewise.
 """
@@ -11,11 +11,34 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["IMAGE_REFUSED", "ImageData", "ImageGenerationRequest", "ImagesResponse", "parse_size"]
+from omni_runtime.spec.guidance import BagelGuidance
+
+__all__ = [
+    "BAGEL_GUIDANCE",
+    "IMAGE_REFUSED",
+    "ImageData",
+    "ImageGenerationRequest",
+    "ImagesResponse",
+    "parse_size",
+]
+
+BAGEL_GUIDANCE = tuple(BagelGuidance.model_fields)
+"""The BAGEL guidance fields: image-stage parameters; a stage that does not read one refuses it (400)."""
+
+
+def _bounds(name: str) -> dict[str, Any]:
+    """The bounds (`ge`, `le`, `gt`, `lt`) BAGEL's dit stage puts on guidance field `name`, as Field arguments."""
+    out: dict[str, Any] = {}
+    for constraint in BagelGuidance.model_fields[name].metadata:
+        for key in ("ge", "le", "gt", "lt"):
+            if hasattr(constraint, key):
+                out[key] = getattr(constraint, key)
+    return out
+
 
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX×]\s*(\d{1,5})\s*$")
 
@@ -33,9 +56,41 @@ class ImageGenerationRequest(BaseModel):
     negative_prompt: str | None = None
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, ge=0.0)
+    # BAGEL's guidance, bounded as its dit stage bounds it (`spec.guidance.BagelGuidance`, its docstrings).
+    cfg_text_scale: float | None = Field(
+        None,
+        **_bounds("cfg_text_scale"),
+        description="BAGEL: text guidance (1: none, and the text-free companion does not run).",
+    )
+    cfg_img_scale: float | None = Field(
+        None, **_bounds("cfg_img_scale"), description="BAGEL: image guidance of an edit (1: none)."
+    )
+    cfg_interval: tuple[float, float] | None = Field(
+        None, description="BAGEL: (low, high]: the timesteps (1 = noise, 0 = image) where guidance applies."
+    )
+    cfg_renorm_type: Literal["global", "channel", "text_channel"] | None = Field(
+        None, description="BAGEL: how a guided velocity's norm is capped at the unguided one's."
+    )
+    cfg_renorm_min: float | None = Field(
+        None,
+        **_bounds("cfg_renorm_min"),
+        description="BAGEL: the floor of that renormalisation's factor (1: no renormalisation).",
+    )
+    timestep_shift: float | None = Field(
+        None,
+        **_bounds("timestep_shift"),
+        description="BAGEL: the flow-matching schedule's shift (above 1: more steps at high noise).",
+    )
     sampling_params_list: list[dict[str, Any]] | None = Field(
         None, description="vLLM-Omni: parameters per stage, in the pipeline's topological order."
     )
+
+    @field_validator("cfg_interval")
+    @classmethod
+    def _interval(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None and not 0.0 <= value[0] < value[1] <= 1.0:
+            raise ValueError(f"cfg_interval must be [low, high] with 0 <= low < high <= 1; got {list(value)}")
+        return value
 
 
 IMAGE_REFUSED: dict[str, tuple[str, object]] = {

@@ -22,7 +22,7 @@ from omni_runtime.router.admission import Admission
 from omni_runtime.router.errors import BadRequest, ClientGone, NotFound, OmniError, RequestTimedOut, error_body
 from omni_runtime.router.lifecycle import Lifecycle
 from omni_runtime.router.orchestrator import Orchestrator, PipelineRequest, RunResult, StageEvent
-from omni_runtime.router.plan import Plan, producible_modalities
+from omni_runtime.router.plan import Plan, chat_modalities, producible_modalities
 from omni_runtime.router.pool import StagePool
 from omni_runtime.router.protocol.chat import REFUSED, refused_fields, unknown_fields
 from omni_runtime.router.serving.inputs import text_stages
@@ -140,9 +140,10 @@ class ServingBase:
         return producible_modalities(self.topology)
 
     def check_modalities(self, wanted: list[str] | None) -> list[str]:
+        """The modalities a chat gets for `wanted` (`plan.chat_modalities`); BadRequest naming what cannot be."""
         can = self.producible()
         if wanted is None:
-            return can
+            return chat_modalities(self.topology, None)
         if not wanted:
             raise BadRequest(f"modalities is empty; use a subset of {can}", param="modalities")
         unknown = [m for m in wanted if m not in can]
@@ -152,7 +153,10 @@ class ServingBase:
                 f"(pipeline {self.topology.name}); it can produce {can}",
                 param="modalities",
             )
-        return list(dict.fromkeys(wanted))
+        try:
+            return chat_modalities(self.topology, list(dict.fromkeys(wanted)))
+        except ValueError as err:
+            raise BadRequest(str(err), param="modalities") from None
 
     @staticmethod
     def new_id(prefix: str) -> str:

@@ -16,8 +16,9 @@ from omni_runtime.metrics import Router as M
 from omni_runtime.router.errors import BadRequest
 from omni_runtime.router.media import b64, images_of
 from omni_runtime.router.orchestrator import PipelineRequest, StageEvent
-from omni_runtime.router.plan import Plan, plan_request
+from omni_runtime.router.plan import Plan, plan_request, without_unweighted_companions
 from omni_runtime.router.protocol.images import (
+    BAGEL_GUIDANCE,
     IMAGE_REFUSED,
     ImageData,
     ImageGenerationRequest,
@@ -73,21 +74,24 @@ class ServingImages(ServingBase):
             "seed": body.seed,
             "num_inference_steps": body.num_inference_steps,
             "guidance_scale": body.guidance_scale,
+            **{key: getattr(body, key) for key in BAGEL_GUIDANCE},
         }
         ar = {"seed": body.seed}
-        requests = [
-            PipelineRequest(
-                request_id=request_id,
-                plan=plan,
-                entry=entry,
-                params=stage_params(
-                    self.topology, plan, ar=ar, image=image_params, per_stage=body.sampling_params_list, choice=i
-                ),
-                negative_prompt=body.negative_prompt,
-                choice=i,
-            )  # fmt: skip
-            for i in range(body.n)
-        ]
+        requests = []
+        for i in range(body.n):
+            params = stage_params(
+                self.topology, plan, ar=ar, image=image_params, per_stage=body.sampling_params_list, choice=i
+            )
+            requests.append(
+                PipelineRequest(
+                    request_id=request_id,
+                    plan=without_unweighted_companions(self.topology, plan, params),
+                    entry=entry,
+                    params=params,
+                    negative_prompt=body.negative_prompt,
+                    choice=i,
+                )
+            )
         images: dict[int, list[bytes]] = {}
         started = time.monotonic()
         first = True

@@ -7,7 +7,7 @@ did not arrive must never turn into an unguided image.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -126,8 +126,10 @@ class BagelGenerator:
         seed: int,
         guidance: BagelGuidance | None = None,
         noise: torch.Tensor | None = None,
+        on_step: Callable[[int], None] | None = None,
     ) -> SampleResult:
-        """The denoised latent tokens (and forwards per role) of one image; `noise` overrides the seeded one."""
+        """The denoised latent tokens (and forwards per role) of one image; `noise` overrides the seeded one;
+        `on_step(i)` runs after step i (`sampler.sample`)."""
         guidance = guidance or BagelGuidance()
         grid = self.grid(height, width)
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -143,7 +145,7 @@ class BagelGenerator:
         def role_velocity(role: Role, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             return velocity(self.weights, ready[role], x, t, positions)
 
-        return sample(start, role_velocity, guidance, steps)
+        return sample(start, role_velocity, guidance, steps, on_step)
 
     def generate(
         self,

@@ -1,0 +1,51 @@
+"""The context a context-only request prefills (`EngineInput.context_only`: an AR -> DiT edge reads its KV cache).
+
+A DiT that attends to an AR stage's KV was trained on contexts of one exact shape, and the checkpoint's chat
+template may not make it: BAGEL frames every text segment as `<|im_start|>` + its tokens + `<|im_end|>`, with no
+role word and nothing after (upstream `prepare_prompts`), while its tokenizer's template is Qwen's ChatML. The
+engine arg `context_format` says which: `chat_template` (the model's template, as every chat) or `bagel`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from omni_runtime.engines.base import InvalidRequest
+
+__all__ = ["BAGEL_BOS", "BAGEL_EOS", "bagel_context_ids"]
+
+BAGEL_BOS = "<|im_start|>"
+BAGEL_EOS = "<|im_end|>"
+"""The tokens BAGEL frames each text segment of a context with (upstream's `new_token_ids` bos / eos)."""
+
+
+def _text(message: dict[str, Any], stage: str) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        if any(isinstance(p, dict) and p.get("type") != "text" for p in content):
+            raise InvalidRequest(
+                f"stage {stage!r}: a BAGEL image context with an input image (an edit) is not served yet: the "
+                "image must enter the context through the VAE as well as the ViT; send text only, or ask about the "
+                "image with /v1/chat/completions"
+            )
+        return "\n".join(str(p.get("text", "")) for p in content)
+    raise InvalidRequest(f"stage {stage!r}: message content must be text, not {type(content).__name__}")
+
+
+def bagel_context_ids(tokenizer: Any, messages: Sequence[dict[str, Any]], stage: str) -> list[int]:
+    """BAGEL's context of a chat: every message's text, in order, as `<|im_start|>` + tokens + `<|im_end|>`
+    (an empty text is the bare pair: the reference system's empty companion turn). InvalidRequest for content
+    that is not text."""
+    bos, eos = (tokenizer.convert_tokens_to_ids(t) for t in (BAGEL_BOS, BAGEL_EOS))
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if not isinstance(bos, int) or not isinstance(eos, int) or unk is not None and unk in (bos, eos):
+        raise InvalidRequest(f"stage {stage!r}: its tokenizer lacks {BAGEL_BOS} / {BAGEL_EOS}; it is not BAGEL's")
+    if not messages:
+        raise InvalidRequest("messages must be a non-empty list of {role, content} objects")
+    ids: list[int] = []
+    for message in messages:
+        ids += [bos, *tokenizer.encode(_text(dict(message), stage), add_special_tokens=False), eos]
+    return ids
