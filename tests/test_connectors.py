@@ -633,3 +633,27 @@ def test_master_process_is_gone_after_stop():
     assert not any(process_exists(p) for p in pids)
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", rpc_port), timeout=1)
+
+
+async def test_a_bagel_kv_payload_crosses_every_kind_intact(pair):
+    """What BAGEL's thinker -> dit edge carries (`BagelContexts`: a bfloat16 KV cache per role, with its header)
+    arrives through each connector kind as the dit checks it: exact, and accepted by `check_kv_payload`."""
+    from omni_runtime.processors.kv_cache import BagelContexts, check_kv_payload, kv_expectation, make_kv_payload
+
+    producer, consumer = pair
+    config = {"architectures": ["BagelForConditionalGeneration"], "llm_config": {
+        "num_hidden_layers": 2, "num_key_value_heads": 2, "num_attention_heads": 4, "hidden_size": 128}}  # fmt: skip
+    expected = kv_expectation(config, dtype="bfloat16")
+    contexts = {}
+    for role, tokens in (("primary", 9), ("cfg_text", 2)):
+        keys, values = (torch.randn(tokens, 2, 2, 32).bfloat16() for _ in range(2))
+        contexts[role] = make_kv_payload(keys, values, model=expected.model, positions=list(range(tokens)))
+    handle = await producer.put("thinker", "dit", "req-kv", dict(BagelContexts(contexts=contexts)))
+    got = await consumer.get(decode_handle(encode_handle(handle)))
+    for role, sent in contexts.items():
+        received = got["contexts"][role]
+        check_kv_payload(received, expected, role=role, edge="thinker->dit")
+        assert torch.equal(torch.as_tensor(received["keys"]), sent["keys"])
+        assert torch.equal(torch.as_tensor(received["values"]), sent["values"])
+        assert received["positions"] == sent["positions"] and received["next_position"] == sent["next_position"]
+    await consumer.release(handle)

@@ -18,6 +18,7 @@ tests/test_bagel.py without a thinker; the KV export route itself in tests/test_
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import os
 from collections.abc import Iterator
@@ -186,6 +187,34 @@ def test_guidance_outside_bagels_bounds_is_a_400_naming_it(bagel, extra: dict, f
         api.images.generate(model=bagel.model, prompt=PROMPT, extra_body=extra)
     assert field in str(err.value)
     api.close()
+
+
+def test_a_client_gone_mid_drawing_aborts_the_dit_and_leaves_nothing_held(bagel) -> None:
+    import asyncio
+
+    import httpx
+
+    def aborted() -> float:
+        (text,) = bagel.stage_metrics("dit")
+        return sum(metric_values(text, "omnikube_stage_requests_total", status="aborted"))
+
+    before = aborted()
+    body = {"model": bagel.model, "prompt": PROMPT, "size": "128x128", "num_inference_steps": 200}
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=bagel.base, timeout=120) as http:
+            call = asyncio.ensure_future(http.post("/v1/images/generations", json=body))
+            deadline = asyncio.get_running_loop().time() + 60
+            while bagel.running("dit") == 0:  # the thinker's contexts are in: the dit draws
+                assert not call.done() and asyncio.get_running_loop().time() < deadline, "the dit never ran"
+                await asyncio.sleep(0.05)
+            call.cancel()  # the client goes away mid-drawing
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+
+    asyncio.run(main())
+    bagel.wait_idle(["thinker", "dit"])  # stopped between two steps, every KV handle released
+    assert aborted() == before + 1
 
 
 def test_an_edit_is_refused_until_bagel_edits_are_served(bagel) -> None:
