@@ -226,3 +226,42 @@ def test_an_edit_is_refused_until_bagel_edits_are_served(bagel) -> None:
     assert "not served yet" in str(err.value)
     bagel.wait_idle(["thinker", "dit"])
     api.close()
+
+
+def test_a_dit_killed_mid_drawing_fails_its_request_retriably_and_releases_the_kv(bagel) -> None:
+    """Destructive, so last: the dit stage's process SIGKILLed while it draws. The request fails with the router's
+    replica-lost error (5xx: a client may retry), the thinker's KV payloads are released (no shm segment stays
+    busy), and `omnikube serve` starts the dit again, which then draws the next image."""
+    import asyncio
+    import signal
+    import time
+
+    import httpx
+    from servelib import busy_shm_segments
+
+    body = {"model": bagel.model, "prompt": PROMPT, "size": "128x128", "num_inference_steps": 200}
+
+    async def main() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=bagel.base, timeout=120) as http:
+            call = asyncio.ensure_future(http.post("/v1/images/generations", json=body))
+            deadline = asyncio.get_running_loop().time() + 60
+            while bagel.running("dit") == 0:
+                assert not call.done() and asyncio.get_running_loop().time() < deadline, "the dit never ran"
+                await asyncio.sleep(0.05)
+            (victim,) = bagel.stage_processes("dit")
+            os.killpg(victim["pid"], signal.SIGKILL)
+            return await call
+
+    reply = asyncio.run(main())
+    assert reply.status_code in (502, 503), reply.text
+    assert "retry" in reply.json()["error"]["message"].lower()
+    deadline = time.monotonic() + 240
+    while sum(metric_values(bagel.router_metrics(), "omnikube_stage_replica_up", stage="dit")) < 1:
+        assert time.monotonic() < deadline, bagel.logs_tail()
+        time.sleep(1)
+    bagel.wait_idle(["thinker"])
+    assert busy_shm_segments(bagel.name) == []
+    api = client(bagel)
+    after = api.images.generate(model=bagel.model, prompt=PROMPT, extra_body={"seed": 3})
+    assert png(after.data[0].b64_json).shape == (64, 64, 3)
+    api.close()
