@@ -124,7 +124,8 @@ class BagelEngine(Engine):
 
     async def _self_check_run(self, request: EngineInput, contexts: Mapping[str, KvContext]) -> None:
         try:
-            outs = [out async for out in self._generate(request, contexts)]
+            call, guidance = self._parse(request)
+            outs = [out async for out in self._generate(request.request_id, contexts, call, guidance)]
         except Exception as exc:
             raise EngineError(
                 f"stage {self.stage.name!r}: the self-check (one denoising step of the smallest image) failed, so "
@@ -212,15 +213,16 @@ class BagelEngine(Engine):
     async def generate(self, request: EngineInput) -> AsyncIterator[EngineOutput]:
         if self.generator is None:
             raise EngineError(f"stage {self.stage.name!r} is not started")
-        _, guidance = self._parse(request)
+        call, guidance = self._parse(request)
         contexts = self._contexts(request, guidance)
-        async for out in self._generate(request, contexts):
+        async for out in self._generate(request.request_id, contexts, call, guidance):
             yield out
 
-    async def _generate(self, request: EngineInput, contexts: Mapping[str, KvContext]) -> AsyncIterator[EngineOutput]:
+    async def _generate(
+        self, rid: str, contexts: Mapping[str, KvContext], call: dict[str, Any], guidance: BagelGuidance
+    ) -> AsyncIterator[EngineOutput]:
+        """One parsed request (`_parse`) drawn over `contexts`, abortable while it waits or runs."""
         assert self.generator is not None and self._pool is not None
-        call, guidance = self._parse(request)
-        rid = request.request_id
         self._live.add(rid)
         try:
             async for out in self._draw_one(rid, contexts, call, guidance):
