@@ -164,3 +164,8 @@ def chat_serve(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory) 
     assert code == 0, run.log.read_text(errors="replace")[-3000:]
     assert [pid for pid in tree if pid_alive(pid)] == [], "processes left behind after serve stopped"
     assert shm_segments(run.name) == []
+
+
+@pytest.fixture(scope="session")
+def tiny_glm_image_model() -> Path:
+    return tiny_model("tiny-glm-image")

@@ -24,6 +24,8 @@
   (`BagelForConditionalGeneration`), `engines.diffusion.bagel` its generation path.
 - `tiny-z-image`: ZImagePipeline (Z-Image-Turbo's layout: single-stream DiT, Qwen3Model text encoder, FLUX.1's
   VAE shape); loads with `DiffusionPipeline.from_pretrained`.
+- `tiny-glm-image`: GlmImagePipeline (the AR `GlmImageForConditionalGeneration` as `vision_language_encoder`,
+  the DiT `GlmImageTransformer2DModel`); loads with `DiffusionPipeline.from_pretrained`, t2i and i2i.
 
 `ensure(name)` returns `<cache_dir>/<name>`, building it first unless a build of the current version
 is there; `build_all()` ensures every model. Builds are deterministic (fixed seeds, tokenizers trained
@@ -77,6 +79,7 @@ from pathlib import Path
 from omni_runtime.tiny_models import (
     bagel,
     flux,
+    glm_image,
     prompt_enhanced_t2i,
     qwen2_5_omni,
     qwen2_chat,
@@ -164,6 +167,12 @@ MODELS: dict[str, TinyModel] = {
             z_image.VERSION,
             lambda out, _cache: z_image.build(out),
             "ZImagePipeline (Z-Image-Turbo layout: Qwen3 text encoder, single-stream DiT), 16-px multiples",
+        ),
+        TinyModel(
+            glm_image.NAME,
+            glm_image.VERSION,
+            lambda out, _cache: glm_image.build(out),
+            "GlmImagePipeline: GLM-Image AR (transformers) emitting VQ tokens + the DiT they condition, 32-px multiples",
         ),
         TinyModel(
             wan.T2V_NAME,
