@@ -42,6 +42,7 @@ BUILTIN = {
     "prompt-enhanced-t2i",
     "z-image",
     "bagel",
+    "glm-image",
 }
 
 
@@ -250,6 +251,7 @@ def test_resolve_from_config_json(tmp_path: Path, architectures: list[str], pipe
         ("WanImageToVideoPipeline", "wan2-2-i2v"),
         ("StableDiffusion3Pipeline", "stable-diffusion-3"),
         ("ZImagePipeline", "z-image"),
+        ("GlmImagePipeline", "glm-image"),
     ],
 )
 def test_resolve_from_model_index_json(tmp_path: Path, class_name: str, pipeline: str) -> None:

@@ -31,6 +31,7 @@ HERE = Path(__file__).parent
 TINY_MODELS = {
     "bagel": "tiny-bagel",
     "flux": "tiny-flux",
+    "glm-image": "tiny-glm-image",
     "prompt-enhanced-t2i": "tiny-prompt-enhanced-t2i",
     "qwen-image": "tiny-qwen-image",
     "qwen-image-edit": "tiny-qwen-image-edit",
@@ -50,6 +51,7 @@ HERE_AR = "test_topology_defaults.py::test_an_ar_stage_serves_with_its_topologys
 DEFAULTS_SERVED: dict[str, list[str]] = {
     "bagel": ["test_serve_bagel.py::test_bagel_draws_over_the_thinkers_kv_with_its_companion"],  # both stages
     "flux": ["test_serve_t2i.py::test_flux_draws_the_requested_size"],
+    "glm-image": ["test_glm_image.py::test_glm_image_topology_as_is_draws_the_requested_size"],  # both stages
     "prompt-enhanced-t2i": [
         "test_serve_t2i.py::test_enhanced_prompt_and_cfg_companion_reach_the_diffusion_stage",  # its dit
         HERE_AR,

@@ -27,6 +27,7 @@ ENGINES: Mapping[tuple[StageKind, str | None], str] = {
     (StageKind.GENERATION, "qwen2_5_omni_talker"): "omni_runtime.engines.speech.talker:Qwen25TalkerEngine",
     (StageKind.GENERATION, "qwen3_omni_code2wav"): "omni_runtime.engines.speech.code2wav:Code2WavEngine",
     (StageKind.GENERATION, "qwen2_5_omni_token2wav"): "omni_runtime.engines.speech.token2wav:Token2WavEngine",
+    (StageKind.GENERATION, "glm_image_ar"): "omni_runtime.engines.glm_image.ar:GlmImageArEngine",
 }
 """Every engine a stage can run: `(stage kind, engine_args.runner)` -> `"module:Class"`."""
 

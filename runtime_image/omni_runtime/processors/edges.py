@@ -28,6 +28,8 @@ from omni_runtime.processors.payloads import (
     Code2WavInput,
     DiffusionPrompt,
     DtypeKind,
+    GlmImageDitInput,
+    GlmImagePriorTokens,
     LatentsOutput,
     MediaGrids,
     TalkerInput,
@@ -47,6 +49,7 @@ __all__ = [
     "ar_kv_to_bagel",
     "ar_text_to_prompt",
     "dit_to_vae",
+    "glm_ar_to_dit",
     "identity",
     "talker_to_code2wav",
     "thinker_to_talker",
@@ -294,6 +297,33 @@ def ar_kv_to_bagel(upstream: StageSpec, outputs: dict[str, Payload], context: Pr
     return BagelContexts(contexts=contexts)
 
 
+def glm_ar_to_dit(upstream: StageSpec, outputs: dict[str, Payload], context: ProcessorContext) -> GlmImageDitInput:
+    """GLM-Image's AR -> its DiT: `GlmImagePriorTokens` -> `GlmImageDitInput`.
+
+    The tokens are already on the DiT's grid (the AR stage upsampled them, as the pipeline does); here they take
+    the shapes `GlmImagePipeline.__call__` reads: i2i's source tokens and grids as one-element per-sample lists.
+    The prompt and the picture ride along: the DiT's glyph encoder reads the prompt, its VAE the picture.
+    """
+    payload = _primary(upstream, outputs)
+    _need(upstream, context, payload, "prior_token_ids")
+    prior = _array(upstream, context, GlmImagePriorTokens, payload, "prior_token_ids")
+    image_ids, grids = payload.get("prior_token_image_ids"), payload.get("source_image_grid_thw")
+    if (image_ids is None) != (grids is None):
+        raise ProcessorError(
+            f"edge {_edge(upstream, context)}: stage {upstream.name!r} sent only one of prior_token_image_ids and "
+            "source_image_grid_thw; an i2i output has both, a t2i output neither"
+        )
+    return GlmImageDitInput(
+        prompt=str(_need(upstream, context, payload, "prompt")),
+        image=payload.get("image"),
+        prior_token_ids=prior.long(),
+        prior_token_image_ids=None if image_ids is None else [_tensor(image_ids).long()],
+        source_image_grid_thw=None if grids is None else [_tensor(grids).long()],
+        height=int(_need(upstream, context, payload, "height")),
+        width=int(_need(upstream, context, payload, "width")),
+    )
+
+
 PROCESSORS: dict[str, Processor] = {
     "identity": identity,
     "ar_text_to_prompt": ar_text_to_prompt,
@@ -301,6 +331,7 @@ PROCESSORS: dict[str, Processor] = {
     "talker_to_code2wav": talker_to_code2wav,
     "dit_to_vae": dit_to_vae,
     "ar_kv_to_bagel": ar_kv_to_bagel,
+    "glm_ar_to_dit": glm_ar_to_dit,
 }
 """Implementations by name; the keys equal `INPUT_PROCESSORS`' (a test checks it)."""
 

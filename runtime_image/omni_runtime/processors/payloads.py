@@ -41,6 +41,8 @@ __all__ = [
     "Code2WavInput",
     "DiffusionPrompt",
     "DtypeKind",
+    "GlmImageDitInput",
+    "GlmImagePriorTokens",
     "Items",
     "BagelContexts",
     "KvCachePayload",
@@ -184,6 +186,44 @@ class VaeInput(TypedDict):
     """Latents (batch, channels, height, width)."""
 
 
+class GlmImagePriorTokens(TypedDict):
+    """What GLM-Image's AR stage (`glm_image_ar`) outputs: its image tokens, ready as the DiT's prior tokens.
+
+    The AR emits a small preview grid, then the target grid at 1/32 of the image, then its end token; the target
+    grid's tokens, upsampled x2 (nearest) to the DiT's 1/16 grid, are `prior_token_ids`, as
+    `GlmImagePipeline.generate_prior_tokens` gives them.
+    """
+
+    prior_token_ids: Annotated[Array, Layout((("batch", "tokens"),), DtypeKind.INT)]
+    """The target image's VQ codes on the DiT's grid, (1, (height/16) * (width/16))."""
+    prior_token_image_ids: Annotated[Array, Layout((("tokens",),), DtypeKind.INT)] | None
+    """i2i: every input picture's VQ codes on the DiT's grid, concatenated; None for t2i."""
+    source_image_grid_thw: Annotated[Array, Layout((("images", "thw"),), DtypeKind.INT)] | None
+    """i2i: each input picture's (1, h, w) grid on the DiT's grid, one row per picture; None for t2i."""
+    prompt: str
+    """The prompt the AR read (the DiT's glyph encoder reads it too)."""
+    image: bytes | None
+    """i2i: the input picture's file bytes, which the DiT encodes with its VAE; None for t2i."""
+    height: int
+    width: int
+    """The target size in pixels the AR drew its grid for (multiples of 32)."""
+
+
+class GlmImageDitInput(TypedDict):
+    """What `glm_ar_to_dit` gives GLM-Image's DiT stage (the diffusion engine): the prompt, the picture for i2i,
+    and the AR's tokens as the pipeline's `prior_token_ids` / `prior_token_image_ids` / `source_image_grid_thw`."""
+
+    prompt: str
+    image: bytes | None
+    prior_token_ids: Annotated[Array, Layout((("batch", "tokens"),), DtypeKind.INT)]
+    prior_token_image_ids: list[Any] | None
+    """i2i: one tensor per request (the pipeline's per-sample list); None for t2i."""
+    source_image_grid_thw: list[Any] | None
+    """i2i: one (images, 3) tensor per request; None for t2i."""
+    height: int
+    width: int
+
+
 PAYLOAD_KINDS: tuple[type, ...] = (
     TalkerOutput,
     ArOutput,
@@ -195,6 +235,8 @@ PAYLOAD_KINDS: tuple[type, ...] = (
     VaeInput,
     KvCachePayload,
     BagelContexts,
+    GlmImagePriorTokens,
+    GlmImageDitInput,
 )
 """Every payload kind; the order is the precedence of their `Items` fields (a talker's codes before token ids)."""
 

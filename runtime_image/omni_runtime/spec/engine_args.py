@@ -36,6 +36,7 @@ __all__ = [
     "DiffusionArgs",
     "EngineArgs",
     "GenerationArgs",
+    "GlmImageArArgs",
     "InvalidEngineArgs",
     "RegistryOnlyKeys",
     "StepCacheSettings",
@@ -422,6 +423,20 @@ class Token2WavArgs(EngineArgs):
     left_context: int = Field(25, ge=0, description="Earlier codes of the same request each window is decoded with.")
 
 
+class GlmImageArArgs(EngineArgs):
+    """A `generation` stage with `runner: glm_image_ar`: GLM-Image's AR (transformers) emitting the image tokens
+    its DiT stage reads (`engines.glm_image.ar`), loaded from the pipeline folder."""
+
+    model_config = ConfigDict(extra="forbid")
+    passes_through = ""
+
+    runner: Literal["glm_image_ar"] = Field(description="GLM-Image's AR: glm_image_ar.")
+    device: Device = None
+    torch_dtype: StrictStr | None = Field(
+        None, description="A torch dtype name; unset: float32. One torch lacks fails the stage at start."
+    )
+
+
 ENGINE_ARGS_MODELS: Mapping[tuple[StageKind, str | None], type[EngineArgs]] = {
     (StageKind.AR, None): ArArgs,
     (StageKind.DIFFUSION, None): DiffusionArgs,
@@ -431,6 +446,7 @@ ENGINE_ARGS_MODELS: Mapping[tuple[StageKind, str | None], type[EngineArgs]] = {
     (StageKind.GENERATION, "qwen2_5_omni_talker"): TalkerArgs,
     (StageKind.GENERATION, "qwen3_omni_code2wav"): Code2WavArgs,
     (StageKind.GENERATION, "qwen2_5_omni_token2wav"): Token2WavArgs,
+    (StageKind.GENERATION, "glm_image_ar"): GlmImageArArgs,
 }
 """The args model of every engine, keyed as `engines.factory.ENGINES` (a test keeps the two keys equal): a
 kind's default engine has `(kind, None)`: it runs a stage whose `runner` names no other engine of the kind (an AR

@@ -56,6 +56,8 @@ INPUT_PROCESSORS: dict[str, str] = {
     "dit_to_vae": "Feed diffusion latents to a separate VAE decode stage.",
     "ar_kv_to_bagel": "Hand the AR stage's KV cache of the primary context and of each CFG companion to BAGEL's "
     "generation stage (AR -> DiT over KV).",
+    "glm_ar_to_dit": "Hand GLM-Image's AR image tokens (upsampled to the DiT's grid) to its DiT as prior tokens, "
+    "with the prompt and, for i2i, the input picture (AR -> DiT over tokens).",
 }
 """Named transforms applied to an upstream output before the downstream stage sees it.
 

@@ -76,6 +76,24 @@ __all__ = ["DiffusionEngine", "device_dtype"]
 log = logging.getLogger(__name__)
 
 
+UPSTREAM_CALL_ARGS = frozenset({"prior_token_ids", "prior_token_image_ids", "source_image_grid_thw"})
+"""Call arguments only an upstream stage supplies, in its payload (GLM-Image's AR tokens, `glm_ar_to_dit`)."""
+
+
+def _on_device(values: dict[str, Any], device: str) -> dict[str, Any]:
+    """Upstream call arguments with their tensors (alone or in lists) moved to `device`."""
+    import torch
+
+    def move(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        if isinstance(value, list):
+            return [move(v) for v in value]
+        return value
+
+    return {k: move(v) for k, v in values.items()}
+
+
 _CALL_ARGS_OWNED = frozenset(
     {
         "generator",
@@ -253,11 +271,13 @@ class DiffusionEngine(Engine):
         embed_params = frozenset(
             p for p in params if ("embeds" in p or p.endswith("_mask")) and not p.startswith("ip_adapter")
         )
+        upstream_params = frozenset(p for p in params if p in UPSTREAM_CALL_ARGS)
         call_params = frozenset(
             p
             for p in params
             if p not in _CALL_ARGS_OWNED
             and p not in embed_params
+            and p not in upstream_params
             and not p.startswith(("prompt", "negative_prompt", "ip_adapter"))
             and p not in ("self", "image", "mask_image")
         )
@@ -276,6 +296,7 @@ class DiffusionEngine(Engine):
             stage=self.stage,
             call_params=call_params,
             embed_params=embed_params,
+            upstream_params=upstream_params,
             takes_image=self._takes_image,
             takes_size=self._takes_size,
             video=self.video,
@@ -478,6 +499,7 @@ class DiffusionEngine(Engine):
                 kwargs["image"] = first.image if self.video else [j.image for j in batch]
             if first.negative_prompt is not None:
                 kwargs["negative_prompt"] = [j.negative_prompt for j in batch]
+            kwargs.update(_on_device(first.upstream, self.device))  # a job with these runs alone
         else:
             dtype = self.pipe.dtype
             for key in first.embeds:

@@ -49,6 +49,8 @@ class Job:
     prompt: str | None = None
     negative_prompt: str | None = None
     embeds: dict[str, Any] = field(default_factory=dict)
+    upstream: dict[str, Any] = field(default_factory=dict)
+    """Call arguments from the upstream stage (`RequestRules.upstream_params`), passed to the call as they are."""
     step_cache: bool = True
     """False: this request asked for every denoising step in full (`step_cache: false`)."""
     image: Any = None
@@ -85,6 +87,9 @@ class RequestRules:
     max_pixels: int
     max_inference_steps: int
     max_batch_size: int
+    upstream_params: frozenset[str] = frozenset()
+    """The pipeline's call arguments an upstream stage hands over in `data`, beside the prompt (GLM-Image's AR
+    tokens: `prior_token_ids`, ...); never sampling params. A request carrying them runs in a call of its own."""
 
 
 def parse(request: EngineInput, rules: RequestRules) -> Job:
@@ -99,6 +104,10 @@ def parse(request: EngineInput, rules: RequestRules) -> Job:
     negative = param_negative if negative is None else negative
     seed = params.pop("seed", None)
     n = params.pop("n", 1)
+    upstream = {k: v for k, v in request.data.items() if k in rules.upstream_params and v is not None}
+    for key in ("height", "width"):  # the upstream stage drew its tokens for this size: it is the image's
+        if key in request.data and request.data[key] is not None:
+            params[key] = request.data[key]
     step_cache = request_option(params)
     fps = V.check_video_params(params, name, rules.video_args, rules.temporal) if rules.video else 0
     picture = _input_image(rules, request.data.get("image"))
@@ -154,7 +163,8 @@ def parse(request: EngineInput, rules: RequestRules) -> Job:
     if picture is not None and not rules.takes_size:
         picture = picture.resize((width, height))
         del params["height"], params["width"]
-    data = {k: v for k, v in request.data.items() if v is not None and k not in ("negative_prompt", "image")}
+    skip = {"negative_prompt", "image", "height", "width", *rules.upstream_params}  # read above
+    data = {k: v for k, v in request.data.items() if v is not None and k not in skip}
     embeds = {k: v for k, v in data.items() if k in rules.embed_params}
     if embeds and picture is not None:
         raise InvalidRequest(f"stage {name!r} takes an image with a text prompt, not with embeddings")
@@ -180,7 +190,7 @@ def parse(request: EngineInput, rules: RequestRules) -> Job:
         raise InvalidRequest(f"negative_prompt must be a string, not {type(negative).__name__}")
     size = None if picture is None else picture.size
     key = repr(("text", sorted(params.items()), n, negative is not None, size, step_cache))
-    if picture is not None and rules.video:  # video pipelines take one conditioning image per call
+    if (picture is not None and rules.video) or upstream:  # one conditioning image / upstream input per call
         key += request.request_id
     return Job(
         request.request_id,
@@ -192,6 +202,7 @@ def parse(request: EngineInput, rules: RequestRules) -> Job:
         data["prompt"],
         negative,
         image=picture,
+        upstream=upstream,
         fps=fps,
         step_cache=step_cache,
     )
