@@ -129,6 +129,7 @@ SERVED_BESIDE: dict[str, tuple[str, ...]] = {
         "tests/test_serve_bagel.py",
         "tests/test_kv_export.py",
         "tests/test_bagel.py",
+        "tests/test_glm_image.py",
     ),
 }
 """Served modules of sequence 3, by lane; the "served" lane runs the rest. None of them uses a shared session serve
@@ -136,7 +137,7 @@ SERVED_BESIDE: dict[str, tuple[str, ...]] = {
 (two sequences then): unit+served 1946 s, cluster+e2e+served-late+demo 1872 s, with the cores 26-40 % idle
 during the first five minutes; these modules took 266 s (early) and 200 s (late) of that. The BAGEL modules (one
 vLLM start each for the serve and the KV export) went to "served-late": on the cold run of 2026-12-02 sequence 3
-(654 + 478 s) ended some 750 s before sequence 1 (381 + 1511 s)."""
+(654 + 478 s) ended some 750 s before sequence 1 (381 + 1511 s); GLM-Image's (~40 s) went there too."""
 
 
 def lanes_of(selection: str) -> list[Phase]:

@@ -14,6 +14,7 @@ from omni_runtime.registry import default_registry
 from omni_runtime.spec import PipelineSpec, ResolvedPipeline, StageKind, StageSpec, resolve_pipeline
 
 ALL_GENERATION_RUNNERS = [
+    "glm_image_ar",
     "qwen2_5_omni_talker",
     "qwen2_5_omni_token2wav",
     "qwen3_omni_code2wav",

@@ -15,7 +15,9 @@ import os
 from pathlib import Path
 
 import numpy as np
+import openai
 import pytest
+import pytest_asyncio
 import torch
 
 from omni_runtime.engines.base import EngineInput
@@ -178,3 +180,124 @@ async def test_glm_image_topology_as_is_draws_the_requested_size(tiny_glm_image_
     image, tokens = await _staged(tiny_glm_image_model, {"num_inference_steps": STEPS}, as_is=True)
     assert image.shape == (SIZE, SIZE, 3)
     assert tokens["prior_token_ids"].shape == (1, (SIZE // 16) ** 2)
+
+
+# --- served: the router and both stages in this process (servelib.echo_cluster), the `openai` client ---------
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def glm_served(tiny_glm_image_model: Path):
+    """The topology the folder's model_index.json selects, float32, tiny steps, served in this process: router and
+    two stage servers over loopback TCP with the stage protocol (what `omnikube serve` adds is the same for every
+    topology and tested by tests/test_serve_t2i.py)."""
+    from servelib import echo_cluster
+
+    from omni_runtime.engines.diffusion.engine import DiffusionEngine
+    from omni_runtime.registry import resolve_model_pipeline
+    from omni_runtime.spec import check_engine_args
+
+    pipeline = resolve_pipeline(
+        resolve_model_pipeline(tiny_glm_image_model),
+        name=SERVED,
+        model=str(tiny_glm_image_model),
+        served_model_name=SERVED,
+        stages=[
+            # The AR decides the grid (and so the size) when the client names none: the default size is its.
+            StageOverride(
+                name="ar", engine_args={"torch_dtype": "float32"}, sampling_params={"height": SIZE, "width": SIZE}
+            ),
+            StageOverride(
+                name="dit", engine_args={"torch_dtype": "float32"}, sampling_params={"num_inference_steps": STEPS}
+            ),
+        ],
+    )
+    check_engine_args(pipeline.topology)
+    engines = {"ar": GlmImageArEngine, "dit": DiffusionEngine}
+    async with echo_cluster(pipeline, engines=engines, ready_timeout=300) as cluster:
+        api = openai.AsyncOpenAI(base_url=f"{cluster.base}/v1", api_key="none", max_retries=0)
+        yield cluster, api
+        await api.close()
+
+
+SERVED = "glm-image-e2e"
+served = [models, pytest.mark.asyncio(loop_scope="module")]
+
+
+def _b64_pixels(b64: str) -> np.ndarray:
+    import base64
+
+    raw = base64.b64decode(b64)
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    return _pixels(raw)
+
+
+@pytest.mark.models
+@pytest.mark.asyncio(loop_scope="module")
+async def test_generations_through_the_router_equal_the_pipeline_run_as_one_program(
+    glm_served, tiny_glm_image_model: Path
+) -> None:
+    cluster, api = glm_served
+    assert cluster.pipeline.topology.name == "glm-image"  # chosen by the folder's GlmImagePipeline
+    out = await api.images.generate(model=SERVED, prompt=PROMPT, size=f"{SIZE}x{SIZE}", extra_body={"seed": SEED})
+    reference = _one_program(tiny_glm_image_model, guidance_scale=1.5)  # the topology's default guidance
+    assert np.abs(_b64_pixels(out.data[0].b64_json) - reference).max() == 0
+    plain = await api.images.generate(
+        model=SERVED, prompt=PROMPT, size=f"{SIZE}x{SIZE}", extra_body={"seed": SEED, "guidance_scale": 1.0}
+    )
+    assert plain.data[0].b64_json != out.data[0].b64_json  # guidance_scale reaches the DiT
+    wide = await api.images.generate(model=SERVED, prompt=PROMPT, size="96x64", extra_body={"seed": SEED})
+    assert _b64_pixels(wide.data[0].b64_json).shape == (64, 96, 3)  # the AR sampled the grid the client asked
+
+
+@pytest.mark.models
+@pytest.mark.asyncio(loop_scope="module")
+async def test_an_edit_through_the_router_conditions_on_the_input_picture(glm_served) -> None:
+    from PIL import Image
+
+    _cluster, api = glm_served
+    pictures = []
+    for fill in (0, 1):
+        picture = Image.fromarray(np.random.default_rng(fill).integers(0, 255, (SIZE, SIZE, 3), dtype=np.uint8))
+        buf = io.BytesIO()
+        picture.save(buf, format="PNG")
+        pictures.append(buf.getvalue())
+    edits = [
+        await api.images.edit(
+            model=SERVED, image=("in.png", raw, "image/png"), prompt=PROMPT, extra_body={"seed": SEED}
+        )
+        for raw in pictures
+    ]
+    first, second = (_b64_pixels(e.data[0].b64_json) for e in edits)
+    assert first.shape == (SIZE, SIZE, 3)
+    assert np.abs(first - second).max() > 0  # the picture reached the AR (its codes) and the DiT
+    with pytest.raises(openai.BadRequestError, match="could not be read"):
+        await api.images.edit(model=SERVED, image=("in.png", b"not an image", "image/png"), prompt=PROMPT)
+
+
+@pytest.mark.models
+@pytest.mark.asyncio(loop_scope="module")
+async def test_an_aborted_ar_request_stops_sampling_and_the_next_one_runs(tiny_glm_image_model: Path) -> None:
+    """Abort while the AR samples: its generate ends with finish_reason abort (no payload), and the engine serves
+    the next request (the lock released)."""
+    import asyncio
+
+    engine = make_engine(_resolved(tiny_glm_image_model), "ar")
+    assert isinstance(engine, GlmImageArEngine)
+    await engine.start()
+    try:
+        request = EngineInput("r1", {"prompt": PROMPT}, {"seed": SEED, "height": 1024, "width": 1024})
+
+        async def run(req: EngineInput) -> list:
+            return [out async for out in engine.generate(req)]
+
+        task = asyncio.create_task(run(request))
+        while "r1" not in engine._running:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        await engine.abort("r1")
+        outs = await asyncio.wait_for(task, 120)
+        assert [o.finish_reason for o in outs] == ["abort"]
+        after = await run(EngineInput("r2", {"prompt": PROMPT}, {"seed": SEED, "height": SIZE, "width": SIZE}))
+        assert after[-1].finish_reason == "stop"
+    finally:
+        await engine.stop()

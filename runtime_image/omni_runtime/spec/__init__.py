@@ -20,6 +20,7 @@ from omni_runtime.spec.engine_args import (
 )
 from omni_runtime.spec.enums import (
     CONTEXT_ONLY_PROCESSORS,
+    GRID_DECIDING_PROCESSORS,
     INPUT_PROCESSORS,
     Modality,
     MooncakeMode,
@@ -64,6 +65,7 @@ __all__ = [
     "DRAIN_TIMEOUT_S",
     "ENGINE_ARGS_MODELS",
     "CONTEXT_ONLY_PROCESSORS",
+    "GRID_DECIDING_PROCESSORS",
     "INPUT_PROCESSORS",
     "ROUTER_PORT",
     "STAGE_HTTP_PORT",

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["Modality", "MooncakeMode", "MooncakeProtocol", "StageKind", "CONTEXT_ONLY_PROCESSORS", "INPUT_PROCESSORS"]
+__all__ = [
+    "CONTEXT_ONLY_PROCESSORS",
+    "GRID_DECIDING_PROCESSORS",
+    "INPUT_PROCESSORS",
+    "Modality",
+    "MooncakeMode",
+    "MooncakeProtocol",
+    "StageKind",
+]
 
 
 class StageKind(str, Enum):
@@ -67,3 +75,8 @@ CONTEXT_ONLY_PROCESSORS: frozenset[str] = frozenset({"ar_kv_to_bagel"})
 """Input processors that read only the upstream AR stage's context (its KV cache after prefill), never text it
 generates: a request whose every planned edge out of an AR stage has one of these runs that stage's prefill
 alone (`Submit.context_only`)."""
+
+GRID_DECIDING_PROCESSORS: frozenset[str] = frozenset({"glm_ar_to_dit"})
+"""Input processors whose source (a generation stage) decides the image's token grid, so the DiT draws the size the
+source chose (GLM-Image's AR samples the grid of VQ codes): the router gives that source the request's image
+`seed`, `width` and `height`."""

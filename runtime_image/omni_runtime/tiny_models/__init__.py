@@ -172,7 +172,7 @@ MODELS: dict[str, TinyModel] = {
             glm_image.NAME,
             glm_image.VERSION,
             lambda out, _cache: glm_image.build(out),
-            "GlmImagePipeline: GLM-Image AR (transformers) emitting VQ tokens + the DiT they condition, 32-px multiples",
+            "GlmImagePipeline: GLM-Image AR (transformers) emitting VQ tokens, the DiT they condition; 32-px multiples",
         ),
         TinyModel(
             wan.T2V_NAME,

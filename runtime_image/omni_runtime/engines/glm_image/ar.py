@@ -46,6 +46,10 @@ def upsample_tokens(tokens: Any, grid_h: int, grid_w: int) -> Any:
     return grid.repeat_interleave(2, dim=0).repeat_interleave(2, dim=1).reshape(1, -1)
 
 
+class _Aborted(Exception):
+    """The request was aborted while its tokens were sampled."""
+
+
 class GlmImageArEngine(Engine):
     """One GLM-Image AR; requests run one at a time (the seed is torch's global one, as in the pipeline)."""
 
@@ -57,6 +61,7 @@ class GlmImageArEngine(Engine):
         self.processor: Any = None
         self._lock = threading.Lock()
         self._running: set[str] = set()
+        self._aborted: set[str] = set()
         self._stats = {"requests_total": 0.0, "last_tokens": 0.0}
 
     async def start(self) -> None:
@@ -65,7 +70,9 @@ class GlmImageArEngine(Engine):
         try:
             await asyncio.to_thread(self._load)
         except Exception as exc:
-            raise EngineError(f"stage {self.stage.name!r}: GLM-Image AR failed to load {self.model_path}: {exc}") from exc
+            raise EngineError(
+                f"stage {self.stage.name!r}: GLM-Image AR failed to load {self.model_path}: {exc}"
+            ) from exc
 
     def _load(self) -> None:
         from transformers import GlmImageForConditionalGeneration, GlmImageProcessor
@@ -89,7 +96,9 @@ class GlmImageArEngine(Engine):
         for key in ("height", "width"):
             value = params.get(key, DEFAULT_SIZE)
             if not isinstance(value, int) or isinstance(value, bool) or value < GRID_FACTOR or value % GRID_FACTOR:
-                raise InvalidRequest(f"{key} {value!r} is not allowed: stage {self.stage.name!r} needs a multiple of 32")
+                raise InvalidRequest(
+                    f"{key} {value!r} is not allowed: stage {self.stage.name!r} needs a multiple of 32"
+                )
             sizes.append(value)
         seed = params.get("seed")
         seed = secrets.randbits(63) if seed is None else seed
@@ -107,9 +116,17 @@ class GlmImageArEngine(Engine):
                 raise InvalidRequest(f"the input image could not be read ({err}); send a PNG, JPEG or WebP") from None
         return prompt, picture, sizes[0], sizes[1], seed
 
-    def _generate(self, prompt: str, picture: Any, height: int, width: int, seed: int) -> dict[str, Any]:
-        """The pipeline's AR half for one prompt (in a worker thread, under the lock)."""
+    def _generate(self, rid: str, prompt: str, picture: Any, height: int, width: int, seed: int) -> dict[str, Any]:
+        """The pipeline's AR half for one prompt (in a worker thread, under the lock); `Aborted` once `rid` is
+        aborted (checked after every sampled token)."""
         import torch
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        aborted = self._aborted
+
+        class _StopOnAbort(StoppingCriteria):
+            def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+                return torch.full((input_ids.shape[0],), rid in aborted, dtype=torch.bool, device=input_ids.device)
 
         content: list[dict[str, Any]] = [] if picture is None else [{"type": "image", "image": picture}]
         content.append({"type": "text", "text": prompt})
@@ -145,7 +162,14 @@ class GlmImageArEngine(Engine):
             torch.manual_seed(seed)
             if str(self.device).startswith("cuda"):
                 torch.cuda.manual_seed(seed)
-            out = self.model.generate(**inputs, max_new_tokens=new_tokens, do_sample=True)
+            out = self.model.generate(
+                **inputs,
+                max_new_tokens=new_tokens,
+                do_sample=True,
+                stopping_criteria=StoppingCriteriaList([_StopOnAbort()]),
+            )
+        if rid in aborted:
+            raise _Aborted
         generated = out[0][inputs["input_ids"].shape[-1] :]
         tokens = generated[skip : skip + grid_h * grid_w]
         if tokens.numel() != grid_h * grid_w:
@@ -166,15 +190,23 @@ class GlmImageArEngine(Engine):
         prompt, picture, height, width, seed = self._request(request)
         raw = request.data.get("image")
 
+        rid = request.request_id
+
         def run() -> dict[str, Any]:
             with self._lock:
-                return self._generate(prompt, picture, height, width, seed)
+                if rid in self._aborted:
+                    raise _Aborted
+                return self._generate(rid, prompt, picture, height, width, seed)
 
-        self._running.add(request.request_id)
+        self._running.add(rid)
         try:
             tokens = await asyncio.to_thread(run)
+        except _Aborted:
+            yield EngineOutput(rid, {}, finished=True, finish_reason="abort")
+            return
         finally:
-            self._running.discard(request.request_id)
+            self._running.discard(rid)
+            self._aborted.discard(rid)
         self._stats["requests_total"] += 1
         payload = GlmImagePriorTokens(
             prior_token_ids=tokens["prior_token_ids"],
@@ -188,7 +220,9 @@ class GlmImageArEngine(Engine):
         yield EngineOutput(request.request_id, as_payload(payload), finished=True, finish_reason="stop")
 
     async def abort(self, request_id: str) -> None:
-        """A request runs as one `generate` call, which cannot stop midway; its result is simply not read."""
+        """A waiting request never starts; a running one stops after the token being sampled."""
+        if request_id in self._running:
+            self._aborted.add(request_id)
 
     async def stop(self) -> None:
         await asyncio.to_thread(self._lock.acquire)  # a generation in progress finishes first

@@ -16,7 +16,7 @@ from omni_runtime.router.errors import BadRequest
 from omni_runtime.router.plan import Plan
 from omni_runtime.router.protocol.chat import CHAT_FIELDS
 from omni_runtime.router.protocol.fields import FieldRoute, by_name
-from omni_runtime.spec import Modality, PipelineSpec, StageKind
+from omni_runtime.spec import GRID_DECIDING_PROCESSORS, Modality, PipelineSpec, StageKind
 
 __all__ = [
     "entry_inputs",
@@ -130,6 +130,14 @@ def entry_inputs(
     return out
 
 
+def _decides_grid(topology: PipelineSpec, plan: Plan, name: str) -> bool:
+    """Whether `name` feeds a planned stage over a `GRID_DECIDING_PROCESSORS` edge (it samples the image's grid)."""
+    return any(
+        e.source == name and e.target in plan.stages and e.input_processor in GRID_DECIDING_PROCESSORS
+        for e in topology.edges
+    )
+
+
 def stage_params(
     topology: PipelineSpec,
     plan: Plan,
@@ -156,6 +164,8 @@ def stage_params(
     for name in plan.stages:
         kind = topology.stage(name).kind
         base = ar if kind is StageKind.AR else image if kind is StageKind.DIFFUSION else {}
+        if kind is StageKind.GENERATION and _decides_grid(topology, plan, name):
+            base = {k: image.get(k) for k in ("seed", "width", "height")}
         params = {k: v for k, v in base.items() if v is not None}
         if name in texts:
             params.update(text or {})
