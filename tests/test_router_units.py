@@ -245,15 +245,18 @@ def test_bagel_images_run_the_thinker_for_its_context_only_and_a_chat_runs_it_al
     assert not enhancer.context_only  # its text is the dit's prompt: it must generate
 
 
-def test_a_bagel_chat_answers_in_text_unless_it_asks_for_the_image_alone() -> None:
+def test_a_bagel_chat_answers_in_text_unless_it_asks_for_the_image_and_both_is_think_mode() -> None:
     from omni_runtime.router.plan import chat_modalities, context_drawn
 
     bagel = get_pipeline("bagel")
     assert context_drawn(bagel) == {"image": "thinker"}
     assert chat_modalities(bagel, None) == ["text"]  # understanding
     assert chat_modalities(bagel, ["image"]) == ["image"]
-    with pytest.raises(ValueError, match="either answers in text or prefills the context"):
-        chat_modalities(bagel, ["text", "image"])
+    both = plan_request(bagel, chat_modalities(bagel, ["text", "image"]))
+    thinker = both.stages["thinker"]  # it answers (its plan) and prefills the context with it
+    assert thinker.think and thinker.final and not thinker.context_only and both.final == ("thinker", "dit")
+    assert thinker.roles == ("primary", "cfg_text")
+    assert not plan_request(bagel, ["image"]).stages["thinker"].think
     omni = get_pipeline("qwen3-omni")  # speech is streamed from the thinker's text, not drawn from a context
     assert context_drawn(omni) == {} and chat_modalities(omni, None) == ["text", "audio"]
 

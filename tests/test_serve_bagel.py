@@ -161,12 +161,6 @@ def test_understanding_answers_in_the_thinker_alone(bagel, tiny_bagel_model) -> 
     )
     parts = drawn.choices[0].message.content
     assert isinstance(parts, list) and parts[0]["type"] == "image_url"  # a chat may ask for the image alone
-    with pytest.raises(openai.BadRequestError, match="either answers in text or prefills"):
-        api.chat.completions.create(
-            model=bagel.model,
-            messages=[{"role": "user", "content": PROMPT}],
-            extra_body={"modalities": ["text", "image"]},
-        )
     api.close()
 
 
@@ -187,6 +181,86 @@ def test_guidance_outside_bagels_bounds_is_a_400_naming_it(bagel, extra: dict, f
         api.images.generate(model=bagel.model, prompt=PROMPT, extra_body=extra)
     assert field in str(err.value)
     api.close()
+
+
+def test_a_context_too_large_for_either_stage_is_a_400_before_any_work(bagel) -> None:
+    """A size past the dit's max_latent_size (which the dit reports to the router once loaded) and a prompt past
+    the thinker's max_model_len are refused before the other stage works."""
+    api = client(bagel)
+
+    def dit_steps() -> float:
+        (text,) = bagel.stage_metrics("dit")
+        return sum(metric_values(text, "omnikube_stage_denoise_step_seconds_count"))
+
+    steps = dit_steps()
+    side = 16 * 16  # tiny-bagel: max_latent_size 8 latent tokens of 16 px, so a side of at most 128
+    with pytest.raises(openai.BadRequestError) as err:
+        api.images.generate(model=bagel.model, prompt=PROMPT, size=f"{side}x64", extra_body={"seed": 1})
+    assert "size" in str(err.value) and "from 16 to 128" in str(err.value)
+    with pytest.raises(openai.BadRequestError) as err:  # per stage, too: the same bound
+        api.images.generate(
+            model=bagel.model, prompt=PROMPT, extra_body={"sampling_params_list": [{}, {"height": side}]}
+        )
+    assert "from 16 to 128" in str(err.value)
+    with pytest.raises(openai.BadRequestError) as err:
+        api.images.generate(model=bagel.model, prompt="fox " * 5000, extra_body={"seed": 1})
+    assert "maximum" in str(err.value) or "max_model_len" in str(err.value)
+    bagel.wait_idle(["thinker", "dit"])
+    assert dit_steps() == steps  # the dit drew nothing for any of them
+    api.close()
+
+
+THINK = {"think": True, "sampling_params_list": [{"max_tokens": 12}, {}]}
+"""Think mode with the thinker's reasoning made short (its default is upstream's 1000 tokens)."""
+
+
+def test_think_mode_writes_a_plan_and_draws_in_its_context(bagel, tiny_bagel_model) -> None:
+    """`think`: the thinker writes its plan (greedy, after BAGEL's think instruction), returned as revised_prompt,
+    and the image is drawn over the context [instruction, prompt, plan] with the companion [instruction, empty
+    turn]: it equals an in-process generation over a plain-torch prefill of exactly those segments."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from omni_runtime.engines.ar.context import BAGEL_THINK_INSTRUCTION
+    from omni_runtime.engines.diffusion.bagel import BagelGenerator
+    from omni_runtime.spec.guidance import BagelGuidance
+
+    api = client(bagel)
+    thinker = stage_requests(bagel, "thinker")
+    out = api.images.generate(model=bagel.model, prompt=PROMPT, extra_body={"seed": 5, **THINK})
+    assert stage_requests(bagel, "thinker") - thinker == 2  # the primary (plan, then context) and cfg_text
+    plan = out.data[0].revised_prompt
+    assert plan, "the thinker's plan comes back as revised_prompt"
+    again = api.images.generate(model=bagel.model, prompt=PROMPT, extra_body={"seed": 5, **THINK})
+    assert again.data[0].revised_prompt == plan and again.data[0].b64_json == out.data[0].b64_json  # greedy
+    plain = api.images.generate(model=bagel.model, prompt=PROMPT, extra_body={"seed": 5})
+    assert plain.data[0].revised_prompt is None and plain.data[0].b64_json != out.data[0].b64_json
+    chat = api.chat.completions.create(
+        model=bagel.model, messages=[{"role": "user", "content": PROMPT}], seed=5, max_tokens=12,
+        extra_body={"modalities": ["text", "image"]},
+    )  # fmt: skip
+    parts = chat.choices[0].message.content
+    assert [p["type"] for p in parts] == ["text", "image_url"] and parts[0]["text"] == plan
+    api.close()
+
+    staged = png(out.data[0].b64_json)
+    dtype = getattr(torch, bagel.resolved["topology"]["stages"][1]["engine_args"].get("torch_dtype", "float32"))
+    generator = BagelGenerator.from_pretrained(tiny_bagel_model, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bagel_model)
+
+    def segments(*texts: str) -> list[int]:
+        return [t for text in texts for t in generator.frame_text(tokenizer.encode(text, add_special_tokens=False))]
+
+    contexts = {
+        "primary": generator.prefill(segments(BAGEL_THINK_INSTRUCTION, PROMPT, plan)),
+        "cfg_text": generator.prefill(segments(BAGEL_THINK_INSTRUCTION, "")),
+    }
+    defaults = {k: v for k, v in bagel.resolved["topology"]["stages"][1]["sampling_params"].items()
+                if k in BagelGuidance.model_fields}  # fmt: skip
+    local = generator.generate(contexts, 64, 64, DIT["num_inference_steps"], 5, BagelGuidance(**defaults))
+    near = float(np.abs(local.astype(float) - staged.astype(float)).mean())
+    far = float(np.abs(png(plain.data[0].b64_json).astype(float) - staged.astype(float)).mean())
+    assert near < 3.0 < far, (near, far)
 
 
 def test_a_client_gone_mid_drawing_aborts_the_dit_and_leaves_nothing_held(bagel) -> None:

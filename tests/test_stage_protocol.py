@@ -16,6 +16,7 @@ from omni_runtime.connectors.inline import InlineHandle
 from omni_runtime.connectors.mooncake import MooncakeHandle
 from omni_runtime.connectors.shm import ShmHandle
 from omni_runtime.spec import PipelineSpec, StageSpec
+from omni_runtime.spec.image_bounds import ImageSizeBounds
 from omni_runtime.stage.outputs import count_items, merge, summarize
 from omni_runtime.wire import protocol as P
 from omni_runtime.wire.auth import Channel
@@ -89,12 +90,21 @@ def test_every_message_type_roundtrips() -> None:
         P.Release(handles=HANDLES),
         P.Ping(nonce=9, sent_at=12.5),
         P.Pong(nonce=9, sent_at=12.5, ready=True, stage="llm", running=3),
+        P.Pong(nonce=9, ready=True, stage="dit", image_bounds=ImageSizeBounds(max_side=512, multiple=16)),
         P.Output(id="w", seq=0, info={"prompt": "x", "steps": 2}),
         P.Failed(id="w", kind="invalid_request", message="height 100 is not a multiple of 16"),
     ]
     for message in messages:
         decoded, rest = roundtrip(message)
         assert decoded == message and rest == []
+
+
+def test_image_bounds_refuse_a_side_out_of_range_or_off_the_multiple_naming_what_to_send() -> None:
+    bounds = ImageSizeBounds(max_side=128, multiple=16)
+    assert bounds.refusal(128, 16, "dit") is None
+    for width, height in ((144, 64), (64, 0), (64, 24)):
+        refusal = bounds.refusal(width, height, "dit")
+        assert refusal is not None and f"{width}x{height}" in refusal and "from 16 to 128 in multiples of 16" in refusal
 
 
 def test_undecodable_header_is_a_protocol_error() -> None:

@@ -83,3 +83,6 @@ async def test_z_image_refuses_what_its_pipeline_cannot_take(z_image) -> None:
     with pytest.raises(openai.BadRequestError) as err:  # 2x2 latent patches: multiples of 16, not the VAE's 8
         await api.images.generate(model=MODEL, prompt="a red apple", size="72x40")
     assert "needs a positive multiple of 16" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:  # BAGEL's think mode: no thinker draws this image
+        await api.images.generate(model=MODEL, prompt="a red apple", extra_body={"think": True})
+    assert err.value.body["param"] == "think" and "no think mode" in err.value.body["message"]

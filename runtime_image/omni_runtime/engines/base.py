@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_runtime.spec import ResolvedPipeline, StageSpec
+from omni_runtime.spec.image_bounds import ImageSizeBounds
 
 __all__ = [
     "SELF_CHECK_ID",
@@ -97,6 +98,9 @@ class EngineInput:
     context_only: bool = False
     """The next stage reads only this request's context (an AR stage's KV cache after prefill): prefill, send
     the context, generate nothing. An engine that cannot export a context refuses it."""
+    think: bool = False
+    """With `context_only`: first write the reasoning (the primary's text output), then prefill the context with
+    it appended (BAGEL's think mode, `wire.protocol.Submit.think`)."""
 
 
 @dataclass
@@ -178,6 +182,10 @@ class Engine(ABC):
     def voices(self) -> list[str]:
         """The speakers a request may name as `voice` (speech stages), once started; [] otherwise."""
         return []
+
+    def image_bounds(self) -> ImageSizeBounds | None:
+        """The image sizes this engine can draw, once started, where its model bounds them; None otherwise."""
+        return None
 
 
 SELF_CHECK_ID = "omnikube-self-check"

@@ -29,6 +29,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from omni_runtime.metrics import Router as M
+from omni_runtime.spec.image_bounds import ImageSizeBounds
 from omni_runtime.wire import protocol as P
 from omni_runtime.wire.auth import AuthError, Channel, PipelineKey
 
@@ -81,6 +82,7 @@ class ReplicaClient:
         self.outstanding = 0
         self.rtt_s = 0.0
         self.voices: list[str] = []
+        self.image_bounds: ImageSizeBounds | None = None
         """Speakers the replica's engine knows, from its latest pong."""
         self._sinks: dict[str, WorkSink] = {}
         self._nonce = itertools.count()
@@ -268,6 +270,7 @@ class ReplicaClient:
         if pong.sent_at:
             self.rtt_s = max(0.0, now - pong.sent_at)
         self.voices = list(pong.voices)
+        self.image_bounds = pong.image_bounds
         if pong.ready and self.state is not ReplicaState.UP:
             log.info("stage %s replica %s is up", self.stage, self.address)
             self.state, self.reason = ReplicaState.UP, ""

@@ -209,9 +209,11 @@ class _Run:
             final=work.final,
             stream=self.req.stream and work.final,
             edges=list(sp.edges),
-            context_only=sp.context_only,
+            context_only=sp.context_only or sp.think,
+            think=sp.think,
             companion_of=None if role == PRIMARY else self._work_id(stage, PRIMARY),
-            group_size=len(sp.roles) if inline is not None else 1,
+            # think mode's primary prefills after its reasoning: its companions do not wait to batch with it
+            group_size=len(sp.roles) if inline is not None and not sp.think else 1,
         )
         work.delivered.extend(inputs)
         try:

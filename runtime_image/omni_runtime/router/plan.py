@@ -53,6 +53,9 @@ class StagePlan:
     context_only: bool = False
     """Every planned edge out of it reads only its context (`CONTEXT_ONLY_PROCESSORS`): an AR stage prefills and
     stops."""
+    think: bool = False
+    """Its context-only edges are planned and it answers too (a final stage): BAGEL's think mode, where the
+    stage writes its reasoning (the answer) and then prefills the context with it (`wire.protocol.Submit.think`)."""
 
 
 @dataclass(frozen=True)
@@ -89,18 +92,11 @@ def context_drawn(topology: PipelineSpec) -> dict[str, str]:
 
 def chat_modalities(topology: PipelineSpec, wanted: list[str] | None) -> list[str]:
     """What a chat asking for `wanted` (None: nothing said) gets: the producible modalities, less those drawn from a
-    context (`context_drawn`) when it names none, since the answering stage cannot also prefill for them. ValueError
-    when `wanted` asks for text and such a modality together (BAGEL's think-then-draw mode is not served)."""
+    context (`context_drawn`) when it names none: drawing is asked for. Asking for the answering stage's text and
+    such a modality together is think mode (`StagePlan.think`): the text is the reasoning the drawing follows."""
     drawn = context_drawn(topology)
     if wanted is None:
         return [m for m in producible_modalities(topology) if m not in drawn]
-    together = [m for m in wanted if m in drawn and topology.stage(drawn[m]).output_modality.value in wanted]
-    if together:
-        raise ValueError(
-            f"modalities {sorted(set(wanted))}: stage {drawn[together[0]]!r} either answers in text or prefills the "
-            f"context the {together[0]} is drawn from, not both in one request; ask for ['text'] or "
-            f"[{together[0]!r}]"
-        )
     return wanted
 
 
@@ -155,6 +151,7 @@ def plan_request(topology: PipelineSpec, modalities: list[str]) -> Plan:
             streamed_input=streamed,
             input_processor=processor,
             context_only=context_only and name not in final,
+            think=context_only and name in final,
         )
     return Plan(stages=stages, entry=entry, final=tuple(final))
 

@@ -20,6 +20,7 @@ from omni_runtime.router.client import ReplicaClient, ReplicaState
 from omni_runtime.router.discovery import Discovery, make_discovery
 from omni_runtime.router.errors import StageUnavailable
 from omni_runtime.spec import ResolvedPipeline, StageDiscovery
+from omni_runtime.spec.image_bounds import ImageSizeBounds
 from omni_runtime.wire.auth import PipelineKey
 
 __all__ = ["StagePool"]
@@ -163,6 +164,14 @@ class StagePool:
             if names:
                 out[name] = sorted(names)
         return out
+
+    def image_bounds(self, stage: str) -> ImageSizeBounds | None:
+        """The image sizes `stage`'s usable replicas say they draw (the tightest when they differ, as during a
+        rollout); None when none says."""
+        found = [c.image_bounds for c in self.sets[stage].usable() if c.image_bounds is not None]
+        if not found:
+            return None
+        return ImageSizeBounds(max_side=min(b.max_side for b in found), multiple=max(b.multiple for b in found))
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Until every stage has a usable replica (TimeoutError otherwise)."""

@@ -380,10 +380,12 @@ class StageServer:
             await self._send(peer, P.Welcome(stage=self.stage))
         elif isinstance(message, P.Ping):
             running = len(self.works)
-            voices = self.engine.voices() if self.ready and self.engine is not None else []
+            engine = self.engine if self.ready else None
+            voices = engine.voices() if engine is not None else []
+            bounds = engine.image_bounds() if engine is not None else None
             pong = P.Pong(
                 nonce=message.nonce, sent_at=message.sent_at, ready=self.ready, stage=self.stage,
-                running=running, voices=voices, draining=self.draining,
+                running=running, voices=voices, draining=self.draining, image_bounds=bounds,
             )  # fmt: skip
             await self._send(peer, pong)
         elif isinstance(message, P.Submit):

@@ -226,6 +226,7 @@ class WorkRunner:
                 companion_of=s.companion_of,
                 group_size=s.group_size,
                 context_only=s.context_only,
+                think=s.think,
             )
             await self._engine_run(work, request, edges, acc, ends_work=is_last)
             work.phase = "outputs"
@@ -259,6 +260,7 @@ class WorkRunner:
             companion_of=s.companion_of,
             group_size=s.group_size,
             context_only=s.context_only,
+            think=s.think,
         )
         await self._engine_run(work, request, edges, acc, ends_work=True)
 

@@ -19,6 +19,7 @@ import msgspec
 
 from omni_runtime.connectors import AnyHandle
 from omni_runtime.connectors.codec import decode_payload, encode_payload
+from omni_runtime.spec.image_bounds import ImageSizeBounds
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -113,6 +114,10 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
     context_only: bool = False
     """The downstream stages read only this work's context (an AR stage's KV cache after prefill), not text it
     would generate: the stage prefills and stops."""
+    think: bool = False
+    """With `context_only`: BAGEL's think-before-generating mode. A primary first writes its reasoning (its text,
+    to the client when `final`), then prefills its context with the reasoning appended; a companion prefills its
+    own context under the same reasoning instruction. The stage runs the group unbatched (`group_size` 1)."""
 
 
 class Feed(msgspec.Struct, frozen=True, kw_only=True, tag="feed"):
@@ -170,6 +175,9 @@ class Pong(msgspec.Struct, frozen=True, kw_only=True, tag="pong"):
     draining: bool = False
     """The replica is shutting down: it finishes the works it has but must get no new ones. `ready`
     stays true meanwhile, so a router that does not know this field keeps its works running."""
+    image_bounds: ImageSizeBounds | None = None
+    """The image sizes its engine can draw, once loaded, where its model bounds them (BAGEL's dit); the
+    router refuses a size outside them before any stage works."""
 
 
 class Draining(msgspec.Struct, frozen=True, kw_only=True, tag="draining"):

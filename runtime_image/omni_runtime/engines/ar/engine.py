@@ -96,6 +96,8 @@ CONTEXT_MAX_TOKENS = "context_max_tokens"
 client set no max_tokens: generate up to what remains of max_model_len after the prompt, at most this
 many (vLLM's server default, bounded by router.limits.maxTokens). See wire/PROTOCOL.md."""
 CHECK_MAX_TOKENS = "check_max_tokens"
+THINK_MAX_TOKENS = 1000
+"""Think mode's reasoning, at most (upstream's `max_think_token_n` default), unless the request sets max_tokens."""
 """The router's flag (never passed to vLLM) for the same stage when the client set max_tokens: more
 than max_model_len is refused, as vLLM's server refuses it (a stage default is not the client's ask)."""
 
@@ -382,9 +384,68 @@ class AREngine(Engine):
     async def generate(self, request: EngineInput) -> AsyncIterator[EngineOutput]:
         if self.llm is None:
             raise EngineError(f"stage {self.stage.name!r} is not started")
+        if request.think and request.context_only and request.companion_of is None:
+            async for out in self._think_then_prefill(request):
+                yield out
+            return
+        async for out in self._generate(request):
+            yield out
+
+    async def _think_then_prefill(self, request: EngineInput) -> AsyncIterator[EngineOutput]:
+        """BAGEL's think mode for a primary (`EngineInput.think`): the reasoning first, generated after the think
+        instruction and the request's segments from a fresh `<|im_start|>` (greedy and at most
+        `THINK_MAX_TOKENS` unless the request says otherwise, upstream's defaults), streamed as this request's
+        text; then the context with the reasoning appended (re-tokenized from its text, as upstream re-reads it),
+        prefilled and exported as any context-only request's. One piece of usage: the reasoning's."""
+        from omni_runtime.engines.ar.context import BAGEL_BOS, BAGEL_EOS
+
+        assert self.llm is not None
+        if self.args.context_format != "bagel":
+            raise InvalidRequest(
+                f"stage {self.stage.name!r} has no think mode: it needs engine_args.context_format: bagel"
+            )
+        tokenizer = self.llm.renderer.tokenizer
+        bos, eos = (tokenizer.convert_tokens_to_ids(t) for t in (BAGEL_BOS, BAGEL_EOS))
+        lead = self._context_input(request.data, think=True)["prompt_token_ids"]
+        params = {k: v for k, v in request.params.items() if k not in (CONTEXT_MAX_TOKENS, "ignore_eos")}
+        params.setdefault("temperature", 0.0)
+        params.setdefault("max_tokens", min(THINK_MAX_TOKENS, max(1, self.max_model_len - len(lead) - 1)))
+        params["stop_token_ids"] = [eos]
+        thinking_run = EngineInput(
+            request_id=f"{request.request_id}:think",  # its own vLLM request: its KV is not the context's
+            data={"prompt_token_ids": [*lead, bos]},
+            params=params,
+            companion_of=request.request_id,  # aborting the primary aborts it (`abort`)
+        )
+        parts: list[str] = []
+        usage: dict[str, int] | None = None
+        async for out in self._generate(thinking_run, export=False):
+            parts.append(str(out.data.get("text", "")))
+            if out.finished:
+                usage = out.usage
+                if out.finish_reason == "abort":
+                    yield EngineOutput(request.request_id, as_payload(dict(out.data)), finished=True,
+                                       finish_reason="abort")  # fmt: skip
+                    return
+            yield EngineOutput(request.request_id, as_payload(dict(out.data)))
+        context = dataclasses.replace(
+            request, params={"seed": request.params["seed"]} if "seed" in request.params else {}
+        )
+        async for out in self._generate(context, thinking="".join(parts)):
+            data = {**out.data, "text": "", "token_ids": []}  # the one token a prefill samples is not an answer
+            yield EngineOutput(request.request_id, as_payload(data), finished=out.finished,
+                               finish_reason=out.finish_reason, usage=usage if out.finished else None)  # fmt: skip
+
+    async def _generate(
+        self, request: EngineInput, *, export: bool = True, thinking: str | None = None
+    ) -> AsyncIterator[EngineOutput]:
+        """One vLLM request. `export`: send its KV when the stage exports KV caches (False: the reasoning of think
+        mode, whose KV is not a context); `thinking`: the reasoning a think-mode context closes with."""
+        assert self.llm is not None
         from vllm.exceptions import VLLMClientError
 
         rid = request.request_id
+        kv = self._kv if export else None
         op = next((k for k in TOKEN_OPS if k in request.data), None)
         if op is not None:
             yield await self._token_op(rid, op, request.data[op])
@@ -412,24 +473,24 @@ class AREngine(Engine):
             tools=tools is not None,
             one_sequence_rows=bool(self.hidden_layers),
             speculative_rows=self._rows is not None,
-            kv_export=self._kv is not None,
+            kv_export=kv is not None,
         )
         self._active[rid] = request.companion_of
-        if self._kv is not None and rid != SELF_CHECK_ID:
+        if kv is not None and rid != SELF_CHECK_ID:
             self._gate.join(rid, request.companion_of or rid, request.group_size)
         try:
             data_in = request.data
             if tools is not None:
                 data_in = {**request.data, "template_tools": tools.template_tools}
             if request.context_only:
-                data_in = self._context_input(data_in)
+                data_in = self._context_input(data_in, think=request.think, thinking=thinking)
             prompt = await self.render_prompt(data_in)
             if tools is not None:
                 tools.prompt_token_ids = list(prompt["prompt_token_ids"])
             if context_cap is not None and "max_tokens" not in {**self.stage.sampling_params, **params}:
                 room = self.max_model_len - len(prompt["prompt_token_ids"])  # >= 1: render_prompt checked
                 sampling.max_tokens = max(1, min(int(context_cap), room))
-            if self._kv is not None:
+            if kv is not None:
                 await self._submit_with_group(rid, request.companion_of or rid, sampling)
         except BaseException:
             self._active.pop(rid, None)
@@ -449,8 +510,8 @@ class AREngine(Engine):
         has_media = bool(self._media_ids & set(prompt["prompt_token_ids"]))
         media_rows = self.media_layer is not None and has_media
         rows = self._rows.open(rid) if self.hidden_layers or media_rows else None
-        if self._kv is not None:
-            self._kv.open(rid)  # before vLLM has it: its KV is sent the step after it finishes
+        if kv is not None:
+            kv.open(rid)  # before vLLM has it: its KV is sent the step after it finishes
         tokenizer = self.llm.renderer.tokenizer if sampling.logprobs is not None else None
         try:
             async for out in self.llm.generate(prompt, sampling, rid):
@@ -475,10 +536,10 @@ class AREngine(Engine):
                     rows = None
                 elif rows is not None:
                     await attach_rows(rows, pieces[0], prompt_tokens, completion_tokens.get(0, 0), out, self.stage.name)
-                if self._kv is not None and out.finished and finish_reason != "abort":
+                if kv is not None and out.finished and finish_reason != "abort":
                     assert self.kv_expected is not None
                     await attach_kv(
-                        self._kv, pieces[-1], self.kv_expected, request_id=rid, role=request.role,
+                        kv, pieces[-1], self.kv_expected, request_id=rid, role=request.role,
                         prompt_tokens=prompt_tokens, stage_name=self.stage.name, timeout=self.kv_timeout_s,
                     )  # fmt: skip
                 for i, data in enumerate(pieces):
@@ -507,8 +568,8 @@ class AREngine(Engine):
             self._abort_pending.discard(rid)
             if self._rows is not None:
                 self._rows.close(rid)
-            if self._kv is not None:
-                self._kv.close(rid)
+            if kv is not None:
+                kv.close(rid)
             self._gate.leave(rid)
 
     def _context_only_params(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -522,10 +583,12 @@ class AREngine(Engine):
         out = {k: v for k, v in params.items() if k not in ("ignore_eos", "min_tokens", CONTEXT_MAX_TOKENS)}
         return {**out, "max_tokens": 1}
 
-    def _context_input(self, data: dict[str, Any]) -> dict[str, Any]:
-        """A context-only request's input as `context_format` frames it (`context`): BAGEL's framing as token ids,
-        or the input as it is for the model's chat template. InvalidRequest for an input image BAGEL's context
-        cannot take yet."""
+    def _context_input(
+        self, data: dict[str, Any], *, think: bool = False, thinking: str | None = None
+    ) -> dict[str, Any]:
+        """A context-only request's input as `context_format` frames it (`context`): BAGEL's framing as token ids
+        (in think mode after the think instruction, closed by `thinking`), or the input as it is for the model's
+        chat template. InvalidRequest for an input image BAGEL's context cannot take yet."""
         if self.args.context_format != "bagel":
             return data
         from omni_runtime.engines.ar.context import bagel_context_ids
@@ -537,7 +600,7 @@ class AREngine(Engine):
                 "or /v1/chat/completions to ask about an image"
             )
         messages = data.get("messages") or [{"role": "user", "content": str(data.get("prompt", ""))}]
-        ids = bagel_context_ids(self.llm.renderer.tokenizer, messages, self.stage.name)
+        ids = bagel_context_ids(self.llm.renderer.tokenizer, messages, self.stage.name, think=think, thinking=thinking)
         return {"prompt_token_ids": ids}
 
     async def _submit_with_group(self, rid: str, primary: str, sampling: Any) -> None:

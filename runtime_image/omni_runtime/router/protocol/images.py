@@ -81,6 +81,12 @@ class ImageGenerationRequest(BaseModel):
         **_bounds("timestep_shift"),
         description="BAGEL: the flow-matching schedule's shift (above 1: more steps at high noise).",
     )
+    think: bool = Field(
+        False,
+        description="BAGEL: think before drawing. The thinker writes its plan first and the image is drawn in the "
+        "context of the prompt and that plan, returned as each image's `revised_prompt`. A 400 for a pipeline "
+        "whose image is not drawn from a thinker's context.",
+    )
     sampling_params_list: list[dict[str, Any]] | None = Field(
         None, description="vLLM-Omni: parameters per stage, in the pipeline's topological order."
     )

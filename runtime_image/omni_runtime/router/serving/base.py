@@ -136,6 +136,19 @@ class ServingBase:
             if isinstance((params or {}).get("n"), int):
                 self.check_n(params["n"])
 
+    def check_image_sizes(self, plan: Plan, params: dict[str, dict[str, Any]]) -> None:
+        """400 when a planned diffusion stage is asked for a size its replicas say they cannot draw
+        (`wire.Pong.image_bounds`, BAGEL's max_latent_size): before any stage works, not after the entry stage
+        prefilled for it. A size not given is the stage's own default, which it draws."""
+        for name in plan.stages:
+            bounds = self.ctx.pool.image_bounds(name) if self.topology.stage(name).kind is StageKind.DIFFUSION else None
+            width, height = params.get(name, {}).get("width"), params.get(name, {}).get("height")
+            if bounds is None or not isinstance(width, int) or not isinstance(height, int):
+                continue
+            refusal = bounds.refusal(width, height, name)
+            if refusal:
+                raise BadRequest(refusal, param="size")
+
     def producible(self) -> list[str]:
         return producible_modalities(self.topology)
 

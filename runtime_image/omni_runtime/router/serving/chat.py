@@ -210,7 +210,7 @@ class ServingChat(ServingBase):
         }
         entry = entry_inputs(self.topology, plan, messages=messages, negative_prompt=body.negative_prompt,
                              chat=chat)  # fmt: skip
-        return [
+        requests = [
             PipelineRequest(
                 request_id=request_id,
                 plan=plan,
@@ -231,6 +231,9 @@ class ServingChat(ServingBase):
             )
             for i in range(body.n)
         ]
+        for request in requests:
+            self.check_image_sizes(plan, request.params)
+        return requests
 
     # -- streaming -----------------------------------------------------------------------------
 
@@ -331,8 +334,9 @@ def _message(acc: _Acc, audio_format: str, echo: str = "") -> AssistantMessage:
         content = acc.tool_message.get("content")
         return AssistantMessage(content=echo + content if content is not None else (echo or None),
                                 tool_calls=list(acc.tool_message.get("tool_calls") or []))  # fmt: skip
-    if acc.images:
-        return AssistantMessage(content=[image_url_part(p) for p in acc.images])
+    if acc.images:  # after the text it was drawn from, when the thinker answered too (BAGEL's think mode)
+        lead = [{"type": "text", "text": acc.text}] if acc.text else []
+        return AssistantMessage(content=[*lead, *(image_url_part(p) for p in acc.images)])
     if acc.audio:
         samples = np.concatenate([np.atleast_1d(a) for a in acc.audio], axis=-1)
         audio = _audio(encode_audio(samples, acc.rate, audio_format), audio_format, acc.text)

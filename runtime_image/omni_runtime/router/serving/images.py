@@ -16,7 +16,7 @@ from omni_runtime.metrics import Router as M
 from omni_runtime.router.errors import BadRequest
 from omni_runtime.router.media import b64, images_of
 from omni_runtime.router.orchestrator import PipelineRequest, StageEvent
-from omni_runtime.router.plan import Plan, plan_request, without_unweighted_companions
+from omni_runtime.router.plan import Plan, context_drawn, plan_request, without_unweighted_companions
 from omni_runtime.router.protocol.images import (
     BAGEL_GUIDANCE,
     IMAGE_REFUSED,
@@ -35,14 +35,23 @@ __all__ = ["ServingImages"]
 class ServingImages(ServingBase):
     endpoint = "/v1/images/generations"
 
-    def _check_images(self) -> Plan:
+    def _check_images(self, think: bool = False) -> Plan:
         if "image" not in self.producible():
             raise BadRequest(
                 f"model `{self.ctx.model_name}` (pipeline {self.topology.name}) produces "
                 f"{self.producible()}, not images; use /v1/chat/completions with it",
                 param="model",
             )
-        return plan_request(self.topology, ["image"])
+        if not think:
+            return plan_request(self.topology, ["image"])
+        thinker = context_drawn(self.topology).get("image")
+        if thinker is None:
+            raise BadRequest(
+                f"think: pipeline {self.topology.name} draws its images from no thinker's context, so it has no "
+                "think mode; leave think unset",
+                param="think",
+            )
+        return plan_request(self.topology, [self.topology.stage(thinker).output_modality.value, "image"])
 
     def accepts_images(self) -> bool:
         plan = self._check_images() if "image" in self.producible() else None
@@ -54,7 +63,7 @@ class ServingImages(ServingBase):
         self.check_fields(body, IMAGE_REFUSED)
         self.check_n(body.n)
         self.check_stage_params(body.sampling_params_list)
-        plan = self._check_images()
+        plan = self._check_images(body.think)
         if body.response_format not in (None, "b64_json"):
             raise BadRequest(
                 f"response_format {body.response_format!r} is not supported; use 'b64_json' "
@@ -82,6 +91,7 @@ class ServingImages(ServingBase):
             params = stage_params(
                 self.topology, plan, ar=ar, image=image_params, per_stage=body.sampling_params_list, choice=i
             )
+            self.check_image_sizes(plan, params)
             requests.append(
                 PipelineRequest(
                     request_id=request_id,
@@ -93,11 +103,17 @@ class ServingImages(ServingBase):
                 )
             )
         images: dict[int, list[bytes]] = {}
+        thoughts: dict[int, list[str]] = {}
+        image_stages = {n for n, sp in plan.stages.items() if sp.final and sp.modality is Modality.IMAGE}
         started = time.monotonic()
         first = True
 
         def collect(event: StageEvent) -> None:
             nonlocal first
+            if event.stage not in image_stages:  # think mode's thinker: its reasoning, in pieces
+                if isinstance(event.data, dict) and isinstance(event.data.get("text"), str):
+                    thoughts.setdefault(event.choice, []).append(event.data["text"])
+                return
             found = images_of(event.data)
             if found and first:
                 first = False
@@ -106,10 +122,12 @@ class ServingImages(ServingBase):
 
         results = await self.run_to_end(raw, requests, collect)
         data = []
-        final = plan.final[0]
+        final = next(n for n in plan.final if n in image_stages)
         for i, result in enumerate(results):
             info = result.info.get(final, {})
             revised = info.get("prompt") if isinstance(info.get("prompt"), str) else None
+            if body.think:
+                revised = "".join(thoughts.get(i, []))
             extra = {}
             if isinstance(info.get("negative_prompt"), str):
                 extra["revised_negative_prompt"] = info["negative_prompt"]

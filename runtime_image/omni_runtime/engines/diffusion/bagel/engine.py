@@ -46,6 +46,7 @@ from omni_runtime.processors.kv_cache import (
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 from omni_runtime.spec.engine_args import BagelArgs
 from omni_runtime.spec.guidance import BagelGuidance
+from omni_runtime.spec.image_bounds import ImageSizeBounds
 
 __all__ = ["BagelEngine", "Interrupted"]
 
@@ -288,6 +289,15 @@ class BagelEngine(Engine):
         """A waiting request never starts; a running one stops between two denoising steps."""
         if request_id in self._live:
             self._aborted.add(request_id)
+
+    def image_bounds(self) -> ImageSizeBounds | None:
+        """Sides of up to max_latent_size latent tokens, in multiples of the latent downsample (`latent_grid`)."""
+        if self.generator is None:
+            return None
+        config = self.generator.config
+        return ImageSizeBounds(
+            max_side=config.max_latent_size * config.latent_downsample, multiple=config.latent_downsample
+        )
 
     def stats(self) -> dict[str, float]:
         return {"running": float(self._running is not None), **self._stats}
