@@ -263,6 +263,39 @@ def test_think_mode_writes_a_plan_and_draws_in_its_context(bagel, tiny_bagel_mod
     assert near < 3.0 < far, (near, far)
 
 
+def test_a_client_gone_while_the_thinker_plans_aborts_the_plan_and_its_companion(bagel) -> None:
+    """Think mode cancelled mid-plan (1000 tokens, far from done): the plan's vLLM request is aborted with its
+    primary, the companion's KV is released, and the dit never draws."""
+    import asyncio
+
+    import httpx
+
+    def count(stage: str, name: str, **labels: str) -> float:
+        return sum(sum(metric_values(text, name, **labels)) for text in bagel.stage_metrics(stage))
+
+    aborted = count("thinker", "omnikube_stage_requests_total", status="aborted")
+    steps = count("dit", "omnikube_stage_denoise_step_seconds_count")
+    body = {"model": bagel.model, "prompt": PROMPT, "think": True, "sampling_params_list": [{"max_tokens": 1000}]}
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=bagel.base, timeout=120) as http:
+            call = asyncio.ensure_future(http.post("/v1/images/generations", json=body))
+            deadline = asyncio.get_running_loop().time() + 60
+            while bagel.running("thinker") == 0:
+                assert not call.done() and asyncio.get_running_loop().time() < deadline, "the thinker never ran"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # into the plan
+            assert not call.done()
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+
+    asyncio.run(main())
+    bagel.wait_idle(["thinker", "dit"])  # every work ended, every KV handle released
+    assert count("thinker", "omnikube_stage_requests_total", status="aborted") >= aborted + 1
+    assert count("dit", "omnikube_stage_denoise_step_seconds_count") == steps
+
+
 def test_a_client_gone_mid_drawing_aborts_the_dit_and_leaves_nothing_held(bagel) -> None:
     import asyncio
 
