@@ -26,7 +26,7 @@ from typing import Any
 
 __all__ = ["FLASH_ATTN_STANDIN", "extract_upstream", "run_upstream", "upstream_git", "upstream_missing"]
 
-UPSTREAM_PATHS = ("modeling", "data/__init__.py", "data/data_utils.py")
+UPSTREAM_PATHS = ("modeling", "data/__init__.py", "data/data_utils.py", "data/transforms.py")
 RUNNER = Path(__file__).with_name("bagel_upstream_run.py")
 UPSTREAM_TIMEOUT_S = 900
 
@@ -60,7 +60,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None], attn_mask=mask
         )
         outputs.append(out[0].transpose(0, 1))
-    return torch.cat(outputs)
+    # upstream's SigLIP casts q/k/v to bfloat16 for flash-attn and runs under autocast, which would take the
+    # bfloat16 output into its float32 out_proj; here the output goes back to float32 instead
+    return torch.cat(outputs).float() if q.dtype == torch.bfloat16 else torch.cat(outputs)
 '''
 
 

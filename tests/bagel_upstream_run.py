@@ -7,9 +7,12 @@ points: `prepare_prompts` + `forward_cache_update_text` for contexts (as `Interl
 does), `prepare_vae_latent(_cfg)` + `generate_image` for the latents (as `gen_image` does, with the test's noise in
 place of upstream's unseeded `torch.randn`), and the FLUX `AutoEncoder.decode` as `decode_image` does.
 
-inputs.pt: {"contexts": {name: [segment token-id lists]}, "cases": [{"name", "height", "width", "steps",
-"noise", "contexts": {role: context name}, "guidance": {...}}]}; the token ids are raw (upstream frames each
-segment with <|im_start|> ... <|im_end|> itself). outputs.pt: {"contexts": {name: {"keys", "values",
+inputs.pt: {"contexts": {name: [segments]}, "cases": [{"name", "height", "width", "steps",
+"noise", "contexts": {role: context name}, "guidance": {...}}], "transforms": {"vae": [max, min, stride], "vit":
+[...]}}; a segment is a list of raw token ids (upstream frames each with <|im_start|> ... <|im_end|> itself) or
+{"image": uint8 (H, W, 3), "seed": int}: an edit's input image, resized by the VAE transform's resize first as
+`interleave_inference` does, then put in the context as `update_context_image(vae=True, vit=True)` does (the
+VAE posterior sampled right after `torch.manual_seed(seed)`). outputs.pt: {"contexts": {name: {"keys", "values",
 "next_position"}}, "latents": {case: tensor}, "images": {case: float image (1, 3, H, W) in [-1, 1]}}.
 """
 
@@ -84,6 +87,26 @@ def _load_model(model_dir: Path):
     return model.float().eval(), vae.float().eval()
 
 
+def _with_image(model, vae, segment: dict, context: dict, transforms: dict, new_token_ids: dict) -> dict:
+    """`context` after an edit's input image, as `interleave_inference` + `update_context_image` put it there."""
+    from PIL import Image
+
+    image = transforms["vae"].resize_transform(Image.fromarray(segment["image"].numpy()).convert("RGB"))
+    past, kv_lens, ropes = context["past_key_values"], context["kv_lens"], context["ropes"]
+    generation_input, kv_lens, ropes = model.prepare_vae_images(
+        curr_kvlens=kv_lens, curr_rope=ropes, images=[image], transforms=transforms["vae"], new_token_ids=new_token_ids
+    )
+    torch.manual_seed(segment["seed"])
+    with torch.no_grad():
+        past = model.forward_cache_update_vae(vae, past, **generation_input)
+    generation_input, kv_lens, ropes = model.prepare_vit_images(
+        curr_kvlens=kv_lens, curr_rope=ropes, images=[image], transforms=transforms["vit"], new_token_ids=new_token_ids
+    )
+    with torch.no_grad():
+        past = model.forward_cache_update_vit(past, **generation_input)
+    return {"kv_lens": kv_lens, "ropes": ropes, "past_key_values": past}
+
+
 def main(upstream_dir: str, model_dir: str, inputs_file: str, outputs_file: str) -> None:
     sys.path.insert(0, upstream_dir)
     from transformers import modeling_rope_utils
@@ -95,6 +118,12 @@ def main(upstream_dir: str, model_dir: str, inputs_file: str, outputs_file: str)
 
     torch.manual_seed(0)
     inputs = torch.load(inputs_file)
+    from data.transforms import ImageTransform
+
+    transforms = {
+        k: ImageTransform(*v)
+        for k, v in inputs.get("transforms", {"vae": (1024, 512, 16), "vit": (980, 224, 14)}).items()
+    }
     model, vae = _load_model(Path(model_dir))
     tokenizer, new_token_ids, _ = add_special_tokens(AutoTokenizer.from_pretrained(model_dir))
 
@@ -112,6 +141,9 @@ def main(upstream_dir: str, model_dir: str, inputs_file: str, outputs_file: str)
             "past_key_values": NaiveCache(model.config.llm_config.num_hidden_layers),
         }
         for segment in segments:
+            if isinstance(segment, dict):
+                context = _with_image(model, vae, segment, context, transforms, new_token_ids)
+                continue
             generation_input, kv_lens, ropes = model.prepare_prompts(
                 curr_kvlens=context["kv_lens"],
                 curr_rope=context["ropes"],

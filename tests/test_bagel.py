@@ -434,6 +434,79 @@ def test_prefill_kv_and_generated_latents_equal_upstream_bagel(
         torch.testing.assert_close(decoded, upstream["images"][case["name"]], atol=UPSTREAM_ATOL, rtol=0)
 
 
+EDIT_SEED = 11
+EDIT_GUIDANCE = dict(cfg_text_scale=4.0, cfg_img_scale=2.0, cfg_interval=(0.0, 1.0), cfg_renorm_type="text_channel")
+"""Upstream app.py's edit defaults."""
+
+
+def _edit_picture() -> np.ndarray:
+    """A 70 x 50 random picture: resized up (shortest side to the VAE's minimum), then down for the ViT."""
+    return np.random.default_rng(7).integers(0, 256, (50, 70, 3), dtype=np.uint8)
+
+
+@pytest.mark.models
+def test_edit_contexts_and_the_edited_latents_equal_upstream_bagel(
+    generator, model_dir: Path, prompt_ids: list[int], tmp_path: Path
+) -> None:
+    """An edit's three contexts (the picture's VAE block through the generation expert, its ViT block through the
+    understanding expert, then the prompt; the picture alone; the prompt alone) and the latents drawn over them
+    with upstream's edit guidance equal upstream's `update_context_image` / `update_context_text` and
+    `generate_image`, the VAE posterior sampled from the same seed. The tolerance is the text anchor's (1e-4,
+    float32); putting the VAE block through the understanding expert instead misses by far more."""
+    from bagel_reference import run_upstream, upstream_missing
+    from PIL import Image
+
+    from omni_runtime.engines.diffusion.bagel.context import empty_context
+    from omni_runtime.engines.diffusion.bagel.mot import extend_with_image
+
+    reason = upstream_missing()
+    if reason:
+        pytest.skip(reason)
+    picture = _edit_picture()
+    image = generator.prepare_edit(Image.fromarray(picture))
+    height, width = image.size
+    assert (width, height) == (128, 96)  # upstream's resize: up to the VAE's 128-px minimum side, within its max
+    assert tuple(image.vit_pixels.shape[1:]) == (42, 56)  # the ViT's view, resized from the VAE's
+    ours = generator.edit_contexts(image, prompt_ids, EDIT_SEED)
+    pic = {"image": torch.from_numpy(picture), "seed": EDIT_SEED}
+    segments = {"primary": [pic, prompt_ids], "cfg_text": [pic], "cfg_img": [prompt_ids]}
+    sizes = generator.edit_sizes()
+    tokens = (height // 16) * (width // 16)
+    case = {
+        "name": "edit",
+        "height": height,
+        "width": width,
+        "steps": 4,
+        "noise": generator.noise(3, tokens),
+        "contexts": {role: role for role in segments},
+        "guidance": BagelGuidance(**EDIT_GUIDANCE).model_dump(),
+    }
+    transforms = {
+        "vae": [sizes.vae_max, sizes.vae_min, sizes.vae_stride],
+        "vit": [sizes.vit_max, sizes.vit_min, sizes.vit_stride],
+    }
+    upstream = run_upstream(model_dir, {"contexts": segments, "cases": [case], "transforms": transforms}, tmp_path)
+    for role in segments:
+        theirs = upstream["contexts"][role]
+        assert ours[role].next_position == theirs["next_position"], role
+        assert ours[role].num_tokens == theirs["keys"].shape[0], role
+        torch.testing.assert_close(ours[role].keys, theirs["keys"], atol=UPSTREAM_ATOL, rtol=0)
+        torch.testing.assert_close(ours[role].values, theirs["values"], atol=UPSTREAM_ATOL, rtol=0)
+    assert ours["cfg_text"].num_tokens == (tokens + 2) + (12 + 2)  # the VAE block, then 4 x 3 ViT patches framed
+    result = generator.denoise(ours, height, width, 4, 0, BagelGuidance(**EDIT_GUIDANCE), case["noise"])
+    assert float(upstream["latents"]["edit"].abs().max()) > 0.5
+    torch.testing.assert_close(result.latents, upstream["latents"]["edit"], atol=UPSTREAM_ATOL, rtol=0)
+
+    # the check has teeth: the picture's VAE tokens through the understanding expert give another context
+    latents = generator.vae.encode(image.vae_pixels[None], generator=torch.Generator().manual_seed(EDIT_SEED))
+    from omni_runtime.engines.diffusion.bagel.mot import latent_embeddings, latent_position_ids
+
+    clean = latent_embeddings(generator.weights, latents, torch.zeros(()), latent_position_ids(6, 8, 8))
+    wrong = extend_with_image(generator.weights, empty_context(generator.config), clean, "und")
+    miss = (wrong.keys - upstream["contexts"]["cfg_text"]["keys"][: wrong.num_tokens]).abs().max()
+    assert float(miss) > 100 * UPSTREAM_ATOL
+
+
 # --- the dit stage's engine, on payloads a thinker would send ----------------------------------------------------
 
 

@@ -14,13 +14,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from omni_runtime.engines.diffusion.bagel.context import KvContext, prefill
+from omni_runtime.engines.diffusion.bagel.edit import EditImage, EditSizes, edit_contexts, edit_sizes, prepare_image
 from omni_runtime.engines.diffusion.bagel.mot import latent_position_ids, velocity
 from omni_runtime.engines.diffusion.bagel.sampler import BagelGuidance, Role, SampleResult, sample
 from omni_runtime.engines.diffusion.bagel.vae import BagelVae
+from omni_runtime.engines.diffusion.bagel.vit import VitWeights, load_vit
 from omni_runtime.engines.diffusion.bagel.weights import BagelConfig, BagelWeights, load_weights
 
 if TYPE_CHECKING:
     import numpy as np
+    from PIL import Image
 
 __all__ = ["MAX_SEED", "BagelGenerator", "MissingContext", "latent_grid", "select_contexts"]
 
@@ -79,18 +82,36 @@ def select_contexts(
 class BagelGenerator:
     """BAGEL's generation path over one checkpoint: `generate` draws an image from KV contexts."""
 
-    def __init__(self, weights: BagelWeights, vae: BagelVae) -> None:
+    def __init__(self, weights: BagelWeights, vae: BagelVae, vit: VitWeights | None = None) -> None:
         self.weights = weights
         self.vae = vae
+        self.vit = vit
+        """The ViT an edit's input image goes through (None: this generator draws over given contexts only)."""
 
     @classmethod
     def from_pretrained(cls, path: Path | str, dtype: torch.dtype | None = None, device: str = "cpu") -> BagelGenerator:
-        """Load the generation weights and the AE of the BAGEL folder `path` (float32 unless `dtype`)."""
+        """Load the generation weights, the AE and the ViT of the BAGEL folder `path` (float32 unless `dtype`)."""
         weights = load_weights(path, dtype, device)
         vae = BagelVae.from_file(
             Path(path) / "ae.safetensors", patch=weights.config.latent_patch_size, dtype=weights.dtype, device=device
         )
-        return cls(weights, vae)
+        return cls(weights, vae, load_vit(path, weights.dtype, device))
+
+    def edit_sizes(self) -> EditSizes:
+        """The resize bounds of an edit's input image on this checkpoint."""
+        if self.vit is None:
+            raise ValueError("this generator was made without the ViT; it draws no edits")
+        return edit_sizes(self.config, self.vit)
+
+    def prepare_edit(self, image: Image.Image) -> EditImage:
+        """The VAE's and ViT's views of an edit's input `image`; the edited image takes the VAE view's size."""
+        return prepare_image(image, self.edit_sizes())
+
+    def edit_contexts(self, image: EditImage, prompt_ids: Sequence[int], seed: int) -> dict[str, KvContext]:
+        """{primary, cfg_text, cfg_img} of editing `image` by the prompt `prompt_ids` (unframed), the VAE
+        posterior sampled from `seed` (`edit.edit_contexts`)."""
+        assert self.vit is not None
+        return edit_contexts(self.weights, self.vae, self.vit, image, self.frame_text(prompt_ids), seed)
 
     @property
     def config(self) -> BagelConfig:

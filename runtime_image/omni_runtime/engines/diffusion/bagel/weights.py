@@ -259,7 +259,7 @@ def read_special_tokens(path: Path | str) -> SpecialTokens:
     return SpecialTokens(**{name: ids[token] for name, token in wanted.items()})
 
 
-class _TensorSource:
+class TensorSource:
     """Reads named tensors from one safetensors file, converted to the engine's dtype and device."""
 
     def __init__(self, file: Path, dtype: torch.dtype, device: str) -> None:
@@ -279,7 +279,7 @@ class _TensorSource:
         return self.handle.get_tensor(name).to(device=self.device, dtype=self.dtype)
 
 
-def _expert(source: _TensorSource, layer: int, suffix: str, qk_norm: bool) -> ExpertWeights:
+def _expert(source: TensorSource, layer: int, suffix: str, qk_norm: bool) -> ExpertWeights:
     """Layer `layer`'s understanding expert (suffix "") or generation expert (suffix "_moe_gen")."""
     prefix = f"language_model.model.layers.{layer}."
     attn = prefix + "self_attn."
@@ -309,7 +309,7 @@ def load_weights(path: Path | str, dtype: torch.dtype | None = None, device: str
 
     folder = Path(path)
     config = read_config(folder)
-    source = _TensorSource(folder / "ema.safetensors", dtype or torch.float32, device)
+    source = TensorSource(folder / "ema.safetensors", dtype or torch.float32, device)
     layers = tuple(
         LayerWeights(und=_expert(source, i, "", config.qk_norm), gen=_expert(source, i, "_moe_gen", config.qk_norm))
         for i in range(config.num_layers)
