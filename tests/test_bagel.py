@@ -614,3 +614,76 @@ def test_the_dit_stage_refuses_what_it_does_not_read(dit_engine, generator, prom
     for params, field in refused:
         with pytest.raises(InvalidRequest, match=field):
             _draw(engine, loop, contexts, **params)
+
+
+def _edit(engine, loop, data: dict, **params):
+    from omni_runtime.engines.base import EngineInput
+
+    request = EngineInput("e1", data, {"num_inference_steps": 2, "seed": 1, **params})
+
+    async def run():
+        return [out async for out in engine.generate(request)]
+
+    return loop.run_until_complete(run())
+
+
+def _png(picture: np.ndarray) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(picture).save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.mark.models
+def test_the_dit_stage_edits_a_picture_it_is_sent_with_upstreams_edit_guidance(dit_engine) -> None:
+    """An edit (a prompt and a picture, no contexts) is drawn by the dit alone at the picture's BAGEL-resized size,
+    over the contexts `edit_contexts` builds (the upstream-anchored path above) with upstream's edit guidance: the
+    engine's image equals the generator's for the same seed; the picture, the prompt and cfg_img_scale each change
+    it."""
+    import io
+
+    from PIL import Image
+
+    from omni_runtime.engines.diffusion.bagel.engine import EDIT_GUIDANCE
+
+    engine, loop = dit_engine
+    picture = _png(_edit_picture())
+    (out,) = _edit(engine, loop, {"prompt": "make it red", "image": picture})
+    drawn = np.asarray(Image.open(io.BytesIO(out.data["images"][0])))
+    assert drawn.shape == (96, 128, 3) and (out.data["width"], out.data["height"]) == (128, 96)
+    same = engine.generator  # its own dtype (the topology's bfloat16 where the CPU has it): the same numbers
+    image = same.prepare_edit(Image.open(io.BytesIO(picture)))
+    ids = engine.tokenizer.encode("make it red", add_special_tokens=False)
+    with torch.inference_mode():
+        local = same.generate(same.edit_contexts(image, ids, 1), 96, 128, 2, 1, BagelGuidance(**EDIT_GUIDANCE))
+    assert np.array_equal(local, drawn)
+    for change in ({"prompt": "make it blue"}, {"image": _png(255 - _edit_picture())}):
+        (other,) = _edit(engine, loop, {"prompt": "make it red", "image": picture, **change})
+        assert other.data["images"][0] != out.data["images"][0], change
+    assert engine.forwards_log[-1] == {"primary": 2, "cfg_text": 2, "cfg_img": 2}  # interval (0, 1]: every step
+    (unguided,) = _edit(engine, loop, {"prompt": "make it red", "image": picture}, cfg_img_scale=1.0)
+    assert unguided.data["images"][0] != out.data["images"][0] and engine.forwards_log[-1]["cfg_img"] == 0
+
+
+@pytest.mark.models
+@pytest.mark.parametrize(
+    ("data", "params", "message"),
+    [
+        ({"prompt": "x", "image": b"not a picture"}, {}, "could not be read"),
+        ({"prompt": " ", "image": None}, {}, "needs one input image"),
+        ({"prompt": "", "image": "png"}, {}, "needs one input image"),
+        ({"prompt": "make it red", "image": "PICTURE", "negative_prompt": "blurry"}, {}, "negative_prompt"),
+        ({"prompt": "make it red", "image": "PICTURE"}, {"height": 64}, "height"),
+        ({"prompt": "   ", "image": "PICTURE"}, {}, "non-empty prompt"),
+    ],
+)
+def test_an_edit_the_dit_cannot_take_is_refused_naming_why(dit_engine, data, params, message) -> None:
+    from omni_runtime.engines.base import InvalidRequest
+
+    engine, loop = dit_engine
+    data = {k: (_png(_edit_picture()) if v == "PICTURE" else v) for k, v in data.items()}
+    with pytest.raises(InvalidRequest, match=message):
+        _edit(engine, loop, data, **params)

@@ -9,6 +9,11 @@ one that is needed and absent fails the request naming the role (`MissingContext
 never becomes an unguided image. A text-to-image request's image guidance reads the primary context, as upstream
 (its cfg_img context is the primary's).
 
+An image edit comes straight from the router (`router.plan.plan_edit`): `{"prompt", "image"}` and no contexts. The
+dit builds the three contexts itself (`edit`: the picture through the VAE and the ViT, then the prompt), with
+upstream's edit guidance under the request's (`EDIT_GUIDANCE`), and draws at the picture's size as BAGEL resizes
+it.
+
 Requests run one at a time in a worker thread (a BAGEL image is one long sequence per step; batching would pad
 contexts of different lengths), and an abort stops the loop between two denoising steps.
 """
@@ -55,9 +60,49 @@ log = logging.getLogger(__name__)
 _REQUEST_KEYS = frozenset({"height", "width", "seed", "n", "num_inference_steps", *BagelGuidance.model_fields})
 """What a request may set; anything else is refused (a field accepted and ignored is a defect)."""
 
+EDIT_GUIDANCE: dict[str, Any] = {
+    "cfg_text_scale": 4.0,
+    "cfg_img_scale": 2.0,
+    "cfg_interval": (0.0, 1.0),
+    "cfg_renorm_type": "text_channel",
+    "cfg_renorm_min": 0.0,
+    "timestep_shift": 3.0,
+}
+"""An edit's guidance before the request's own: upstream app.py's edit tab (the stage's sampling_params hold the
+text-to-image defaults)."""
+MAX_INPUT_PIXELS = 4096 * 4096
+"""The largest input picture an edit decodes (BAGEL resizes it to at most 1024 px a side anyway)."""
+
 
 class Interrupted(Exception):
     """Raised inside the denoising loop of an aborted request (between two steps)."""
+
+
+def _tokenizer(path: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _picture(raw: Any, stage: str) -> Any:
+    """An edit's input picture, decoded (PIL RGB); InvalidRequest when it is missing, not an image, or larger than
+    `MAX_INPUT_PIXELS` (checked from its header, before it is decoded)."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(raw, bytes | bytearray) or not raw:
+        raise InvalidRequest(f"stage {stage!r}: an edit needs one input image (PNG, JPEG or WebP bytes)")
+    try:
+        with Image.open(io.BytesIO(bytes(raw))) as opened:
+            if opened.width * opened.height > MAX_INPUT_PIXELS:
+                raise InvalidRequest(
+                    f"the input image is {opened.width}x{opened.height}; stage {stage!r} reads at most "
+                    f"{MAX_INPUT_PIXELS} pixels; send a smaller one"
+                )
+            return opened.convert("RGB")
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as err:
+        raise InvalidRequest(f"the input image could not be read ({err}); send a PNG, JPEG or WebP") from None
 
 
 class BagelEngine(Engine):
@@ -68,6 +113,8 @@ class BagelEngine(Engine):
         self.model_path = stage_model_path(pipeline, stage)
         self.args = typed_engine_args(stage, BagelArgs)
         self.generator: BagelGenerator | None = None
+        self.tokenizer: Any = None
+        """The checkpoint's tokenizer: an edit's prompt is tokenized here (no thinker takes part in an edit)."""
         self.expected: KvExpectation | None = None
         self.device = "cpu"
         self._lock = asyncio.Lock()  # one image at a time (see the module docstring)
@@ -93,6 +140,7 @@ class BagelEngine(Engine):
                 BagelGenerator.from_pretrained, self.model_path, dtype, self.device
             )
             self.expected = await asyncio.to_thread(self._kv_expectation)
+            self.tokenizer = await asyncio.to_thread(_tokenizer, self.model_path)
         except (OSError, ValueError, KeyError) as exc:
             raise EngineError(
                 f"stage {self.stage.name!r}: could not load BAGEL's generation path from {self.model_path}: {exc}; "
@@ -144,11 +192,11 @@ class BagelEngine(Engine):
 
     # -- requests ----------------------------------------------------------------------------------
 
-    def _parse(self, request: EngineInput) -> tuple[dict[str, Any], BagelGuidance]:
-        """The request's size, steps and seed, and its guidance (the stage's defaults under the request's);
-        InvalidRequest naming the field at fault."""
+    def _parse(self, request: EngineInput, *, with_stage_defaults: bool = True) -> tuple[dict[str, Any], BagelGuidance]:
+        """The request's size, steps and seed, and its guidance (the stage's defaults under the request's, unless
+        `with_stage_defaults` is False: the caller merged them); InvalidRequest naming the field at fault."""
         assert self.generator is not None
-        params = {**self.stage.sampling_params, **request.params}
+        params = {**(self.stage.sampling_params if with_stage_defaults else {}), **request.params}
         unknown = sorted(set(params) - _REQUEST_KEYS)
         if unknown:
             raise InvalidRequest(
@@ -214,8 +262,48 @@ class BagelEngine(Engine):
     async def generate(self, request: EngineInput) -> AsyncIterator[EngineOutput]:
         if self.generator is None:
             raise EngineError(f"stage {self.stage.name!r} is not started")
+        if "contexts" not in request.data and "image" in request.data:
+            async for out in self._edit(request):
+                yield out
+            return
         call, guidance = self._parse(request)
         contexts = self._contexts(request, guidance)
+        async for out in self._generate(request.request_id, contexts, call, guidance):
+            yield out
+
+    async def _edit(self, request: EngineInput) -> AsyncIterator[EngineOutput]:
+        """An image edit (see the module docstring). InvalidRequest for what an edit cannot take: no prompt, a
+        picture that does not decode or is too large, a size (the picture decides it), a negative prompt
+        (upstream's edits have none)."""
+        assert self.generator is not None and self._pool is not None and self.tokenizer is not None
+        picture = _picture(request.data.get("image"), self.stage.name)
+        prompt = request.data.get("prompt")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InvalidRequest(f"stage {self.stage.name!r}: an edit needs a non-empty prompt saying what to change")
+        if request.data.get("negative_prompt") is not None or request.params.get("negative_prompt") is not None:
+            raise InvalidRequest(
+                "negative_prompt: BAGEL edits take none (their text guidance is the picture without the prompt); "
+                "leave it unset"
+            )
+        sized = sorted(k for k in ("height", "width") if request.params.get(k) is not None)
+        if sized:
+            raise InvalidRequest(
+                f"{sized[0]}: a BAGEL edit draws at its input picture's size (resized as BAGEL resizes it); leave "
+                "size unset"
+            )
+        loop = asyncio.get_running_loop()
+        image = await loop.run_in_executor(self._pool, self.generator.prepare_edit, picture)
+        height, width = image.size
+        defaults = {k: v for k, v in self.stage.sampling_params.items() if k not in BagelGuidance.model_fields}
+        edit = EngineInput(
+            request.request_id,
+            {},
+            {**EDIT_GUIDANCE, **defaults, **request.params, "height": height, "width": width},
+        )
+        call, guidance = self._parse(edit, with_stage_defaults=False)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        contexts = await loop.run_in_executor(self._pool, self.generator.edit_contexts, image, ids, call["seed"])
+        StageMetrics.kv_companions.labels(self.pipeline.name, self.stage.name).observe(len(contexts) - 1)
         async for out in self._generate(request.request_id, contexts, call, guidance):
             yield out
 
