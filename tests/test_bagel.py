@@ -676,7 +676,6 @@ def test_the_dit_stage_edits_a_picture_it_is_sent_with_upstreams_edit_guidance(d
         ({"prompt": " ", "image": None}, {}, "needs one input image"),
         ({"prompt": "", "image": "png"}, {}, "needs one input image"),
         ({"prompt": "make it red", "image": "PICTURE", "negative_prompt": "blurry"}, {}, "negative_prompt"),
-        ({"prompt": "make it red", "image": "PICTURE"}, {"height": 64}, "height"),
         ({"prompt": "   ", "image": "PICTURE"}, {}, "non-empty prompt"),
     ],
 )

@@ -261,6 +261,19 @@ def test_a_bagel_chat_answers_in_text_unless_it_asks_for_the_image_and_both_is_t
     assert context_drawn(omni) == {} and chat_modalities(omni, None) == ["text", "audio"]
 
 
+def test_a_bagel_edit_enters_at_the_dit_and_other_edits_at_their_entry_stages() -> None:
+    from omni_runtime.router.plan import edit_entry, plan_edit
+
+    bagel = get_pipeline("bagel")
+    assert edit_entry(bagel) == "dit"  # it takes images and reads only a context from the thinker
+    edit = plan_edit(bagel)
+    assert list(edit.stages) == ["dit"] and edit.entry == edit.final == ("dit",)
+    assert edit.stages["dit"].roles == ("primary",) and edit.stages["dit"].input_processor == "identity"
+    for name in ("qwen-image-edit", "glm-image", "prompt-enhanced-t2i"):  # no context-only edge: the usual plan
+        topology = get_pipeline(name)
+        assert edit_entry(topology) is None and plan_edit(topology) == plan_request(topology, ["image"])
+
+
 def test_a_companion_whose_guidance_is_one_is_not_planned() -> None:
     topology = get_pipeline("bagel")
     plan = plan_request(topology, ["image"])

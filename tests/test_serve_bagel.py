@@ -9,7 +9,8 @@ topology-defaults start; only the dit's 50 steps and its size made tiny) for eve
 - the anchor: the staged image equals one in-process generation by the same engine from a plain-torch prefill
   of the same tokens (the K/V that left vLLM are within bfloat16 of that prefill's, qk-norm and rope included);
 - understanding (text, and an image) through /v1/chat/completions: the dit gets no work;
-- what is refused with a 400 naming it: guidance out of bounds, edits (not served yet).
+- edits (the dit alone builds their contexts from the picture), think mode (the plan returned);
+- what is refused with a 400 naming it: guidance out of bounds, sizes past max_latent_size, what an edit cannot take.
 
 Payload checks (another checkpoint, dtype, version) and a lost companion are the engine's, tested in
 tests/test_bagel.py without a thinker; the KV export route itself in tests/test_kv_export.py.
@@ -324,13 +325,46 @@ def test_a_client_gone_mid_drawing_aborts_the_dit_and_leaves_nothing_held(bagel)
     assert aborted() == before + 1
 
 
-def test_an_edit_is_refused_until_bagel_edits_are_served(bagel) -> None:
-    picture = io.BytesIO()
-    Image.new("RGB", (64, 64), "gray").save(picture, format="PNG")
+def test_an_edit_is_drawn_by_the_dit_alone_at_the_pictures_bagel_size(bagel) -> None:
+    """/v1/images/edits through the `openai` client: the dit builds the edit's contexts from the picture itself (the
+    thinker gets no work), draws at the picture's size as BAGEL resizes it (70x50 -> 128x96 on tiny-bagel), the seed
+    decides the image and the picture changes it; what an edit cannot take is a 400 naming it."""
     api = client(bagel)
-    with pytest.raises(openai.BadRequestError) as err:
-        api.images.edit(model=bagel.model, image=("in.png", picture.getvalue(), "image/png"), prompt="make it red")
-    assert "not served yet" in str(err.value)
+    thinker, dit = stage_requests(bagel, "thinker"), stage_requests(bagel, "dit")
+
+    def picture(value: int) -> bytes:
+        raw = io.BytesIO()
+        pixels = np.random.default_rng(value).integers(0, 256, (50, 70, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(raw, format="PNG")
+        return raw.getvalue()
+
+    def edit(image: bytes, **extra):
+        return api.images.edit(
+            model=bagel.model, image=("in.png", image, "image/png"), prompt="make it red", extra_body=extra
+        )
+
+    first = edit(picture(1), seed=3)
+    assert png(first.data[0].b64_json).shape == (96, 128, 3)
+    assert edit(picture(1), seed=3).data[0].b64_json == first.data[0].b64_json
+    assert edit(picture(1), seed=4).data[0].b64_json != first.data[0].b64_json
+    assert edit(picture(2), seed=3).data[0].b64_json != first.data[0].b64_json
+    assert stage_requests(bagel, "thinker") == thinker  # an edit's context is the dit's own
+    assert stage_requests(bagel, "dit") - dit == 4
+    with pytest.raises(openai.BadRequestError, match="negative_prompt"):
+        edit(picture(1), negative_prompt="blurry")
+    with pytest.raises(openai.BadRequestError, match="input picture's size"):
+        api.images.edit(model=bagel.model, image=("in.png", picture(1), "image/png"), prompt="x", size="256x256")
+    with pytest.raises(openai.BadRequestError, match="think"):
+        edit(picture(1), think=True)
+    with pytest.raises(openai.BadRequestError, match="could not be read"):
+        edit(b"not a picture")
+    drawing_chat = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
+        picture(1)).decode()}}, {"type": "text", "text": "make it red"}]  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="/v1/images/edits"):
+        api.chat.completions.create(
+            model=bagel.model, messages=[{"role": "user", "content": drawing_chat}],
+            extra_body={"modalities": ["image"]},
+        )  # fmt: skip
     bagel.wait_idle(["thinker", "dit"])
     api.close()
 

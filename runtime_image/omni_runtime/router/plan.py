@@ -27,6 +27,8 @@ __all__ = [
     "chat_modalities",
     "companion_inputs",
     "context_drawn",
+    "edit_entry",
+    "plan_edit",
     "plan_request",
     "producible_modalities",
     "without_unweighted_companions",
@@ -98,6 +100,34 @@ def chat_modalities(topology: PipelineSpec, wanted: list[str] | None) -> list[st
     if wanted is None:
         return [m for m in producible_modalities(topology) if m not in drawn]
     return wanted
+
+
+def edit_entry(topology: PipelineSpec) -> str | None:
+    """The stage an image edit enters at when that stage builds the edit's context itself: a final image stage
+    taking images whose every upstream edge reads only a context (`CONTEXT_ONLY_PROCESSORS`). BAGEL's dit: an
+    edit's context starts with the input image's VAE tokens, which only its generation expert computes, so the
+    thinker (vLLM, no generation expert) cannot prefill it. None: edits enter at the entry stages as usual."""
+    for stage in topology.stages:
+        ups = topology.upstream(stage.name)
+        if (
+            stage.final_output
+            and stage.output_modality is Modality.IMAGE
+            and Modality.IMAGE in stage.input_modalities
+            and ups
+            and all(e.input_processor in CONTEXT_ONLY_PROCESSORS for e in ups)
+        ):
+            return stage.name
+    return None
+
+
+def plan_edit(topology: PipelineSpec) -> Plan:
+    """The plan of an image edit: the `edit_entry` stage alone when there is one, else the plan for images."""
+    name = edit_entry(topology)
+    if name is None:
+        return plan_request(topology, ["image"])
+    spec = topology.stage(name)
+    only = StagePlan(name=name, kind=spec.kind, modality=spec.output_modality, final=True)
+    return Plan(stages={name: only}, entry=(name,), final=(name,))
 
 
 def plan_request(topology: PipelineSpec, modalities: list[str]) -> Plan:

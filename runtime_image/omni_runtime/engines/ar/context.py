@@ -35,9 +35,8 @@ def _text(message: dict[str, Any], stage: str) -> str:
     if isinstance(content, list):
         if any(isinstance(p, dict) and p.get("type") != "text" for p in content):
             raise InvalidRequest(
-                f"stage {stage!r}: a BAGEL image context with an input image (an edit) is not served yet: the "
-                "image must enter the context through the VAE as well as the ViT; send text only, or ask about the "
-                "image with /v1/chat/completions"
+                f"stage {stage!r}: a chat that draws takes text only; to edit an image send it to /v1/images/edits "
+                "(the dit builds an edit's context from the image itself), or ask about it with modalities ['text']"
             )
         return "\n".join(str(p.get("text", "")) for p in content)
     raise InvalidRequest(f"stage {stage!r}: message content must be text, not {type(content).__name__}")

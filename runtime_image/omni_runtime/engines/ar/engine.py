@@ -595,9 +595,8 @@ class AREngine(Engine):
 
         if data.get("image") is not None:
             raise InvalidRequest(
-                f"stage {self.stage.name!r}: image editing with BAGEL is not served yet (the input image must enter "
-                "the context through the VAE as well as the ViT); use /v1/images/generations with a text prompt, "
-                "or /v1/chat/completions to ask about an image"
+                f"stage {self.stage.name!r} prefills text contexts only: an edit's context starts with the input "
+                "image's VAE tokens, which the dit stage builds itself; send edits to /v1/images/edits"
             )
         messages = data.get("messages") or [{"role": "user", "content": str(data.get("prompt", ""))}]
         ids = bagel_context_ids(self.llm.renderer.tokenizer, messages, self.stage.name, think=think, thinking=thinking)

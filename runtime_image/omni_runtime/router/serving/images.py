@@ -16,7 +16,14 @@ from omni_runtime.metrics import Router as M
 from omni_runtime.router.errors import BadRequest
 from omni_runtime.router.media import b64, images_of
 from omni_runtime.router.orchestrator import PipelineRequest, StageEvent
-from omni_runtime.router.plan import Plan, context_drawn, plan_request, without_unweighted_companions
+from omni_runtime.router.plan import (
+    Plan,
+    context_drawn,
+    edit_entry,
+    plan_edit,
+    plan_request,
+    without_unweighted_companions,
+)
 from omni_runtime.router.protocol.images import (
     BAGEL_GUIDANCE,
     IMAGE_REFUSED,
@@ -54,7 +61,7 @@ class ServingImages(ServingBase):
         return plan_request(self.topology, [self.topology.stage(thinker).output_modality.value, "image"])
 
     def accepts_images(self) -> bool:
-        plan = self._check_images() if "image" in self.producible() else None
+        plan = plan_edit(self.topology) if "image" in self.producible() else None
         entries = plan.entry if plan else ()
         return any(Modality.IMAGE in self.topology.stage(n).input_modalities for n in entries)
 
@@ -64,6 +71,11 @@ class ServingImages(ServingBase):
         self.check_n(body.n)
         self.check_stage_params(body.sampling_params_list)
         plan = self._check_images(body.think)
+        if image is not None:
+            if body.think:
+                raise BadRequest("think is not served for edits; leave it unset", param="think")
+            plan = plan_edit(self.topology)
+            self._check_edit_size(plan, body)
         if body.response_format not in (None, "b64_json"):
             raise BadRequest(
                 f"response_format {body.response_format!r} is not supported; use 'b64_json' "
@@ -136,6 +148,24 @@ class ServingImages(ServingBase):
         if not data:
             raise BadRequest("the pipeline finished without an image; check the prompt and parameters")
         return JSONResponse(ImagesResponse(data=data).model_dump(exclude_none=True))
+
+    def _check_edit_size(self, plan: Plan, body: ImageGenerationRequest) -> None:
+        """400 for a size asked of an edit whose stage builds the context from the picture (`plan_edit`): BAGEL
+        draws an edit at its picture's size, so a size would be ignored."""
+        if plan.entry != (edit_entry(self.topology),):
+            return
+        order = self.topology.topological_order()
+        index = order.index(plan.entry[0])
+        per_stage = (body.sampling_params_list or [])[index : index + 1]
+        asked = body.size not in (None, "auto") or any(
+            (p or {}).get(k) is not None for p in per_stage for k in ("height", "width")
+        )
+        if asked:
+            raise BadRequest(
+                f"size: stage {plan.entry[0]!r} draws an edit at its input picture's size (resized as the model "
+                "resizes it); leave size unset",
+                param="size",
+            )
 
     async def edit(self, raw: Request) -> Response:
         """Multipart form: `image` (file), `prompt`, optional `n`, `size`, `seed`, `negative_prompt`..."""

@@ -273,8 +273,7 @@ class BagelEngine(Engine):
 
     async def _edit(self, request: EngineInput) -> AsyncIterator[EngineOutput]:
         """An image edit (see the module docstring). InvalidRequest for what an edit cannot take: no prompt, a
-        picture that does not decode or is too large, a size (the picture decides it), a negative prompt
-        (upstream's edits have none)."""
+        picture that does not decode or is too large, a negative prompt (upstream's edits have none)."""
         assert self.generator is not None and self._pool is not None and self.tokenizer is not None
         picture = _picture(request.data.get("image"), self.stage.name)
         prompt = request.data.get("prompt")
@@ -285,12 +284,8 @@ class BagelEngine(Engine):
                 "negative_prompt: BAGEL edits take none (their text guidance is the picture without the prompt); "
                 "leave it unset"
             )
-        sized = sorted(k for k in ("height", "width") if request.params.get(k) is not None)
-        if sized:
-            raise InvalidRequest(
-                f"{sized[0]}: a BAGEL edit draws at its input picture's size (resized as BAGEL resizes it); leave "
-                "size unset"
-            )
+        # The picture decides the size: the stage's default size is text-to-image's (a size the client asks for
+        # is refused by the router, `router.serving.images`, which can tell it from the stage's default).
         loop = asyncio.get_running_loop()
         image = await loop.run_in_executor(self._pool, self.generator.prepare_edit, picture)
         height, width = image.size
