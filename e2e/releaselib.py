@@ -25,9 +25,9 @@ from clusterlib import REPO
 
 __all__ = ["MODULES", "SharedRelease", "shared_release"]
 
-MODULES = ("e2e", "as", "cx", "sp", "video", "rt")
+MODULES = ("e2e", "as", "cx", "sp", "video", "rt", "bg")
 """The apps namespace suffix of each module sharing the release (test_end_to_end, test_autoscale_cluster,
-test_connectors_cluster, test_speech_cluster, test_video_cluster, test_router_cluster)."""
+test_connectors_cluster, test_speech_cluster, test_video_cluster, test_router_cluster, test_bagel_cluster)."""
 
 TOKEN_DURATION = "12h"
 """The operator's ServiceAccount token outlives the whole session (a module's own was 1 h)."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import wave
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,17 +28,15 @@ import httpx
 import openai
 import pytest
 from chartlib import Release, ServiceAccountOperator
-from clusterlib import apply, condition, kubectl_json, wait_for
+from clusterlib import apply, wait_for
+from pipelinelib import PipelineEnv
 from podrunner.node import RUNNER_LABEL
-from prometheus_client.parser import text_string_to_metric_families
 from promlib import Prometheus, dashboard_panels, dashboard_variables, pod_targets, prometheus_binary
 
-from omni_operator.resolve import stage_ports
 from omni_runtime.tiny_models import default_cache_dir, ensure
 
 pytestmark = [pytest.mark.cluster, pytest.mark.models]
 
-READY_TIMEOUT = 900  # vLLM on two shared cores loads the thinker in about a minute, more under load
 THINKER_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 64 * 1024**2, "seed": 0}
 SIZES = {"globalSegmentSize": "64Mi", "localBufferSize": "16Mi"}
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
@@ -110,91 +107,12 @@ def manifest(m: Model) -> dict:
     }
 
 
-class Env:
-    """The release (chart + operator) and one pipeline of it."""
+class Env(PipelineEnv):
+    """The release (chart + operator) and one speech model's pipeline of it."""
 
     def __init__(self, cluster, runner, release: Release, operator: ServiceAccountOperator, m: Model) -> None:
-        self.cluster, self.runner, self.release, self.operator, self.m = cluster, runner, release, operator, m
-
-    @property
-    def name(self) -> str:
-        return self.m.name
-
-    @property
-    def ns(self) -> str:
-        return self.release.apps
-
-    def pipeline(self) -> dict:
-        return kubectl_json(self.cluster, "get", "omnipipeline", self.name, "-n", self.ns)
-
-    @property
-    def selector(self) -> str:
-        return f"omnikube.io/pipeline={self.name}"
-
-    def objects(self, kind: str, selector: str = "") -> list[dict]:
-        """The pipeline's objects of `kind` (terminating ones included), narrowed by `selector`."""
-        labels = ",".join(filter(None, [self.selector, selector]))
-        return kubectl_json(self.cluster, "get", kind, "-n", self.ns, "-l", labels)["items"]
-
-    def pods(self, component: str | None = None) -> list[dict]:
-        """The pipeline's pods that are not terminating (of one component if given)."""
-        items = self.objects("pods", f"app.kubernetes.io/component={component}" if component else "")
-        return [p for p in items if not p["metadata"].get("deletionTimestamp")]
-
-    def stage_pod(self, stage: str) -> dict:
-        (pod,) = [p for p in self.pods("stage") if p["metadata"]["labels"].get("omnikube.io/stage") == stage]
-        return pod
-
-    def describe(self) -> str:
-        lines = []
-        for p in self.pods():
-            lines.append(f"--- {p['metadata']['name']} {p['status'].get('phase')}")
-            for c in p["spec"]["containers"]:
-                try:
-                    log = self.runner.logs(self.ns, p["metadata"]["name"], c["name"])
-                except Exception as exc:  # noqa: BLE001 - the pod may be gone already
-                    log = f"<no logs: {exc}>"
-                lines.append(f"[{c['name']}] {log[-1500:]}")
-        status = json.dumps(self.pipeline().get("status"))[:3000]
-        return "\n".join(lines) + f"\nstatus: {status}\noperator:\n{self.operator.log()[-1500:]}"
-
-    def wait_ready(self, since: frozenset[str] | set[str] = frozenset()) -> dict:
-        """Ready on its current generation, with no stage pod whose name is in `since`."""
-
-        def ready() -> dict | None:
-            obj = self.pipeline()
-            pods = self.pods("stage")
-            fresh = {p["metadata"]["name"] for p in pods}.isdisjoint(since)
-            fresh = fresh and all(condition(p, "Ready").get("status") == "True" for p in pods)
-            current = (obj.get("status") or {}).get("observedGeneration") == obj["metadata"]["generation"]
-            return obj if current and fresh and condition(obj, "Ready").get("status") == "True" else None
-
-        return wait_for(ready, READY_TIMEOUT, f"{self.name} Ready", self.describe)  # type: ignore[return-value]
-
-    @property
-    def base(self) -> str:
-        (router,) = [p for p in self.pods("router") if p["status"].get("podIP")]
-        return f"http://{router['status']['podIP']}:8000"
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0, timeout=300)
-
-    def stage_metric(self, name: str, **labels: str) -> float:
-        """Sum of metric `name` (samples matching `labels`) over every stage process of the ready stage pods,
-        scraped from each stage container's /metrics through the pod network."""
-        total = 0.0
-        for pod in self.pods("stage"):
-            if condition(pod, "Ready").get("status") != "True":
-                continue  # a replacement pod still loading has served nothing yet
-            ip = pod["status"]["podIP"]
-            for index, _ in enumerate(pod["spec"]["containers"]):
-                with httpx.Client(trust_env=False, timeout=10) as http:
-                    text = http.get(f"http://{ip}:{stage_ports(index)[1]}/metrics").text
-                for family in text_string_to_metric_families(text):
-                    for sample in family.samples:
-                        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                            total += sample.value
-        return total
+        super().__init__(cluster, runner, release, operator, m.name)
+        self.m = m
 
 
 @pytest.fixture(scope="module")
@@ -264,17 +182,6 @@ def spoke_while_writing(order: list[str]) -> bool:
     return order.count("audio") > 1 and "text" in order[order.index("audio") :]
 
 
-def assert_no_payload_unreleased(env: Env) -> None:
-    """Every stage's unreleased-payload gauge back at 0 (the router's releases reach the stages shortly after
-    the request ends)."""
-    wait_for(
-        lambda: env.stage_metric("omnikube_connector_payloads_unreleased") == 0,
-        60,
-        "every stage's unreleased payloads at 0",
-        lambda: str(env.stage_metric("omnikube_connector_payloads_unreleased")),
-    )
-
-
 def test_stages_are_placed_as_asked(env: Env) -> None:
     stages = {p["metadata"]["labels"]["omnikube.io/stage"]: p for p in env.pods("stage")}
     assert set(stages) == {"thinker", "talker"}  # code2wav lives in the talker's pod
@@ -295,7 +202,7 @@ def test_text_and_speech_in_one_reply(env: Env) -> None:
     message = reply.choices[0].message
     assert message.content and reply.usage.completion_tokens == 16  # the thinker's tokens
     assert wav_frames(base64.b64decode(message.audio.data)) > 0
-    assert_no_payload_unreleased(env)
+    env.wait_payloads_released()
 
 
 def test_streamed_text_and_audio_interleave(env: Env) -> None:
@@ -319,7 +226,7 @@ def test_streamed_text_and_audio_interleave(env: Env) -> None:
     else:
         assert order.count("audio") > 1, f"the audio came in one piece, not streamed: {order}"
     assert order[0] == "text" and len(pcm) > 0 and len(pcm) % 2 == 0, (order[:3], len(pcm))  # 16-bit samples
-    assert_no_payload_unreleased(env)
+    env.wait_payloads_released()
 
 
 def test_speech_route(env: Env) -> None:
@@ -330,7 +237,7 @@ def test_speech_route(env: Env) -> None:
             extra_body={"sampling_params_list": [{"max_tokens": 8}, {}]},
         )  # fmt: skip
     assert wav_frames(wav.content) > 0
-    assert_no_payload_unreleased(env)
+    env.wait_payloads_released()
 
 
 @only_qwen3
@@ -397,7 +304,7 @@ def test_an_image_is_spoken_about(env: Env) -> None:
     message = reply.choices[0].message
     assert message.content and reply.usage.completion_tokens == 8
     assert wav_frames(base64.b64decode(message.audio.data)) > 0
-    assert_no_payload_unreleased(env)
+    env.wait_payloads_released()
 
 
 @only_qwen3
@@ -413,7 +320,7 @@ def test_client_disconnect_mid_audio_releases_every_payload(env: Env) -> None:
             for line in response.iter_lines():
                 if '"audio"' in line:
                     break  # leaving the block closes the connection mid-audio
-    assert_no_payload_unreleased(env)
+    env.wait_payloads_released()
     for stage in stages:  # each stage's work ended as aborted, not finished
         wait_for(
             lambda s=stage: env.stage_metric("omnikube_stage_requests_total", stage=s, status="aborted") > aborted[s],
@@ -471,4 +378,4 @@ def test_talker_pod_killed_mid_request_fails_it_retriably_and_the_next_succeeds(
             )  # fmt: skip
         )
     assert "audio" in order and "text" in order and len(pcm) > 0, order
-    assert_no_payload_unreleased(env)
+    env.wait_payloads_released()
