@@ -545,7 +545,8 @@ def test_deleting_a_pod_stops_its_processes_and_removes_its_netns(cluster, names
     assert not any(_alive(p) for p in pids)
     assert _netns_holders(info["netns"]) == []
     assert not _link_exists(info["veth"])
-    assert podrunner.sandbox_info(namespace, "doomed") is None
+    # the runner forgets the sandbox just after the API server forgets the pod (CI saw it a moment late)
+    wait_for("the sandbox forgotten", lambda: podrunner.sandbox_info(namespace, "doomed") is None)
 
 
 def test_a_gpu_requesting_pod_schedules_onto_the_runner_gpu_node(cluster, namespace, podrunner: PodRunner):
