@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import time
 from collections.abc import Iterator
 
@@ -117,8 +118,11 @@ def test_the_stages_run_in_pods_of_their_own(env: PipelineEnv) -> None:
     stages = {p["metadata"]["labels"]["omnikube.io/stage"]: p for p in env.pods("stage")}
     assert set(stages) == {"thinker", "dit"}
     assert stages["thinker"]["status"]["podIP"] != stages["dit"]["status"]["podIP"]
-    edges = env.pipeline()["status"]["topology"]["edges"]
-    assert "mooncake" in str(edges), edges
+    status = env.pipeline()["status"]
+    assert "mooncake" in str(status["topology"]["edges"]), status
+    assert len(status["contract"]) == 16, status  # the pipeline contract's digest
+    for name, pod in stages.items():  # each stage's pods carry their part of it
+        assert len(pod["metadata"]["labels"][f"contract.omnikube.io/{name}"]) == 16
 
 
 def test_an_image_is_drawn_over_kv_that_crossed_pods(env: PipelineEnv) -> None:
@@ -128,10 +132,12 @@ def test_an_image_is_drawn_over_kv_that_crossed_pods(env: PipelineEnv) -> None:
     thinker, kv = requests_of(env, "thinker"), env.stage_metric("omnikube_stage_kv_cache_bytes_count", source="thinker")
     moved = env.stage_metric("omnikube_edge_bytes_total", stage="thinker", target="dit", connector="mooncake")
     with env.client() as api:
-        first = png(api.images.generate(model=NAME, prompt=PROMPT, extra_body={"seed": 3}).data[0].b64_json)
+        raw = api.images.with_raw_response.generate(model=NAME, prompt=PROMPT, extra_body={"seed": 3})
+        first = png(raw.parse().data[0].b64_json)
         again = png(api.images.generate(model=NAME, prompt=PROMPT, extra_body={"seed": 3}).data[0].b64_json)
         other = png(api.images.generate(model=NAME, prompt=PROMPT, extra_body={"seed": 4}).data[0].b64_json)
     assert first.shape == (64, 64, 3)
+    assert set(json.loads(raw.headers["x-omnikube-contract"])) == {"thinker", "dit"}  # one generation's digests
     assert np.array_equal(first, again) and not np.array_equal(first, other)
     assert requests_of(env, "thinker") - thinker == 6
     assert env.stage_metric("omnikube_stage_kv_cache_bytes_count", source="thinker") - kv == 6

@@ -19,7 +19,6 @@ import pytest
 from servelib import chat_topology, echo_cluster, echo_pipeline, until, windowed_topology
 
 from omni_runtime.engines.base import EngineError
-from omni_runtime.router.client import ReplicaClient
 from omni_runtime.router.discovery import ready_addresses
 from omni_runtime.wire import protocol as P
 
@@ -204,9 +203,10 @@ async def test_while_a_stage_is_between_replicas_a_request_waits_for_the_new_one
     """A roll: the old replica drains before discovery lists the new one (the SIGTERM of the old pod and
     the EndpointSlice update race). The request waits for the new replica instead of failing.
 
-    "Waits" is read from the router's own call for a replica: `pool.pick` is wrapped (it still does the
-    real work) so the test sees the request ask for a replica and not be answered yet. A pick that failed
-    or returned at once would have ended in the same step (it does not yield before raising). This wait
+    "Waits" is read from the router's own first call for replicas: `pool.choose_generation` (the generation
+    of the pipeline whose every stage has a usable replica) is wrapped (it still does the real work) so the
+    test sees the request ask and not be answered yet. A call that failed or returned at once would have ended
+    in the same step (it does not yield before raising). This wait
     has no metric of its own (the scale-from-zero wait has omnikube_stage_requests_waiting_for_replica)."""
     async with echo_cluster(echo_pipeline(chat_topology()), {"llm": 2}) as cluster, client(cluster.base) as api:
         pool = cluster.pool
@@ -215,18 +215,18 @@ async def test_while_a_stage_is_between_replicas_a_request_waits_for_the_new_one
         await until(lambda: new not in pool["llm"].replicas, timeout=10.0)  # dropped (idle): as if never seen
         drain = asyncio.create_task(cluster.servers["llm"][0].drain(20))
         await until(lambda: pool["llm"].replicas[old].stage_draining, timeout=10.0)
-        asked: list[str] = []
-        answered: list[str] = []
-        real_pick = pool.pick
+        asked: list[list[str]] = []
+        answered: list[list[str]] = []
+        real_choose = pool.choose_generation
 
-        async def pick(stage: str) -> ReplicaClient:
-            asked.append(stage)
+        async def choose_generation(stages):
+            asked.append(list(stages))
             try:
-                return await real_pick(stage)
+                return await real_choose(stages)
             finally:
-                answered.append(stage)
+                answered.append(list(stages))
 
-        pool.pick = pick
+        pool.choose_generation = choose_generation
         call = asyncio.create_task(api.chat.completions.create(model="echo", messages=user("during the roll")))
         await until(lambda: asked, timeout=10.0)  # the router asked for a replica of the stage
         assert answered == [], "the router did not wait for a usable replica"

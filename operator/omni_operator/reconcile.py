@@ -36,6 +36,7 @@ from omni_operator.status.reasons import Reason
 from omni_operator.status.stage_status import selector_string, stage_conditions
 from omni_runtime.registry import PipelineRegistry
 from omni_runtime.spec import SpecError
+from omni_runtime.spec.contract import pipeline_contract
 
 __all__ = ["Context", "NameCollision", "TemporaryError", "reconcile_pipeline", "reconcile_stage"]
 
@@ -301,6 +302,7 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> None:
             "edges": [f"{e.source}->{e.target} ({topo.edge_connector(e).value})" for e in topo.edges],
         }
         status["endpoint"] = router_endpoint(pipeline, namespace)
+        status["contract"] = pipeline_contract(resolved).digest
     else:
         # Report what exists without touching it.
         observation.stages = await ctx.kube.list(

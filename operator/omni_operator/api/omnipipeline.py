@@ -360,6 +360,14 @@ class OmniPipelineStatus(KubeModel):
     endpoint: str = Field(
         "", description="In-cluster URL of the OpenAI-compatible API (http://<service>.<ns>.svc:<port>/v1)."
     )
+    contract: str = Field(
+        "",
+        description="Digest of the pipeline's contract: everything that decides what crosses an edge (the model, "
+        "the topology, each stage's kind, modalities, companions and payload-changing engine args, each edge's "
+        "connector, window, first window and input processor); replicas, resources, placement, autoscaling, "
+        "sampling defaults and router limits are out of it. Each stage's pods carry their stage's part as the "
+        "label contract.omnikube.io/<stage>, and the router never runs one request on replicas of two contracts.",
+    )
 
 
 class OmniPipeline(CustomResource):
@@ -392,6 +400,7 @@ class OmniPipeline(CustomResource):
                 "Pipeline", ".status.topology.pipeline", priority=1, description="Resolved registry topology."
             ),
             PrinterColumn("Model", ".spec.model", priority=1, description="Model served."),
+            PrinterColumn("Contract", ".status.contract", priority=1, description="Digest of the pipeline contract."),
         ),
     )
 

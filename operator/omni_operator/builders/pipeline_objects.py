@@ -15,6 +15,7 @@ from omni_operator.builders.meta import (
 )
 from omni_operator.resolve import group_members
 from omni_runtime.spec import ResolvedPipeline
+from omni_runtime.spec.contract import CONTRACT_LABEL_DOMAIN, pipeline_contract
 
 __all__ = [
     "CONFIG_KEY",
@@ -91,6 +92,7 @@ def build_omnistages(
     the uid of the pipeline's key Secret (empty when rendering offline)."""
     name = owner["metadata"]["name"]
     overrides = {s.name: s for s in pipeline.spec.stages}
+    contract = pipeline_contract(resolved)
     out = []
     for root, members in group_members(resolved).items():
         spec = omnistage_spec(pipeline, resolved, members, overrides.get(root) or PipelineStage(name=root))
@@ -102,7 +104,10 @@ def build_omnistages(
                     "metadata": {
                         "name": omnistage_name(name, root),
                         "namespace": owner["metadata"]["namespace"],
-                        "labels": labels(name, "stage", root),
+                        "labels": {
+                            **labels(name, "stage", root),
+                            **{f"{CONTRACT_LABEL_DOMAIN}/{m}": contract.stages[m].digest for m in members},
+                        },
                         "annotations": {
                             CONFIG_HASH_ANNOTATION: group_config_hash(resolved, members),
                             KEY_VERSION_ANNOTATION: key_version,

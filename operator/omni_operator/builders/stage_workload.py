@@ -17,6 +17,7 @@ from omni_operator.builders.meta import (
 from omni_operator.builders.pipeline_objects import CONFIG_HASH_ANNOTATION, CONFIG_KEY, KEY_VERSION_ANNOTATION
 from omni_operator.builders.trust import KEY_FILE, key_volume
 from omni_operator.resolve import stage_ports
+from omni_runtime.spec.contract import CONTRACT_LABEL_DOMAIN
 from omni_runtime.stage.settings import StageSettings
 
 __all__ = [
@@ -227,6 +228,8 @@ def build_stage_deployment(stage: OmniStage) -> dict[str, Any]:
         }
     )
     pod_labels = labels(spec.pipeline, "stage", spec.stage)
+    # each stage's contract digest (spec.contract): which generation of the pipeline its pods belong to
+    contracts = {k: v for k, v in stage.metadata.labels.items() if k.startswith(f"{CONTRACT_LABEL_DOMAIN}/")}
     return with_hash(
         {
             "apiVersion": "apps/v1",
@@ -244,7 +247,10 @@ def build_stage_deployment(stage: OmniStage) -> dict[str, Any]:
                 "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
                 "revisionHistoryLimit": 3,
                 "template": {
-                    "metadata": {"labels": pod_labels, "annotations": {TEMPLATE_HASH_ANNOTATION: template_hash}},
+                    "metadata": {
+                        "labels": {**pod_labels, **contracts},
+                        "annotations": {TEMPLATE_HASH_ANNOTATION: template_hash},
+                    },
                     "spec": pod_spec,
                 },
             },

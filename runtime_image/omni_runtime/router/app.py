@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omni_runtime.metrics import Router as M
 from omni_runtime.router.admission import Admission
 from omni_runtime.router.auth import ApiKeyFile, BearerAuth
+from omni_runtime.router.contract_header import ContractHeader
 from omni_runtime.router.discovery import Discovery
 from omni_runtime.router.errors import OmniError, RequestTooLarge, error_response
 from omni_runtime.router.jobs import VideoJobs
@@ -137,6 +138,7 @@ def build_app(
     if api_key is not None:
         app.add_middleware(BearerAuth, key=api_key)  # inside the guard, so its 401s are counted too
     app.add_middleware(_Guard, max_bytes=limits.max_body_bytes, pipeline=name)
+    app.add_middleware(ContractHeader)  # outermost: every response of a request that ran on stages
     return app
 
 

@@ -84,6 +84,10 @@ class ReplicaClient:
         self.voices: list[str] = []
         self.image_bounds: ImageSizeBounds | None = None
         """Speakers the replica's engine knows, from its latest pong."""
+        self.contract = ""
+        """Its stage digest, from its latest pong ("": a replica that reports none)."""
+        self.generation: dict[str, str] = {}
+        """The stage digests of the generation it belongs to, by stage (see `wire.protocol.Pong`)."""
         self._sinks: dict[str, WorkSink] = {}
         self._nonce = itertools.count()
         self._last_pong = 0.0
@@ -271,6 +275,7 @@ class ReplicaClient:
             self.rtt_s = max(0.0, now - pong.sent_at)
         self.voices = list(pong.voices)
         self.image_bounds = pong.image_bounds
+        self.contract, self.generation = pong.contract, dict(pong.generation)
         if pong.ready and self.state is not ReplicaState.UP:
             log.info("stage %s replica %s is up", self.stage, self.address)
             self.state, self.reason = ReplicaState.UP, ""

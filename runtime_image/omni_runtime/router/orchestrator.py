@@ -21,7 +21,7 @@ from omni_runtime.metrics import Router as M
 from omni_runtime.router.client import ReplicaClient
 from omni_runtime.router.errors import BadRequest, StageLost, StageUnavailable, from_stage_failure
 from omni_runtime.router.plan import PRIMARY, Plan, companion_inputs
-from omni_runtime.router.pool import StagePool
+from omni_runtime.router.pool import Generation, StagePool
 from omni_runtime.spec import ResolvedPipeline
 from omni_runtime.wire import protocol as P
 
@@ -41,6 +41,9 @@ class PipelineRequest:
     negative_prompt: str | None = None
     stream: bool = False
     choice: int = 0
+    generation: Generation | None = None
+    """The pipeline generation every work of this request runs in (`StagePool.choose_generation`); None: the
+    run chooses one when it starts its first work."""
 
 
 @dataclass
@@ -62,6 +65,8 @@ class RunResult:
     """Per stage, the primary work's usage."""
     info: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per stage and role (`stage` or `stage/role`), what the stage reported it ran on."""
+    contracts: dict[str, str] = field(default_factory=dict)
+    """Per stage, the stage digest of the replica that ran its works (all of one generation)."""
 
 
 @dataclass(eq=False)
@@ -99,6 +104,7 @@ class _Run:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.pending: dict[str, list[tuple[P.Input, ReplicaClient]]] = {n: [] for n in self.plan.stages}
         self.result = RunResult()
+        self.generation: Generation | None = request.generation
 
     # -- main loop -----------------------------------------------------------------------------
 
@@ -174,8 +180,13 @@ class _Run:
             self._submit(stage, role, client, inline=roles[role], inputs=[])
 
     async def _pick(self, stage: str) -> ReplicaClient:
-        """A replica for new work: never a draining one (it only finishes what it runs)."""
-        return await self.orch.pool.pick(stage)
+        """A replica for new work, of the request's generation: never a draining one (it only finishes what it
+        runs), never one whose payloads the request's other stages cannot read."""
+        if self.generation is None:
+            self.generation = await self.orch.pool.choose_generation(self.plan.stages)
+        client = await self.orch.pool.pick(stage, self.generation)
+        self.result.contracts[stage] = client.contract
+        return client
 
     def _work_id(self, stage: str, role: str) -> str:
         """The id of this request's work for `role` on `stage`: unique per router over time."""
@@ -214,6 +225,8 @@ class _Run:
             companion_of=None if role == PRIMARY else self._work_id(stage, PRIMARY),
             # think mode's primary prefills after its reasoning: its companions do not wait to batch with it
             group_size=len(sp.roles) if inline is not None and not sp.think else 1,
+            contract=(self.generation or {}).get(stage, ""),  # what it was planned for: a new process at the
+            # replica's address (a pod IP reused by another generation) refuses it rather than misreading payloads
         )
         work.delivered.extend(inputs)
         try:

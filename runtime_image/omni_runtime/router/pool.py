@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import zmq.asyncio
@@ -23,7 +25,11 @@ from omni_runtime.spec import ResolvedPipeline, StageDiscovery
 from omni_runtime.spec.image_bounds import ImageSizeBounds
 from omni_runtime.wire.auth import PipelineKey
 
-__all__ = ["StagePool"]
+__all__ = ["Generation", "StagePool"]
+
+Generation = Mapping[str, str]
+"""Stage -> the stage digest a request's works must run on (`spec.contract`); a generation of the pipeline.
+Empty for replicas that report no contract (older stages), which then serve only with each other."""
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +69,9 @@ class StagePool:
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task] = []
         self._reaper: asyncio.Task | None = None
+        self._seen: dict[frozenset[tuple[str, str]], int] = {}
+        """When each generation was first seen (a counter): new requests go to the newest complete one."""
+        self._order = itertools.count()
 
     def __getitem__(self, stage: str) -> ReplicaSet[ReplicaClient]:
         return self.sets[stage]
@@ -89,19 +98,83 @@ class StagePool:
             # other path cannot hang the router's shutdown in term() (it did, until the reaper's close was fixed).
             self._ctx.destroy(linger=0)
 
-    async def pick(self, stage: str) -> ReplicaClient:
-        """A usable replica of `stage` for new work (least outstanding first).
+    def generation(self, stages: Iterable[str]) -> Generation | None:
+        """The generation a new request over `stages` runs in: of those in which every stage has a usable
+        replica (a stage scaled to zero with no replica at all counts: its first replica is awaited), the one
+        seen first most recently; None when there is none."""
+        wanted = list(stages)
+        complete = []
+        for candidate in self._generations(wanted):
+            if all(self._has(stage, candidate) for stage in wanted):
+                complete.append(candidate)
+        if not complete:
+            return None
+        return max(complete, key=lambda g: self._seen[frozenset(g.items())])
+
+    def _generations(self, stages: list[str]) -> list[dict[str, str]]:
+        found: dict[frozenset[tuple[str, str]], dict[str, str]] = {}
+        for stage in stages:
+            for client in self.sets[stage].usable():
+                gen = {s: client.generation[s] for s in stages if s in client.generation}
+                if client.contract and len(gen) != len(stages):
+                    continue  # resolved with another topology: it names none of some stage here
+                key = frozenset(gen.items())
+                found.setdefault(key, gen)
+                self._seen.setdefault(key, next(self._order))
+        if not found:  # nothing usable reports anything: stages scaled to zero, or none ready yet
+            self._seen.setdefault(frozenset(), next(self._order))
+            return [{}]
+        return list(found.values())
+
+    def _has(self, stage: str, generation: Generation) -> bool:
+        replicas = self.sets[stage]
+        if stage in self.pipeline.scale_from_zero and not replicas.replicas:
+            return True
+        want = generation.get(stage, "")
+        return any(c.contract == want for c in replicas.usable())
+
+    async def choose_generation(self, stages: Iterable[str]) -> Generation:
+        """`generation(stages)`, waiting up to `roll_wait_s` while some stage is between replicas; then
+        StageUnavailable naming the generations seen and the stages each lacks."""
+        wanted = list(stages)
+        deadline: float | None = None
+        while True:
+            found = self.generation(wanted)
+            if found is not None:
+                return found
+            now = asyncio.get_running_loop().time()
+            deadline = deadline if deadline is not None else now + self.roll_wait_s
+            if now >= deadline or not any(self._between_replicas(s) for s in wanted):
+                break
+            await asyncio.sleep(0.02)
+        for stage in wanted:
+            self.sets[stage].pick()  # a stage with no usable replica at all: its own message says why
+        seen = [f"{dict(g)} lacks {[s for s in wanted if not self._has(s, g)]}" for g in self._generations(wanted)]
+        raise StageUnavailable(
+            "no generation of the pipeline has a ready replica of every stage this request needs (a rollout "
+            f"is under way, or it stopped half way): {'; '.join(seen)}. Retry shortly; a request never runs "
+            "across two generations"
+        )
+
+    async def pick(self, stage: str, generation: Generation | None = None) -> ReplicaClient:
+        """A usable replica of `stage` for new work (least outstanding first), of `generation` when given
+        and it names the stage (a stage scaled to zero when the request started may be named by none).
 
         While none is usable but the stage is between replicas (one draining, or one just discovered
         and not answering yet), waits up to `roll_wait_s` for one; otherwise, or after that, raises
         StageUnavailable describing every replica."""
         replicas = self.sets[stage]
+        want = None if generation is None else generation.get(stage)  # a stage it does not name: any replica
+
+        def ours(client: ReplicaClient) -> bool:
+            return want is None or client.contract == want
+
         if stage in self.pipeline.scale_from_zero and not replicas.replicas:
-            return await self._pick_after_zero(stage)
+            return await self._pick_after_zero(stage, ours)
         deadline: float | None = None
         while True:
             try:
-                return replicas.pick()
+                return replicas.pick(where=ours)
             except StageUnavailable:
                 now = asyncio.get_running_loop().time()
                 deadline = deadline if deadline is not None else now + self.roll_wait_s
@@ -109,7 +182,7 @@ class StagePool:
                     raise
             await asyncio.sleep(0.02)
 
-    async def _pick_after_zero(self, stage: str) -> ReplicaClient:
+    async def _pick_after_zero(self, stage: str, ours: Callable[[ReplicaClient], bool]) -> ReplicaClient:
         """A replica of a stage scaled to zero, once its autoscaler has started one. The wait is counted in
         omnikube_stage_requests_waiting_for_replica (KEDA activates the stage on it) and ends half a second
         before the request timeout, so the client gets a retriable 503 rather than a 504."""
@@ -121,7 +194,7 @@ class StagePool:
             async with asyncio.timeout(hold_s):
                 while True:
                     try:
-                        return replicas.pick()
+                        return replicas.pick(where=ours)
                     except StageUnavailable:
                         await asyncio.sleep(0.05)
         except TimeoutError:

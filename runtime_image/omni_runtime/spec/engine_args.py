@@ -16,6 +16,7 @@ Pure pydantic: importing it never pulls in torch or an engine.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -73,6 +74,15 @@ class _Conflict(ValueError):
 class EngineArgs(BaseModel):
     """The engine args of one engine family (a subclass per family)."""
 
+    contract_fields: ClassVar[frozenset[str]] = frozenset()
+    """Fields that change what the stage sends or reads over an edge: in the pipeline contract
+    (spec.contract), so replicas that differ in one never take part in one request."""
+    neutral_fields: ClassVar[frozenset[str]] = frozenset()
+    """Fields that do not (devices, capacity, bounds on requests): out of the contract. Every field of a family
+    is in exactly one of the two sets, its mixins' included (tests/test_contract.py checks)."""
+    neutral_extra: ClassVar[frozenset[str]] = frozenset()
+    """Pass-through keys known not to change payloads; every other pass-through key is in the contract."""
+
     model_config = ConfigDict(frozen=True)
 
     passes_through: ClassVar[str] = ""
@@ -87,6 +97,10 @@ Device = Annotated[
 
 class RegistryOnlyKeys(BaseModel):
     """Keys of the registry's topologies that describe the stage to omnikube; never passed to the engine."""
+
+    contract_fields: ClassVar[frozenset[str]] = frozenset(
+        {"model_stage", "model_arch", "hf_config_name", "engine_output_type"}
+    )
 
     model_stage: StrictStr | None = Field(
         None,
@@ -120,6 +134,17 @@ KV connector per engine), a drafter's layers would join the export, and async sc
 
 class ArArgs(EngineArgs, RegistryOnlyKeys):
     """An `ar` stage on vLLM."""
+
+    contract_fields = frozenset({"hidden_state_layers", "media_hidden_layer", "export_kv_cache", "context_format"})
+    neutral_fields = frozenset({"tool_call_parser"})
+    neutral_extra = frozenset(
+        {
+            "max_model_len", "kv_cache_memory_bytes", "gpu_memory_utilization", "max_num_seqs",
+            "max_num_batched_tokens", "enforce_eager", "seed", "limit_mm_per_prompt", "tensor_parallel_size",
+            "swap_space", "block_size", "disable_log_stats", "enable_chunked_prefill", "cpu_offload_gb",
+            "distributed_executor_backend", "max_logprobs",
+        }
+    )  # fmt: skip
 
     model_config = ConfigDict(extra="allow")
     passes_through = (
@@ -245,6 +270,10 @@ class StepCacheSettings(BaseModel):
 class AccelSettings(BaseModel):
     """The speed options of a diffusion stage (engines/diffusion/accel.py applies them)."""
 
+    neutral_fields: ClassVar[frozenset[str]] = frozenset(
+        {"enforce_eager", "quantization", "step_cache_threshold", "step_cache", "cuda_graphs", "attention_backend"}
+    )
+
     model_config = ConfigDict(frozen=True)
 
     enforce_eager: bool = Field(
@@ -301,6 +330,8 @@ class AccelSettings(BaseModel):
 class VideoArgs(BaseModel):
     """The args of a diffusion stage whose pipeline makes videos (its `__call__` takes `num_frames`)."""
 
+    neutral_fields: ClassVar[frozenset[str]] = frozenset({"max_frames", "default_fps", "max_fps"})
+
     model_config = ConfigDict(frozen=True)
 
     max_frames: int = Field(241, ge=1, description="Video pipelines: most frames one video may have.")
@@ -312,6 +343,11 @@ class VideoArgs(BaseModel):
 
 class DiffusionArgs(EngineArgs, AccelSettings, VideoArgs, RegistryOnlyKeys):
     """A `diffusion` stage on diffusers."""
+
+    contract_fields = frozenset({"torch_dtype"})
+    neutral_fields = frozenset(
+        {"device", "batch_window_ms", "max_batch_size", "max_pixels", "max_inference_steps", "sequence_parallel"}
+    )
 
     model_config = ConfigDict(extra="allow")
     passes_through = (
@@ -343,6 +379,9 @@ class BagelArgs(EngineArgs):
     """A `diffusion` stage with `runner: bagel`: BAGEL's generation expert drawing over the thinker's KV caches
     (`engines.diffusion.bagel`), loaded from the same checkpoint folder as the thinker."""
 
+    contract_fields = frozenset({"runner", "torch_dtype", "kv_dtype"})
+    neutral_fields = frozenset({"device", "max_inference_steps"})
+
     model_config = ConfigDict(extra="forbid")
     passes_through = ""
 
@@ -365,6 +404,9 @@ class BagelArgs(EngineArgs):
 class GenerationArgs(EngineArgs):
     """A `generation` stage with `runner: vae_decode` (diffusers AutoencoderKL latents to PNG images)."""
 
+    contract_fields = frozenset({"runner", "chunk_size", "chunk_dim", "torch_dtype"})
+    neutral_fields = frozenset({"device"})
+
     model_config = ConfigDict(extra="allow")
     passes_through = "Other keys are handed to the runner, which reads none today."
 
@@ -379,6 +421,9 @@ class GenerationArgs(EngineArgs):
 
 class TalkerArgs(EngineArgs):
     """A `generation` stage running a talker: step-batched codec decoding fed by the thinker."""
+
+    contract_fields = frozenset({"runner", "torch_dtype"})
+    neutral_fields = frozenset({"device", "max_requests"})
 
     model_config = ConfigDict(extra="forbid")
 
@@ -399,6 +444,9 @@ class TalkerArgs(EngineArgs):
 class Code2WavArgs(EngineArgs):
     """A `generation` stage with `runner: qwen3_omni_code2wav`: codec windows to audio as they arrive."""
 
+    contract_fields = frozenset({"runner", "torch_dtype"})
+    neutral_fields = frozenset({"device", "left_context", "max_frames_per_call"})
+
     model_config = ConfigDict(extra="forbid")
 
     runner: Literal["qwen3_omni_code2wav"] = Field(description="The decoder: qwen3_omni_code2wav.")
@@ -415,6 +463,9 @@ class Code2WavArgs(EngineArgs):
 class Token2WavArgs(EngineArgs):
     """A `generation` stage with `runner: qwen2_5_omni_token2wav`: codec tokens to audio (DiT + BigVGAN)."""
 
+    contract_fields = frozenset({"runner"})
+    neutral_fields = frozenset({"device", "num_steps", "left_context"})
+
     model_config = ConfigDict(extra="forbid")
 
     runner: Literal["qwen2_5_omni_token2wav"] = Field(description="The decoder: qwen2_5_omni_token2wav.")
@@ -426,6 +477,9 @@ class Token2WavArgs(EngineArgs):
 class GlmImageArArgs(EngineArgs):
     """A `generation` stage with `runner: glm_image_ar`: GLM-Image's AR (transformers) emitting the image tokens
     its DiT stage reads (`engines.glm_image.ar`), loaded from the pipeline folder."""
+
+    contract_fields = frozenset({"runner", "torch_dtype"})
+    neutral_fields = frozenset({"device"})
 
     model_config = ConfigDict(extra="forbid")
     passes_through = ""
@@ -569,3 +623,28 @@ def _given_at(given: Mapping[str, Any], path: str) -> Any:
     for name in path.split("."):
         value = value.get(name) if isinstance(value, Mapping) else None
     return value
+
+
+def classified_fields(model: type[BaseModel]) -> tuple[frozenset[str], frozenset[str]]:
+    """(contract, neutral) fields of an engine-args family, its mixins' included."""
+    contract: set[str] = set()
+    neutral: set[str] = set()
+    for cls in model.__mro__:
+        contract |= cls.__dict__.get("contract_fields", frozenset())
+        neutral |= cls.__dict__.get("neutral_fields", frozenset())
+    return frozenset(contract), frozenset(neutral)
+
+
+def contract_engine_args(stage: StageSpec) -> dict[str, Any]:
+    """The stage's engine args that are in the pipeline contract, defaults filled (an arg given at its
+    default and one left out are the same contract), pass-through keys included unless known neutral; args its
+    family refuses, all as given."""
+    try:
+        model = engine_args_model(stage)
+        args = engine_args_for(stage)
+    except InvalidEngineArgs:  # the stage cannot start with them (it says why when it tries): all of them
+        return json.loads(json.dumps(dict(sorted(stage.engine_args.items())), default=str))
+    contract, _ = classified_fields(model)
+    out = {name: getattr(args, name) for name in sorted(contract)}
+    out.update({k: v for k, v in sorted((args.model_extra or {}).items()) if k not in model.neutral_extra})
+    return json.loads(json.dumps(out, default=str))

@@ -29,7 +29,9 @@ import zmq.asyncio
 from omni_runtime.connectors import Handle
 from omni_runtime.engines.base import Engine, EngineError
 from omni_runtime.metrics import Stage as M
+from omni_runtime.processors.kv_cache import KV_PAYLOAD_VERSION
 from omni_runtime.spec import ResolvedPipeline
+from omni_runtime.spec.contract import model_identity, pipeline_contract, stage_digests
 from omni_runtime.stage.connectors import ConnectorSet, ConnectorSettings, ConnectorUnavailable
 from omni_runtime.stage.work import Work, WorkRunner
 from omni_runtime.wire import protocol as P
@@ -72,6 +74,11 @@ def max_message_bytes(pipeline: ResolvedPipeline) -> int:
     return limits.max_body_bytes + fetched + inline + _HEADER_SLACK
 
 
+RUNTIME_VERSIONS = {"wire": P.PROTOCOL_VERSION, "kv_payload": KV_PAYLOAD_VERSION}
+"""The versions of this code's payload layouts, in every stage digest: replicas of two images whose layouts
+differ are two generations, which the router never mixes in one request."""
+
+
 class StageServer:
     """Serves one stage of `pipeline` on `host:port` (protocol) and `host:http_port` (probes)."""
 
@@ -103,6 +110,13 @@ class StageServer:
         self.replica = replica
         self.peer_timeout_s = peer_timeout_s
         self.connectors = ConnectorSet(pipeline, stage, connectors or ConnectorSettings(owner=f"{stage}-{replica}"))
+        contract = pipeline_contract(pipeline)
+        self.spec_contract = contract.stages[stage].digest
+        """This stage's spec digest (its pod's `contract.omnikube.io/<stage>` label)."""
+        self.generation = stage_digests(contract, identity=model_identity(pipeline.model), runtime=RUNTIME_VERSIONS)
+        """Every stage's digest in this replica's generation (its model folder and code versions included)."""
+        self.contract = self.generation[stage]
+        """This stage's digest: a work planned for another is refused."""
         self.ready = False
         self.draining = False
         """Shutting down: routers are told to send no new work; running works go on."""
@@ -386,6 +400,7 @@ class StageServer:
             pong = P.Pong(
                 nonce=message.nonce, sent_at=message.sent_at, ready=self.ready, stage=self.stage,
                 running=running, voices=voices, draining=self.draining, image_bounds=bounds,
+                contract=self.contract, generation=self.generation, spec_contract=self.spec_contract,
             )  # fmt: skip
             await self._send(peer, pong)
         elif isinstance(message, P.Submit):
@@ -413,6 +428,15 @@ class StageServer:
         if submit.id in self.works:
             await self._runner.release_all(handles)
             await self._send(peer, P.Failed(id=submit.id, kind="protocol_error", message="duplicate work id"))
+            return
+        if submit.contract and submit.contract != self.contract:  # defence in depth: the router never plans it
+            await self._runner.release_all(handles)
+            msg = (
+                f"stage {self.stage} replica {self.replica} serves contract {self.contract}, but the work was "
+                f"planned for contract {submit.contract} (another generation of the pipeline, whose payloads "
+                "this replica cannot read); refused. Retry it: the router keeps a request within one generation"
+            )
+            await self._send(peer, P.Failed(id=submit.id, kind="unavailable", message=msg))
             return
         if not self.ready:
             await self._runner.release_all(handles)

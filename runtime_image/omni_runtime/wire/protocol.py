@@ -118,6 +118,9 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
     """With `context_only`: BAGEL's think-before-generating mode. A primary first writes its reasoning (its text,
     to the client when `final`), then prefills its context with the reasoning appended; a companion prefills its
     own context under the same reasoning instruction. The stage runs the group unbatched (`group_size` 1)."""
+    contract: str = ""
+    """The stage digest the router planned this work for (the generation it keeps the request within); a
+    stage of another digest refuses the work naming both ("": not checked)."""
 
 
 class Feed(msgspec.Struct, frozen=True, kw_only=True, tag="feed"):
@@ -178,6 +181,15 @@ class Pong(msgspec.Struct, frozen=True, kw_only=True, tag="pong"):
     image_bounds: ImageSizeBounds | None = None
     """The image sizes its engine can draw, once loaded, where its model bounds them (BAGEL's dit); the
     router refuses a size outside them before any stage works."""
+    contract: str = ""
+    """This replica's stage digest (`spec.contract.stage_digests`): what it sends and reads over its edges.
+    The router gives one request only replicas whose digests belong to one generation ("": unknown, an older
+    stage; such replicas only serve with others that report none)."""
+    generation: dict[str, str] = {}
+    """The stage digest of every stage of the pipeline this replica was resolved with, by stage: the
+    generation it belongs to, which the router keeps a request within."""
+    spec_contract: str = ""
+    """This stage's spec digest (`StageContract.digest`), as the operator labels its pods."""
 
 
 class Draining(msgspec.Struct, frozen=True, kw_only=True, tag="draining"):

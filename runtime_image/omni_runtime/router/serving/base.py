@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -19,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from omni_runtime.metrics import Router as M
 from omni_runtime.router.admission import Admission
+from omni_runtime.router.contract_header import record_contracts
 from omni_runtime.router.errors import BadRequest, ClientGone, NotFound, OmniError, RequestTimedOut, error_body
 from omni_runtime.router.lifecycle import Lifecycle
 from omni_runtime.router.orchestrator import Orchestrator, PipelineRequest, RunResult, StageEvent
@@ -187,7 +189,12 @@ class ServingBase:
         self, requests: list[PipelineRequest], emit: Callable[[StageEvent], Awaitable[None] | None]
     ) -> list[RunResult]:
         """Run every choice concurrently; the first failure cancels the others (each cleans up). The end
-        of a shutdown's drain period cancels them all (RouterDraining, a retriable 503)."""
+        of a shutdown's drain period cancels them all (RouterDraining, a retriable 503). All of them run in one
+        generation of the pipeline, chosen here."""
+        stages = list(dict.fromkeys(s for r in requests for s in r.plan.stages))
+        generation = await self.ctx.lifecycle.bounded(self.ctx.pool.choose_generation(stages))
+        record_contracts({s: generation.get(s, "") for s in stages})
+        requests = [dataclasses.replace(r, generation=generation) for r in requests]
         tasks = [asyncio.create_task(self.ctx.orchestrator.run(r, emit)) for r in requests]
         try:
             return list(await self.ctx.lifecycle.bounded(asyncio.gather(*tasks)))
