@@ -1,8 +1,8 @@
 """BAGEL's upstream code (github.com/ByteDance-Seed/Bagel) as the anchor of our generation engine.
 
-`run_upstream` extracts upstream's `modeling/` and `data/data_utils.py` from a git checkout (default: the
-mirror at `/work/.mirror/ByteDance-Seed+Bagel/repo`, else `$BAGEL_UPSTREAM_GIT`) into a temporary folder and
-runs `bagel_upstream_run.py` on it in a subprocess. What is changed to run it here, all in that copy:
+`run_upstream` extracts upstream's `modeling/` and `data/` files (the archive in tests/upstream/, which says
+where it comes from; or the HEAD of the git checkout `$BAGEL_UPSTREAM_GIT` names) into a temporary folder
+and runs `bagel_upstream_run.py` on it in a subprocess. What is changed to run it here, all in that copy:
 
 - `flash_attn` (CUDA-only) is replaced by `FLASH_ATTN_STANDIN`, a `flash_attn_varlen_func` over torch SDPA:
   the one mock. It keeps flash-attn's semantics: per-sequence cu_seqlens, grouped KV heads, scale
@@ -12,8 +12,6 @@ runs `bagel_upstream_run.py` on it in a subprocess. What is changed to run it he
 - transformers 5 compatibility, in the runner: `ROPE_INIT_FUNCTIONS["default"]` (transformers 4's default
   rope formula, which upstream looks up and transformers 5 dropped), `pad_token_id = None` and an eager
   `_attn_implementation` on the llm config (transformers 4 defaults; upstream's packed forward uses neither).
-
-Without the checkout `upstream_missing()` says why, and the anchor tests skip with that reason.
 """
 
 from __future__ import annotations
@@ -24,9 +22,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FLASH_ATTN_STANDIN", "extract_upstream", "run_upstream", "upstream_git", "upstream_missing"]
+__all__ = ["FLASH_ATTN_STANDIN", "UPSTREAM_ARCHIVE", "extract_upstream", "run_upstream"]
 
 UPSTREAM_PATHS = ("modeling", "data/__init__.py", "data/data_utils.py", "data/transforms.py")
+UPSTREAM_ARCHIVE = Path(__file__).with_name("upstream") / "bagel-056b5fd.tar.gz"
+"""Upstream's UPSTREAM_PATHS (and LICENSE) at one commit: CI cannot reach GitHub (tests/upstream/README.md)."""
 RUNNER = Path(__file__).with_name("bagel_upstream_run.py")
 UPSTREAM_TIMEOUT_S = 900
 
@@ -66,28 +66,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
 '''
 
 
-def upstream_git() -> Path:
-    """The upstream checkout (a bare mirror or a work tree's .git) the anchor reads."""
-    return Path(os.environ.get("BAGEL_UPSTREAM_GIT", "/work/.mirror/ByteDance-Seed+Bagel/repo"))
-
-
-def upstream_missing() -> str | None:
-    """Why the upstream code cannot be read here, or None when it can."""
-    git = upstream_git()
-    probe = subprocess.run(
-        ["git", "--git-dir", str(git), "cat-file", "-e", "HEAD:modeling/bagel/bagel.py"], capture_output=True
-    )
-    if probe.returncode != 0:
-        return f"no BAGEL upstream checkout at {git} (set BAGEL_UPSTREAM_GIT to a clone of ByteDance-Seed/Bagel)"
-    return None
-
-
 def extract_upstream(dest: Path) -> Path:
     """Upstream's files, adapted as the module docstring says, under `dest`; returns `dest`."""
-    archive = subprocess.run(
-        ["git", "--git-dir", str(upstream_git()), "archive", "HEAD", *UPSTREAM_PATHS], capture_output=True, check=True
-    )
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    git = os.environ.get("BAGEL_UPSTREAM_GIT")
+    if git:
+        archive = subprocess.run(
+            ["git", "--git-dir", git, "archive", "HEAD", *UPSTREAM_PATHS], capture_output=True, check=True
+        )
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    else:
+        subprocess.run(["tar", "-xz", "-C", str(dest), "-f", str(UPSTREAM_ARCHIVE), *UPSTREAM_PATHS], check=True)
     (dest / "flash_attn.py").write_text(FLASH_ATTN_STANDIN)
     navit = dest / "modeling" / "bagel" / "qwen2_navit.py"
     source = navit.read_text()

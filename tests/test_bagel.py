@@ -376,11 +376,7 @@ ANCHOR_CASES = [
 def test_prefill_kv_and_generated_latents_equal_upstream_bagel(
     generator, model_dir: Path, prompt_ids: list[int], tmp_path: Path
 ) -> None:
-    from bagel_reference import run_upstream, upstream_missing
-
-    reason = upstream_missing()
-    if reason:
-        pytest.skip(reason)
+    from bagel_reference import run_upstream
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -453,15 +449,12 @@ def test_edit_contexts_and_the_edited_latents_equal_upstream_bagel(
     with upstream's edit guidance equal upstream's `update_context_image` / `update_context_text` and
     `generate_image`, the VAE posterior sampled from the same seed. The tolerance is the text anchor's (1e-4,
     float32); putting the VAE block through the understanding expert instead misses by far more."""
-    from bagel_reference import run_upstream, upstream_missing
+    from bagel_reference import run_upstream
     from PIL import Image
 
     from omni_runtime.engines.diffusion.bagel.context import empty_context
     from omni_runtime.engines.diffusion.bagel.mot import extend_with_image
 
-    reason = upstream_missing()
-    if reason:
-        pytest.skip(reason)
     picture = _edit_picture()
     image = generator.prepare_edit(Image.fromarray(picture))
     height, width = image.size

@@ -162,6 +162,7 @@ class BagelGenerator:
             want = (tokens, self.config.patch_latent_dim)
             raise ValueError(f"noise is {tuple(start.shape)}; a {height}x{width} image takes {want}")
         positions = latent_position_ids(*grid, self.config.max_latent_size)
+        start = start.to(self.weights.device)  # seeded on the CPU (the same image on any device), denoised here
 
         def role_velocity(role: Role, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             return velocity(self.weights, ready[role], x, t, positions)
