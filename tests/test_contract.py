@@ -295,3 +295,92 @@ def test_the_operator_labels_each_stages_pods_with_its_spec_digest_and_a_neutral
     assert pod_labels(manifest(samplingParams={"max_tokens": 9})) == base
     changed = pod_labels(manifest(engineArgs={"torch_dtype": "float32"}))
     assert [n for n in base if changed[n] != base[n]] == ["o-code2wav"]
+
+
+# -- every spec field is classified ------------------------------------------------------------------
+
+
+def _spec_paths() -> list[str]:
+    """Every leaf field of the OmniPipeline spec, as `a.b[].c` (camelCase, as users write it)."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from omni_operator.api.omnipipeline import OmniPipelineSpec
+
+    def models_in(annotation) -> list[type[BaseModel]]:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return [annotation]
+        return [m for a in typing.get_args(annotation) for m in models_in(a)]
+
+    def walk(model: type[BaseModel], prefix: str) -> list[str]:
+        paths = []
+        for name, info in model.model_fields.items():
+            path = prefix + (info.alias or name) + ("[]" if "list[" in str(info.annotation) else "")
+            inner = models_in(info.annotation)
+            paths += [p for m in inner for p in walk(m, path + ".")] if inner else [path]
+        return paths
+
+    return walk(OmniPipelineSpec, "")
+
+
+def test_every_spec_field_is_in_the_contract_or_out_of_it_and_the_crd_says_which() -> None:
+    from omni_operator.api.contract_fields import BY_FOLDER, NEUTRAL, SPEC
+
+    paths = _spec_paths()
+    classified = [p for p in paths if p.startswith("router.")] + [p for p in paths if p in SPEC | BY_FOLDER | NEUTRAL]
+    assert sorted(classified) == sorted(paths), f"classify {sorted(set(paths) - set(classified))}"
+    assert not (SPEC & NEUTRAL or SPEC & BY_FOLDER or BY_FOLDER & NEUTRAL)
+    assert (SPEC | BY_FOLDER | NEUTRAL) <= set(paths), "a listed path the spec lacks"
+    from omni_operator.api.omnipipeline import OmniPipelineStatus
+
+    docs = OmniPipelineStatus.model_fields["contract"].description or ""
+    assert all(word in docs for word in ("model", "topology", "engine args", "connector", "window", "out of it"))
+
+
+SPEC_CHANGES: dict[str, dict] = {
+    "model": {"model": "tiny-qwen3-omni-b"},
+    "pipeline": {"pipeline": "text-chat"},
+    "runtime.modelCache.mountPath": {"runtime": {"modelCache": {"hostPath": {"path": "/c"}, "mountPath": "/m2"}}},
+    "stages[].engineArgs": {"stages": [{"name": "thinker", "engineArgs": {"media_hidden_layer": 1}}]},
+    "connectors.default": {"connectors": {"default": "mooncake"}},
+    "connectors.mooncake.mode": {"connectors": {"default": "mooncake", "mooncake": {"mode": "store"}}},
+    "connectors.mooncake.protocol": {"connectors": {"default": "mooncake", "mooncake": {"protocol": "rdma"}}},
+    "connectors.edges[].from": {"connectors": {"edges": [{"from": "thinker", "to": "talker", "kind": "mooncake"}]}},
+    "connectors.edges[].to": {"connectors": {"edges": [{"from": "talker", "to": "code2wav", "kind": "mooncake"}]}},
+    "connectors.edges[].kind": {"connectors": {"edges": [{"from": "thinker", "to": "talker", "kind": "mooncake"}]}},
+    "connectors.edges[].window": {"connectors": {"edges": [{"from": "talker", "to": "code2wav", "window": 10}]}},
+    "connectors.edges[].firstWindow": {
+        "connectors": {"edges": [{"from": "talker", "to": "code2wav", "firstWindow": 2}]}
+    },
+}
+"""A change of each SPEC field from the base manifest below."""
+
+
+def test_a_change_of_each_field_in_the_contract_changes_the_operators_digest_and_others_do_not() -> None:
+    from omni_operator.api import OmniPipeline
+    from omni_operator.api.contract_fields import SPEC
+    from omni_operator.resolve import resolve_cluster_pipeline
+    from omni_runtime.registry import default_registry
+
+    def digest(**spec) -> str:
+        manifest = {
+            "apiVersion": "omnikube.io/v1alpha1", "kind": "OmniPipeline", "metadata": {"name": "o", "namespace": "n"},
+            "spec": {"model": "tiny-qwen3-omni", "pipeline": "qwen3-omni", **spec},
+        }  # fmt: skip
+        return pipeline_contract(
+            resolve_cluster_pipeline(OmniPipeline.model_validate(manifest), default_registry())
+        ).digest
+
+    assert set(SPEC_CHANGES) == SPEC
+    base = digest()
+    for path, change in SPEC_CHANGES.items():
+        assert digest(**change) != base, path
+    for change in (
+        {"servedModelName": "x"},
+        {"runtime": {"image": "other:1", "shmSize": "2Gi"}},
+        {"stages": [{"name": "thinker", "replicas": 3, "samplingParams": {"temperature": 0.2}}]},
+        {"connectors": {"startTimeoutSeconds": 30, "inlineMaxBytes": 1024}},
+        {"router": {"replicas": 2, "limits": {"maxN": 2}}},
+    ):
+        assert digest(**change) == base, change
