@@ -8,18 +8,24 @@ its folder, picks its device and names its dtype the same way whichever engine r
 
 from __future__ import annotations
 
+import functools
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from omni_runtime.engines.base import EngineError
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 from omni_runtime.spec.engine_args import EngineArgs, InvalidEngineArgs, engine_args_for
 
 ArgsT = TypeVar("ArgsT", bound=EngineArgs)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 __all__ = [
     "default_device",
     "named_dtype",
+    "one_build_at_a_time",
     "release_device_memory",
     "stage_dtype",
     "stage_model_path",
@@ -83,3 +89,23 @@ def release_device_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+# Why one lock for the whole process: diffusers' and transformers' loaders build modules under accelerate's
+# `init_empty_weights`, which patches `nn.Module.register_parameter` for every thread while it is active. A
+# model another thread builds at that moment gets its parameters on the meta device, and fails later with
+# "Cannot copy out of meta tensor". `omnikube serve` (and the served tests) start every stage of a pipeline
+# in one process, so two stages load at once there; one pod per stage never contends.
+_BUILDING = threading.Lock()
+
+
+def one_build_at_a_time(build: Callable[P, R]) -> Callable[P, R]:
+    """`build` (a function that constructs modules or loads weights, run in a worker thread) holding the
+    process-wide build lock: two engines of one process never build models at the same moment."""
+
+    @functools.wraps(build)
+    def locked(*args: P.args, **kwargs: P.kwargs) -> R:
+        with _BUILDING:
+            return build(*args, **kwargs)
+
+    return locked

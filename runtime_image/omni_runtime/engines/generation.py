@@ -32,6 +32,7 @@ from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOu
 from omni_runtime.engines.common import (
     default_device,
     named_dtype,
+    one_build_at_a_time,
     release_device_memory,
     stage_model_path,
     typed_engine_args,
@@ -141,7 +142,7 @@ class GenerationEngine(Engine):
         runner = self.runner_cls(self.model_path, device, dtype, self._runner_args)
         started = time.monotonic()
         try:
-            await asyncio.to_thread(runner.load)
+            await asyncio.to_thread(one_build_at_a_time(runner.load))
         except Exception as exc:
             raise EngineError(
                 f"stage {self.stage.name!r}: runner {runner.name!r} failed to load {self.model_path}: {exc}"

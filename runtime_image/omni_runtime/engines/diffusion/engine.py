@@ -55,6 +55,7 @@ from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOu
 from omni_runtime.engines.common import (
     default_device,
     named_dtype,
+    one_build_at_a_time,
     release_device_memory,
     stage_model_path,
     typed_engine_args,
@@ -254,7 +255,7 @@ class DiffusionEngine(Engine):
     async def _load_pipeline(self, dtype: Any) -> None:
         """Load the pipeline in `dtype` and read what it takes (sizes, inputs, video or not)."""
         try:
-            self.pipe = await asyncio.to_thread(self._load, dtype)
+            self.pipe = await asyncio.to_thread(one_build_at_a_time(self._load), dtype)
         except Exception as exc:  # diffusers raises many types while loading; the message matters
             raise EngineError(f"stage {self.stage.name!r}: diffusers failed to load {self.model_path}: {exc}") from exc
         group = self._group

@@ -23,6 +23,7 @@ from typing import Any
 from omni_runtime.engines.base import Engine, EngineError, EngineInput, EngineOutput, InvalidRequest
 from omni_runtime.engines.common import (
     default_device,
+    one_build_at_a_time,
     release_device_memory,
     stage_dtype,
     stage_model_path,
@@ -68,7 +69,7 @@ class GlmImageArEngine(Engine):
         self.device = default_device(self.args.device)
         self.dtype = stage_dtype(self.stage.name, self.args.torch_dtype, "float32")
         try:
-            await asyncio.to_thread(self._load)
+            await asyncio.to_thread(one_build_at_a_time(self._load))
         except Exception as exc:
             raise EngineError(
                 f"stage {self.stage.name!r}: GLM-Image AR failed to load {self.model_path}: {exc}"

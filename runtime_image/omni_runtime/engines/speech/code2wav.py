@@ -64,7 +64,13 @@ from omni_runtime.engines.base import (
     refuse_unknown_params,
     self_check,
 )
-from omni_runtime.engines.common import default_device, stage_dtype, stage_model_path, typed_engine_args
+from omni_runtime.engines.common import (
+    default_device,
+    one_build_at_a_time,
+    stage_dtype,
+    stage_model_path,
+    typed_engine_args,
+)
 from omni_runtime.processors.payloads import QWEN_CODEC_SAMPLE_RATE, AudioOutput, Code2WavInput, as_payload
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 from omni_runtime.spec.engine_args import Code2WavArgs
@@ -335,7 +341,9 @@ class Code2WavEngine(Engine):
 
     async def start(self) -> None:
         try:
-            self.model = await asyncio.to_thread(Qwen3Code2Wav, self.model_path, self.device, self.dtype)
+            self.model = await asyncio.to_thread(
+                one_build_at_a_time(Qwen3Code2Wav), self.model_path, self.device, self.dtype
+            )
         except Exception as exc:
             raise EngineError(f"stage {self.stage.name!r}: cannot load code2wav of {self.model_path}: {exc}") from exc
         if self.model.stream is not None:  # graphs of the common shapes (see the module docstring)

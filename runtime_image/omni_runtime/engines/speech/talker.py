@@ -48,7 +48,13 @@ from omni_runtime.engines.base import (
     refuse_unknown_params,
     self_check,
 )
-from omni_runtime.engines.common import default_device, stage_dtype, stage_model_path, typed_engine_args
+from omni_runtime.engines.common import (
+    default_device,
+    one_build_at_a_time,
+    stage_dtype,
+    stage_model_path,
+    typed_engine_args,
+)
 from omni_runtime.engines.speech.sampling import Sampling
 from omni_runtime.processors.payloads import MediaGrids, TalkerInput, TalkerOutput, as_payload
 from omni_runtime.spec import ResolvedPipeline, StageSpec
@@ -164,7 +170,7 @@ class TalkerEngine(Engine):
 
     async def start(self) -> None:
         try:
-            self.model = await asyncio.to_thread(self.load)
+            self.model = await asyncio.to_thread(one_build_at_a_time(self.load))
         except Exception as exc:
             raise EngineError(f"stage {self.stage.name!r}: cannot load the talker of {self.model_path}: {exc}") from exc
         self._task = asyncio.create_task(self._loop(), name=f"talker-{self.stage.name}")

@@ -53,7 +53,7 @@ from omni_runtime.engines.base import (
     refuse_unknown_params,
     self_check,
 )
-from omni_runtime.engines.common import default_device, stage_model_path, typed_engine_args
+from omni_runtime.engines.common import default_device, one_build_at_a_time, stage_model_path, typed_engine_args
 from omni_runtime.processors.payloads import QWEN_CODEC_SAMPLE_RATE, AudioOutput, Code2WavInput, as_payload
 from omni_runtime.spec import ResolvedPipeline, StageSpec
 from omni_runtime.spec.engine_args import Token2WavArgs
@@ -234,7 +234,7 @@ class Token2WavEngine(Engine):
 
     async def start(self) -> None:
         try:
-            self.model = await asyncio.to_thread(Qwen25Token2Wav, self.model_path, self.device)
+            self.model = await asyncio.to_thread(one_build_at_a_time(Qwen25Token2Wav), self.model_path, self.device)
         except Exception as exc:
             raise EngineError(f"stage {self.stage.name!r}: cannot load token2wav of {self.model_path}: {exc}") from exc
         self._task = asyncio.create_task(self._batcher(), name=f"token2wav-{self.stage.name}")

@@ -37,7 +37,13 @@ from omni_runtime.engines.base import (
     EngineOutput,
     InvalidRequest,
 )
-from omni_runtime.engines.common import default_device, named_dtype, stage_model_path, typed_engine_args
+from omni_runtime.engines.common import (
+    default_device,
+    named_dtype,
+    one_build_at_a_time,
+    stage_model_path,
+    typed_engine_args,
+)
 from omni_runtime.engines.diffusion import png as PNG
 from omni_runtime.engines.diffusion.bagel.context import KvContext
 from omni_runtime.engines.diffusion.bagel.generate import BagelGenerator, MissingContext
@@ -137,7 +143,7 @@ class BagelEngine(Engine):
         started = time.monotonic()
         try:
             self.generator = await asyncio.to_thread(
-                BagelGenerator.from_pretrained, self.model_path, dtype, self.device
+                one_build_at_a_time(BagelGenerator.from_pretrained), self.model_path, dtype, self.device
             )
             self.expected = await asyncio.to_thread(self._kv_expectation)
             self.tokenizer = await asyncio.to_thread(_tokenizer, self.model_path)
