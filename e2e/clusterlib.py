@@ -94,3 +94,12 @@ def go_module_dir(addon: str, module: str) -> Path:
 def keda_crd(name: str = "keda.sh_scaledobjects.yaml") -> Path:
     """A CRD of KEDA as its release ships it (config/crd/bases of the pinned github.com/kedacore/keda/v2)."""
     return go_module_dir("keda", "github.com/kedacore/keda/v2") / "config" / "crd" / "bases" / name
+
+
+def stage_deployment(cluster: Any, namespace: str, omnistage: str) -> str:
+    """The name of the Deployment that runs an OmniStage's current generation (named by its contract)."""
+    from omni_operator.api import OmniStage
+    from omni_operator.builders.stage_workload import generation_deployment_name
+
+    live = kubectl_json(cluster, "get", "omnistage", omnistage, "-n", namespace)
+    return generation_deployment_name(OmniStage.model_validate(live))

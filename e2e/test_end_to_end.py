@@ -341,6 +341,26 @@ def _generate_image(client: openai.OpenAI) -> None:
     assert _png(result.data[0].b64_json).size == (64, 64)
 
 
+def _generate_image_noting(served: list[dict[str, str]]) -> Callable[[openai.OpenAI], None]:
+    """`_generate_image` that keeps, per response, the stage digests it ran on (`x-omnikube-contract`)."""
+
+    def call(client: openai.OpenAI) -> None:
+        raw = client.images.with_raw_response.generate(
+            model="enhanced", prompt="a dog", size="64x64", response_format="b64_json"
+        )
+        assert _png(raw.parse().data[0].b64_json).size == (64, 64)
+        served.append(json.loads(raw.headers["x-omnikube-contract"]))
+
+    return call
+
+
+def _stage_deployments(env: Env, pipeline_name: str) -> dict[str, str]:
+    """Stage -> the name of the Deployment of its current generation."""
+    selector = f"omnikube.io/pipeline={pipeline_name},app.kubernetes.io/component=stage"
+    items = kubectl_json(env.cluster, "get", "deployments", "-n", env.ns, "-l", selector)["items"]
+    return {d["metadata"]["labels"]["omnikube.io/stage"]: d["metadata"]["name"] for d in items}
+
+
 def _pods(env: Env, pipeline_name: str) -> dict[str, dict]:
     items = kubectl_json(env.cluster, "get", "pods", "-n", env.ns, "-l", f"omnikube.io/pipeline={pipeline_name}")
     return {p["metadata"]["name"]: p for p in items["items"]}
@@ -350,25 +370,28 @@ def _component(pod: dict) -> str:
     return pod["metadata"]["labels"].get("omnikube.io/stage", "router")
 
 
-def _roll(env: Env, edited: dict, load: SteadyLoad, component: str) -> tuple[dict[str, str], dict[str, str]]:
-    """Apply `edited` under `load` and wait until the pipeline is Ready again and every old pod of
-    `component` has exited (its drain included); then (components before, after) by pod name."""
+def _roll(
+    env: Env, edited: dict, load: SteadyLoad, components: str | set[str]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Apply `edited` under `load` and wait until the pipeline is Ready again and every old pod of each of
+    `components` has exited (its drain included); then (components before, after) by pod name."""
     name = edited["metadata"]["name"]
+    wanted = {components} if isinstance(components, str) else components
     before = {n: _component(p) for n, p in _pods(env, name).items()}
     wait_for(lambda: load.ok() >= 4, 300, "requests succeeding before the roll")
     apply(env.cluster, env.ns, edited)
-    old = {n for n, c in before.items() if c == component}
+    old = {n for n, c in before.items() if c in wanted}
 
     def rolled() -> bool:
         now = _pods(env, name)
-        new = [n for n, p in now.items() if _component(p) == component and n not in before]
+        new = {_component(p) for n, p in now.items() if _component(p) in wanted and n not in before}
         obj = env.get("omnipipeline", name) or {}
         status = obj.get("status") or {}
         ready = [c for c in status.get("conditions", []) if c["type"] == "Ready"]
         current = status.get("observedGeneration") == obj["metadata"]["generation"]
-        return bool(new) and not (old & set(now)) and current and bool(ready) and ready[0]["status"] == "True"
+        return new == wanted and not (old & set(now)) and current and bool(ready) and ready[0]["status"] == "True"
 
-    wait_for(rolled, READY_TIMEOUT, f"{name}: {component} rolled and its old pods gone")
+    wait_for(rolled, READY_TIMEOUT, f"{name}: {sorted(wanted)} rolled and their old pods gone")
     done = load.ok()
     wait_for(lambda: load.ok() >= done + 4, 300, "requests succeeding after the roll")
     return before, {n: _component(p) for n, p in _pods(env, name).items()}
@@ -384,9 +407,15 @@ def _status(url: str) -> int | None:
 
 def test_a_killed_stage_restarts_and_serves_then_its_roll_under_steady_load_fails_no_request(env) -> None:
     """The upstream (enhancer, vLLM) stage of the two-stage pipeline, SIGKILLed, is restarted in its pod and
-    serves again through both stages; then, with three image clients running, editing its engine args rolls
-    that stage alone: the old replica drains (no new work, what it runs finishes), the new one takes over, and
-    not one request fails.
+    serves again through both stages; then, with three image clients running, one spec change rolls both
+    ways at once, and not one request fails:
+
+    - the enhancer's max_model_len (outside the contract) rolls that stage in place: the old replica drains
+      (no new work, what it runs finishes), the new one takes over, in the same Deployment;
+    - the dit's torch_dtype (in the contract) brings up a new generation of the dit in a Deployment of its own
+      beside the old one; the router moves new requests to it once it is ready, and the old one drains and
+      goes. Every response names the stage digests it ran on (x-omnikube-contract): one enhancer digest
+      throughout (its contract did not change), the dit's old one and then its new one, never a third.
 
     One roll for the tier: the enhancer's is the stricter case (its work feeds the dit stage through the
     router); streams through a stage draining on SIGTERM are tests/test_serve_drain.py's, streams across a
@@ -414,15 +443,27 @@ def test_a_killed_stage_restarts_and_serves_then_its_roll_under_steady_load_fail
     _generate_image(env.client("enhanced"))  # the restarted stage serves again
 
     url = env.router_url("enhanced")
-    load = SteadyLoad(lambda: url, [_generate_image, _generate_image, _generate_image]).start()
+    served: list[dict[str, str]] = []
+    noting = _generate_image_noting(served)
+    load = SteadyLoad(lambda: url, [noting, noting, noting]).start()
     edited = json.loads(json.dumps(PIPELINES[2]))
     edited["spec"]["stages"][0]["engineArgs"] = {**AR_ARGS, "max_model_len": 384}
+    edited["spec"]["stages"][1]["engineArgs"] = {"torch_dtype": "bfloat16"}
+    workloads = _stage_deployments(env, "enhanced")
     try:
-        before, after = _roll(env, edited, load, "enhancer")
+        before, after = _roll(env, edited, load, {"enhancer", "dit"})
     finally:
         failed = load.stop()
     assert failed == [], f"{len(failed)} of {len(load.outcomes)} requests failed during the roll: {failed[:10]}"
-    assert {c for n, c in before.items() if n not in after} == {"enhancer"}, (before, after)
+    assert {c for n, c in before.items() if n not in after} == {"enhancer", "dit"}, (before, after)
+    rolled = _stage_deployments(env, "enhanced")
+    assert rolled["enhancer"] == workloads["enhancer"], "outside the contract: rolled in its own Deployment"
+    assert rolled["dit"] != workloads["dit"], "in the contract: a new generation in a Deployment of its own"
+    assert all(set(c) == {"enhancer", "dit"} for c in served), served[:5]
+    assert len({c["enhancer"] for c in served}) == 1, "the enhancer's contract did not change"
+    dits = list(dict.fromkeys(c["dit"] for c in served))
+    assert len(dits) == 2, f"the dit's old digest, then its new one: {dits}"
+    assert served[-1]["dit"] == dits[1] and served[0]["dit"] == dits[0]
     _generate_image(env.client("enhanced"))  # the pipeline serves after the roll
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import yaml
 from chartlib import Release, ServiceAccountOperator, helm
-from clusterlib import REPO, apply, condition, kubectl_json, wait_for
+from clusterlib import REPO, apply, condition, kubectl_json, stage_deployment, wait_for
 from promlib import METRICS_PORT_NAMES, Prometheus, prometheus_binary
 
 from omni_operator.metrics import STAGE_REPLICAS_DESIRED
@@ -553,7 +553,7 @@ def test_chart_rbac_is_all_the_operator_needs(cluster, release, sa_operator):
     # router with its ServiceAccount, Role (escalation check passed), RoleBinding, PDB; a Ready Event.
     for args in (
         ["omnistage", "helm-rbac-llm"],
-        ["deployment", "helm-rbac-llm"],
+        ["deployment", stage_deployment(cluster, release.apps, "helm-rbac-llm")],
         ["service", "helm-rbac-llm"],
         ["deployment", "helm-rbac-router"],
         ["role", "helm-rbac-router"],

@@ -22,7 +22,17 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from clusterlib import REPO, apply, condition, keda_crd, kubectl_json, stop_process_group, wait_established, wait_for
+from clusterlib import (
+    REPO,
+    apply,
+    condition,
+    keda_crd,
+    kubectl_json,
+    stage_deployment,
+    stop_process_group,
+    wait_established,
+    wait_for,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from localcluster import audit_time, free_port
@@ -269,10 +279,15 @@ def create_model_cache_pvc(cluster, namespace: str, claim: str) -> None:
 
 
 def deployments(cluster, namespace: str, pipeline_name: str) -> dict[str, dict]:
+    """The pipeline's Deployments by name; a stage's by its OmniStage's name (one generation at a time)."""
     items = kubectl_json(cluster, "get", "deployments", "-n", namespace, "-l", f"omnikube.io/pipeline={pipeline_name}")[
         "items"
     ]
-    return {d["metadata"]["name"]: d for d in items}
+    out = {}
+    for d in items:
+        owners = [r["name"] for r in d["metadata"].get("ownerReferences", []) if r["kind"] == "OmniStage"]
+        out[owners[0] if owners else d["metadata"]["name"]] = d
+    return out
 
 
 def template_hashes(cluster, namespace: str, pipeline_name: str) -> dict[str, str]:
@@ -590,7 +605,7 @@ def test_hand_deleted_omnistage_and_hand_edited_deployment_are_restored(cluster,
     cluster.kubectl(
         "patch",
         "deployment",
-        "heal-enhancer",
+        stage_deployment(cluster, namespace, "heal-enhancer"),
         "-n",
         namespace,
         "--type=merge",
@@ -690,6 +705,205 @@ def test_operator_restart_mid_reconcile_converges_without_duplicates(cluster, op
     assert len(deps) == len(names) * 3  # enhancer, dit, router each
     rs = kubectl_json(cluster, "get", "replicasets", "-n", namespace)["items"]
     assert len(rs) == len(names) * 3, "no Deployment rolled twice because of the restart"
+
+
+# --- rollouts of a contract change ---------------------------------------------------------------
+
+
+class DeploymentWatch:
+    """`kubectl get deployments --watch --output-watch-events` for one pipeline: every write to its Deployments,
+    in order, as (event type, name, spec.replicas, status.readyReplicas), read by a thread as they come."""
+
+    FORMAT = "jsonpath={.type} {.object.metadata.name} {.object.spec.replicas} {.object.status.readyReplicas}{'\\n'}"
+
+    def __init__(self, cluster, namespace: str, pipeline_name: str) -> None:
+        self.proc = subprocess.Popen(
+            [cluster.binary("kubectl"), "get", "deployments", "-n", namespace, "-l",
+             f"omnikube.io/pipeline={pipeline_name}", "--watch", "--output-watch-events", "-o", self.FORMAT],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=cluster.env(), start_new_session=True,
+        )  # fmt: skip
+        self.events: list[tuple[str, str, int, int]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            parts = line.split()
+            if len(parts) >= 3:
+                ready = int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else 0
+                self.events.append((parts[0], parts[1], int(parts[2]), ready))
+
+    def stop(self) -> list[tuple[str, str, int, int]]:
+        stop_process_group(self.proc)
+        return list(self.events)
+
+
+def stage_configmaps(cluster, namespace: str, pipeline_name: str) -> set[str]:
+    out = kubectl_json(cluster, "get", "configmaps", "-n", namespace, "-l",
+                       f"omnikube.io/pipeline={pipeline_name},app.kubernetes.io/component=stage-config")  # fmt: skip
+    return {c["metadata"]["name"] for c in out["items"]}
+
+
+def rollout_phase(phase: str, target: str | None = None) -> Callable[[dict], bool]:
+    """A `wait_ready(showing=...)` test: the pipeline's rollout is in `phase` (for contract `target`)."""
+
+    def showing(status: dict) -> bool:
+        rollout = status.get("rollout") or {}
+        return rollout.get("phase") == phase and (target is None or rollout.get("target") == target)
+
+    return showing
+
+
+def events_of(cluster, namespace: str, name: str, reason: str) -> list[dict]:
+    return kubectl_json(
+        cluster, "get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name},reason={reason}"
+    )["items"]
+
+
+def test_a_contract_change_brings_up_a_new_generation_beside_the_old_and_retires_it_once_whole(
+    cluster, operator, namespace
+) -> None:
+    """A new model (in every stage's contract) under rollout.maxSurge 1: each stage's new generation comes up in
+    its own Deployment beside the old one, at most 1 replica while the old serves; the old ones go only once
+    every stage of the new one is ready; then the new one runs the full count, which for the autoscaled
+    enhancer is what kubectl scale gave it (as KEDA would). A change outside the contract rolls in place."""
+    scaling = {"engine": "hpa", "minReplicas": 1, "maxReplicas": 4}
+    stages = [{"name": "enhancer", "autoscaling": scaling}, {"name": "dit", "replicas": 2}]
+    spec = pipeline("gen", "prompt-enhanced-t2i", stages, rollout={"maxSurge": 1})
+    apply(cluster, namespace, spec)
+    first = wait_ready(cluster, operator, namespace, "gen", showing=rollout_phase("Complete"))
+    cluster.kubectl("scale", "omnistage/gen-enhancer", "-n", namespace, "--replicas=3")
+    wait_ready(cluster, operator, namespace, "gen", showing=lambda s: s["stages"][0]["replicas"] == 3)
+    old = {n: d["metadata"]["name"] for n, d in deployments(cluster, namespace, "gen").items() if n != "gen-router"}
+    old_configs = stage_configmaps(cluster, namespace, "gen")
+    assert len(old_configs) == 2, old_configs
+    assert first["status"]["rollout"]["serving"] == first["status"]["contract"]
+
+    def names() -> set[str]:
+        return {d["metadata"]["name"] for d in deployments(cluster, namespace, "gen").values()}
+
+    watch = DeploymentWatch(cluster, namespace, "gen")
+    try:
+        time.sleep(1)  # the watch lists what exists first: let it
+        apply(cluster, namespace, {**spec, "spec": {**spec["spec"], "model": "/models/gen-v2"}})
+        done = wait_ready(cluster, operator, namespace, "gen", timeout=120, showing=rollout_phase("Complete"))
+        wait_for(lambda: not set(old.values()) & names(), 60, "the old generation's Deployments gone", operator.log)
+    finally:
+        events = watch.stop()
+    target = done["status"]["contract"]
+    assert target != first["status"]["contract"]
+    assert done["status"]["rollout"]["serving"] == target
+
+    new = {n: d["metadata"]["name"] for n, d in deployments(cluster, namespace, "gen").items() if n != "gen-router"}
+    assert set(new) == set(old) and not set(new.values()) & set(old.values()), (old, new)
+    gone_at = min(i for i, e in enumerate(events) if e[0] == "DELETED" and e[1] in old.values())
+    for name in new.values():
+        before = [e for e in events[:gone_at] if e[1] == name]
+        assert before, f"{name} came up only after the old generation went: {events}"
+        assert max(e[2] for e in before) <= 1, f"{name} ran more than maxSurge beside the old generation: {events}"
+        assert any(e[3] >= 1 for e in before), f"the old generation went before {name} had a ready replica: {events}"
+    for stage, name in old.items():
+        assert not [e for e in events if e[1] == name and e[0] == "MODIFIED" and e[2] < (3 if "enhancer" in stage
+                    else 2)], f"the old {name} was scaled down while it served: {events}"  # fmt: skip
+    final = deployments(cluster, namespace, "gen")
+    assert final["gen-enhancer"]["spec"]["replicas"] == 3, "the new generation starts at the scaled count"
+    assert final["gen-dit"]["spec"]["replicas"] == 2
+    assert done["status"]["stages"] == [
+        {"name": "enhancer", "replicas": 3, "readyReplicas": 3},
+        {"name": "dit", "replicas": 2, "readyReplicas": 2},
+    ]
+    configs = wait_for(lambda: (lambda c: c if not c & old_configs else None)(stage_configmaps(cluster, namespace,
+                       "gen")), 30, "the old generation's ConfigMaps removed", operator.log)  # fmt: skip
+    assert len(configs) == 2
+    pods = kubectl_json(cluster, "get", "pods", "-n", namespace, "-l", "omnikube.io/pipeline=gen,"
+                        "app.kubernetes.io/component=stage")["items"]  # fmt: skip
+    volumes = {v["configMap"]["name"] for p in pods for v in p["spec"]["volumes"] if "configMap" in v}
+    assert volumes == configs, "every pod reads its own generation's ConfigMap"
+    assert events_of(cluster, namespace, "gen", "RolloutStarted") and events_of(cluster, namespace, "gen",
+                                                                                "RolloutComplete")  # fmt: skip
+    table = cluster.kubectl("get", "omnipipeline", "gen", "-n", namespace).stdout
+    assert "SERVING" in table and "ROLLOUT" in table and target in table and "Complete" in table, table
+
+    # Outside the contract: the same Deployments, rolled in place; no rollout.
+    started = len(events_of(cluster, namespace, "gen", "RolloutStarted"))
+    stages[1]["replicas"] = 1
+    stages[1]["samplingParams"] = {"num_inference_steps": 3}
+    apply(cluster, namespace, {**spec, "spec": {**spec["spec"], "model": "/models/gen-v2", "stages": stages}})
+    wait_for(lambda: deployments(cluster, namespace, "gen")["gen-dit"]["spec"]["replicas"] == 1, 30, "dit at 1")
+    wait_ready(cluster, operator, namespace, "gen", showing=rollout_phase("Complete", target))
+    assert {
+        n: d["metadata"]["name"] for n, d in deployments(cluster, namespace, "gen").items() if n != "gen-router"
+    } == new
+    assert len(events_of(cluster, namespace, "gen", "RolloutStarted")) == started
+
+
+def test_a_new_generation_that_cannot_run_is_rolled_back_and_the_old_one_keeps_serving(
+    cluster, operator, namespace
+) -> None:
+    """A new model whose pods ask for more GPUs than any node has: the rollout fails, the new generation goes to
+    zero replicas (autoRollback), the old one is never touched and the pipeline is Degraded RolloutFailed
+    naming the stage and why; reverting the spec ends it, the old generation still serving as before."""
+    spec = pipeline("bad", "text-chat", [{"name": "llm"}])
+    apply(cluster, namespace, spec)
+    first = wait_ready(cluster, operator, namespace, "bad", showing=rollout_phase("Complete"))
+    old = deployments(cluster, namespace, "bad")["bad-llm"]
+    huge = [{"name": "llm", "accelerator": {"type": "nvidia.com/gpu", "count": 64}}]
+    apply(cluster, namespace, pipeline("bad", "text-chat", huge, model="/models/bad-v2"))
+
+    def rolled_back():
+        obj = get(cluster, namespace, "omnipipeline", "bad") or {}
+        rollout = (obj.get("status") or {}).get("rollout") or {}
+        return (
+            obj if rollout.get("phase") == "RolledBack" and condition(obj, "Degraded").get("status") == "True" else None
+        )
+
+    obj = wait_for(rolled_back, 90, "the rollout rolled back", operator.log)
+    degraded, progressing = condition(obj, "Degraded"), condition(obj, "Progressing")
+    assert degraded["reason"] == "RolloutFailed", degraded
+    assert "stage llm" in degraded["message"] and "InsufficientAccelerator" in degraded["message"], degraded
+    assert first["status"]["contract"] in degraded["message"], "it names the generation that serves"
+    assert (progressing["status"], progressing["reason"]) == ("False", "RolloutFailed")
+    assert obj["status"]["rollout"]["serving"] == first["status"]["contract"]
+    stage = get(cluster, namespace, "omnistage", "bad-llm")
+    by_contract = {g["contract"]: g for g in stage["status"]["generations"]}
+    new_name = stage_deployment(cluster, namespace, "bad-llm")
+    wait_for(lambda: get(cluster, namespace, "deployment", new_name)["spec"]["replicas"] == 0, 30, "new at zero")
+    still = get(cluster, namespace, "deployment", old["metadata"]["name"])
+    assert still["metadata"]["uid"] == old["metadata"]["uid"] and still["status"].get("readyReplicas") == 1
+    assert still["metadata"]["generation"] == old["metadata"]["generation"], "the old generation was never touched"
+    assert len(by_contract) == 2, stage["status"]["generations"]
+    assert events_of(cluster, namespace, "bad", "RolledBack")
+
+    apply(cluster, namespace, spec)  # revert
+    done = wait_ready(
+        cluster, operator, namespace, "bad", showing=rollout_phase("Complete", first["status"]["contract"])
+    )
+    assert condition(done, "Degraded")["status"] == "False"
+    wait_for(lambda: get(cluster, namespace, "deployment", new_name) is None, 30, "the failed generation removed")
+    back = get(cluster, namespace, "deployment", old["metadata"]["name"])
+    assert back["metadata"]["uid"] == old["metadata"]["uid"], "the old generation served throughout"
+
+
+def test_max_surge_zero_stops_the_world(cluster, operator, namespace) -> None:
+    """maxSurge 0: the old generation is deleted before the new one exists, and the status says so."""
+    spec = pipeline("stw", "text-chat", [{"name": "llm"}], rollout={"maxSurge": 0})
+    apply(cluster, namespace, spec)
+    wait_ready(cluster, operator, namespace, "stw")
+    old = deployments(cluster, namespace, "stw")["stw-llm"]["metadata"]["name"]
+    watch = DeploymentWatch(cluster, namespace, "stw")
+    try:
+        time.sleep(1)
+        apply(cluster, namespace, {**spec, "spec": {**spec["spec"], "model": "/models/stw-v2"}})
+        wait_for(lambda: deployments(cluster, namespace, "stw")["stw-llm"]["metadata"]["name"] != old, 30, "new")
+        wait_ready(cluster, operator, namespace, "stw", showing=rollout_phase("Complete"))
+    finally:
+        events = watch.stop()
+    new = deployments(cluster, namespace, "stw")["stw-llm"]["metadata"]["name"]
+    deleted = next(i for i, e in enumerate(events) if e[0] == "DELETED" and e[1] == old)
+    added = next(i for i, e in enumerate(events) if e[0] == "ADDED" and e[1] == new)
+    assert deleted < added, events
+    [event] = events_of(cluster, namespace, "stw", "RolloutStopTheWorld")
+    assert "maxSurge 0" in event["message"]
 
 
 # --- scaling -------------------------------------------------------------------------------------
@@ -947,7 +1161,7 @@ def test_a_users_service_with_the_routers_name_is_left_alone_and_reported(cluste
     assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
     assert after["spec"]["selector"] == {"app": "web"} and "ownerReferences" not in after["metadata"]
     assert get(cluster, namespace, "deployment", "clash-router") is not None
-    assert get(cluster, namespace, "deployment", "clash-llm") is not None
+    assert get(cluster, namespace, "deployment", stage_deployment(cluster, namespace, "clash-llm")) is not None
 
     # Once the user removes it, the pipeline's own Service takes the name and the pipeline becomes Ready.
     cluster.kubectl("delete", "service", "clash-router", "-n", namespace)

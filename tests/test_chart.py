@@ -366,7 +366,8 @@ def _needed() -> tuple[set[tuple[str, str, str]], list[dict[str, Any]]]:
         ("omnikube.io", "omnipipelines", "get"),
         ("omnikube.io", "omnistages", "list"),
         ("omnikube.io", "omnistages", "delete"),
-        ("apps", "deployments", "delete"),  # the Mooncake master, once no edge uses mooncake
+        ("apps", "deployments", "delete"),  # the Mooncake master unused; a stage's older generation, retired
+        ("", "configmaps", "delete"),  # a generation ConfigMap no generation reads (reconcile, after a rollout)
         ("", "services", "delete"),
         ("omnikube.io", "omnipipelines/status", "patch"),
         ("omnikube.io", "omnistages/status", "patch"),

@@ -275,7 +275,7 @@ def test_the_operator_labels_each_stages_pods_with_its_spec_digest_and_a_neutral
     def pod_labels(m: dict) -> dict[str, dict[str, str]]:
         objects = render_pipeline(m, default_registry())
         return {
-            o["metadata"]["name"]: {
+            o["metadata"]["ownerReferences"][0]["name"]: {
                 k: v for k, v in o["spec"]["template"]["metadata"]["labels"].items() if k.startswith("contract.")
             }
             for o in objects

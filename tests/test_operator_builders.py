@@ -42,8 +42,22 @@ def render(manifest: dict[str, Any], **kwargs: Any) -> list[dict[str, Any]]:
     return render_pipeline(manifest, REGISTRY, **kwargs)
 
 
+def workload_name(obj: dict[str, Any]) -> str:
+    """A Deployment's name, or for a stage generation's Deployment the name of its OmniStage."""
+    owners = [r["name"] for r in obj["metadata"].get("ownerReferences", []) if r["kind"] == "OmniStage"]
+    return owners[0] if obj["kind"] == "Deployment" and owners else obj["metadata"]["name"]
+
+
+def _is(obj: dict[str, Any], kind: str, name: str) -> bool:
+    """`obj` is the `kind` called `name`, or, for a Deployment, the current generation's of OmniStage `name`."""
+    if obj["kind"] != kind:
+        return False
+    owners = [r["name"] for r in obj["metadata"].get("ownerReferences", []) if r["kind"] == "OmniStage"]
+    return obj["metadata"]["name"] == name or (kind == "Deployment" and owners == [name])
+
+
 def find(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
-    hits = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    hits = [o for o in objects if _is(o, kind, name)]
     present = [(o["kind"], o["metadata"]["name"]) for o in objects]
     assert len(hits) == 1, f"{kind}/{name}: found {len(hits)} in {present}"
     return hits[0]
@@ -102,7 +116,8 @@ def test_every_sample_object_is_labelled_owned_hashed_and_named_validly(path: Pa
     pipeline = manifest["metadata"]["name"]
     objects = render(manifest)
     kinds = [o["kind"] for o in objects]
-    assert kinds.count("ConfigMap") == 1
+    # The router's, and one per pod group for its current generation.
+    assert kinds.count("ConfigMap") == 1 + kinds.count("OmniStage")
     assert {
         "OmniStage",
         "Deployment",
@@ -130,7 +145,10 @@ def test_every_sample_object_is_labelled_owned_hashed_and_named_validly(path: Pa
         assert ref["controller"] is True and ref["blockOwnerDeletion"] is True, where
         assert ref["uid"] == PLACEHOLDER_UID, where
         if obj["kind"] in STAGE_OWNED and meta["labels"]["app.kubernetes.io/component"] == "stage":
-            assert (ref["kind"], ref["name"]) == ("OmniStage", meta["name"]), where
+            # A generation's Deployment is named by its OmniStage and contract; the rest by the OmniStage.
+            generation = meta["labels"].get("omnikube.io/generation", "")
+            assert ref["kind"] == "OmniStage", where
+            assert meta["name"] == (f"{ref['name']}-{generation[:10]}" if generation else ref["name"]), where
             assert ref["name"] in stages, where
         else:
             assert (ref["kind"], ref["name"]) == ("OmniPipeline", pipeline), where
@@ -279,7 +297,9 @@ def test_qwen3_talker_service_is_headless_and_exposes_both_stages(qwen3):
     selector = service["spec"]["selector"]
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert selector.items() <= pod_labels.items()
-    assert selector == deployment["spec"]["selector"]["matchLabels"]
+    # The Service reaches every generation of the stage; the Deployment holds its own generation only.
+    generation = {"omnikube.io/generation": deployment["metadata"]["labels"]["omnikube.io/generation"]}
+    assert deployment["spec"]["selector"]["matchLabels"] == {**selector, **generation}
 
 
 def test_qwen3_discovery_points_code2wav_at_the_talker_service_and_its_port(qwen3):
@@ -370,7 +390,7 @@ def test_qwen3_router_pdb_allows_one_unavailable(qwen3):
 
 
 def pod_specs(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
-    return [(o["metadata"]["name"], o["spec"]["template"]["spec"]) for o in objects if o["kind"] == "Deployment"]
+    return [(workload_name(o), o["spec"]["template"]["spec"]) for o in objects if o["kind"] == "Deployment"]
 
 
 def test_qwen3_every_pod_runs_as_non_root_without_privilege_escalation(qwen3):
@@ -450,7 +470,7 @@ def hashes(objects: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
     for obj in objects:
         if obj["kind"] == "Deployment":
-            out[obj["metadata"]["name"]] = {"template": template_hash(obj), "deployment": spec_hash(obj)}
+            out[workload_name(obj)] = {"template": template_hash(obj), "deployment": spec_hash(obj)}
     for obj in objects:
         if obj["kind"] == "OmniStage":
             out[obj["metadata"]["name"]]["omnistage"] = spec_hash(obj)
@@ -646,7 +666,7 @@ def test_router_placement_reaches_the_router_pod_only() -> None:
             "router": {"nodeSelector": {"pool": "cpu"}, "tolerations": [toleration]},
         },
     }
-    objects = {(o["kind"], o["metadata"]["name"]): o for o in render(manifest)}
+    objects = {(o["kind"], workload_name(o)): o for o in render(manifest)}
     router = objects[("Deployment", "placed-router")]["spec"]["template"]["spec"]
     assert router["nodeSelector"] == {"pool": "cpu"}
     assert router["tolerations"] == [toleration]

@@ -7,6 +7,7 @@ a live object with the same hash is left alone, and status is written only when 
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import secrets
 from dataclasses import dataclass
@@ -16,20 +17,31 @@ from typing import Any
 from pydantic import ValidationError
 
 from omni_operator.api import API_VERSION, OmniPipeline, OmniStage
+from omni_operator.api.rollout import GenerationStatus, RolloutPhase, RolloutStatus
 from omni_operator.builders.autoscaler import HPA_API_VERSION, KEDA_API_VERSION, build_stage_autoscaler
 from omni_operator.builders.connector_servers import build_connector_server_objects, unneeded_connector_server_objects
 from omni_operator.builders.meta import HASH_ANNOTATION, LABEL_COMPONENT, LABEL_PIPELINE
 from omni_operator.builders.pipeline_objects import (
+    GENERATION_LABEL,
+    build_group_configmap,
     build_omnistages,
     build_pipeline_configmap,
+    group_configmap_name,
+    group_contract,
     router_name,
 )
 from omni_operator.builders.router import build_router_objects, router_endpoint
-from omni_operator.builders.stage_workload import build_stage_deployment, build_stage_service, stage_selector
+from omni_operator.builders.stage_workload import (
+    build_stage_deployment,
+    build_stage_service,
+    generation_selector,
+    stage_selector,
+)
 from omni_operator.builders.trust import KEY_BYTES, build_key_secret, build_network_policies, key_secret_name
 from omni_operator.kube import FIELD_MANAGER, KubeClient, KubeError
 from omni_operator.metrics import OperatorMetrics
-from omni_operator.resolve import resolve_cluster_pipeline
+from omni_operator.resolve import group_members, resolve_cluster_pipeline
+from omni_operator.rollout import GroupView, RolloutPlan, degraded_of, plan_rollout
 from omni_operator.status.conditions import Condition, get_condition, now_rfc3339, set_condition
 from omni_operator.status.pipeline_status import PipelineObservation, pipeline_conditions, spec_problem
 from omni_operator.status.reasons import Reason
@@ -229,11 +241,14 @@ async def _secret_problem(ctx: Context, pipeline: OmniPipeline, namespace: str) 
     return None
 
 
-async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> None:
-    """Make an OmniPipeline's ConfigMap, OmniStages and router match its spec, then report status."""
+async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> float | None:
+    """Make an OmniPipeline's ConfigMaps, OmniStages and router match its spec, roll a contract change as
+    a unit (`rollout`), then report status. Returns the seconds after which to look again though nothing
+    changed (a rollout's progress deadline), or None."""
     live = await ctx.kube.get(API_VERSION, "OmniPipeline", name, namespace)
     if live is None or live["metadata"].get("deletionTimestamp"):
-        return  # garbage collection removes what it owned
+        return None  # garbage collection removes what it owned
+    plan: RolloutPlan | None = None
     observation = PipelineObservation()
     resolved = None
     try:
@@ -262,10 +277,33 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> None:
             collisions.append(exc)
             key_version = ""
         await ensure(_ensure, build_pipeline_configmap(live, resolved))
+        groups = group_members(resolved)
+        for root, members in groups.items():
+            await ensure(_ensure, build_group_configmap(live, resolved, root, members))
         for desired in build_network_policies(live, resolved):
             await ensure(_ensure, desired)
+        live_stages = {
+            s["spec"]["stage"]: s
+            for s in await ctx.kube.list(
+                API_VERSION, "OmniStage", namespace, label_selector=f"{LABEL_PIPELINE}={name},{LABEL_COMPONENT}=stage"
+            )
+            if _owned_by(s, live["metadata"]["uid"])
+        }
+        contract = pipeline_contract(resolved).digest
+        old_status = live.get("status") or {}
+        plan = plan_rollout(
+            [
+                _group_view(root, group_contract(resolved, members), live_stages.get(root))
+                for root, members in groups.items()
+            ],
+            pipeline.spec.rollout,
+            target=contract,
+            previous=RolloutStatus.model_validate(old_status["rollout"]) if old_status.get("rollout") else None,
+            serving_before=old_status.get("contract", contract),
+            now=dt.datetime.now(dt.timezone.utc),
+        )
         stages = []
-        desired_stages = build_omnistages(live, pipeline, resolved, key_version=key_version)
+        desired_stages = build_omnistages(live, pipeline, resolved, key_version=key_version, rollouts=plan.stages)
         for desired in desired_stages:
             applied = await ensure(_ensure_omnistage, desired)
             if applied is not None:
@@ -290,10 +328,11 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> None:
             else:
                 await ensure(_ensure, desired)
         await _ensure_connector_servers(ctx, live, pipeline, resolved, ensure)
+        await _delete_unused_group_configmaps(ctx, live, resolved, groups, live_stages)
         if collisions:
             observation.collision_problem = collisions[0].condition()
-        groups = {s: resolved.stage_group(s) for s in resolved.topology.stage_names()}
-        observation.stages, observation.router, observation.groups = stages, router, groups
+        observation.stages, observation.router = stages, router
+        observation.groups = {s: resolved.stage_group(s) for s in resolved.topology.stage_names()}
         observation.stage_names = resolved.topology.topological_order()
         topo = resolved.topology
         status["topology"] = {
@@ -302,7 +341,10 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> None:
             "edges": [f"{e.source}->{e.target} ({topo.edge_connector(e).value})" for e in topo.edges],
         }
         status["endpoint"] = router_endpoint(pipeline, namespace)
-        status["contract"] = pipeline_contract(resolved).digest
+        status["contract"] = contract
+        status["rollout"] = plan.status.to_dict()
+        observation.rollout_problem = plan.problem
+        observation.rollout = plan.status
     else:
         # Report what exists without touching it.
         observation.stages = await ctx.kube.list(
@@ -316,6 +358,79 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> None:
     status.update({"stages": per_stage, "stagesReady": stages_ready, "conditions": conditions})
     if await _write_status(ctx, live, status):
         await _post_events(ctx, live, flipped)
+        if plan is not None:
+            await _post_rollout_event(ctx, live, (live.get("status") or {}).get("rollout"), plan.status)
+    return plan.recheck_seconds if plan is not None else None
+
+
+def _group_view(root: str, target: str, stage: dict[str, Any] | None) -> GroupView:
+    """How the rollout planner sees a pod group: the contract wanted and what its OmniStage reports."""
+    if stage is None:
+        return GroupView(stage=root, target=target, replicas=0)
+    status = stage.get("status") or {}
+    if status and "generations" not in status:
+        # Written by an operator from before generations: its one Deployment is an older generation of
+        # unknown contract, kept until the new one is ready (an operator upgrade never stops a stage).
+        generations = [GenerationStatus(contract="", deployment=stage["metadata"]["name"], current=False)]
+    else:
+        generations = [GenerationStatus.model_validate(g) for g in status.get("generations", [])]
+    fresh = status.get("observedGeneration") == stage["metadata"].get("generation")
+    degraded = degraded_of(status.get("conditions", [])) if fresh else None
+    if degraded is not None and degraded.get("reason") in (Reason.AUTOSCALER_UNAVAILABLE, Reason.NAME_COLLISION):
+        degraded = None  # not about its pods: the new generation may still come up
+    return GroupView(
+        stage=root,
+        target=target,
+        replicas=stage["spec"].get("replicas", 1),
+        generations=generations,
+        degraded=degraded,
+    )
+
+
+_ROLLOUT_EVENTS = {
+    RolloutPhase.SURGING: ("Normal", "RolloutStarted"),
+    RolloutPhase.STOP_THE_WORLD: ("Normal", "RolloutStopTheWorld"),
+    RolloutPhase.COMPLETE: ("Normal", "RolloutComplete"),
+    RolloutPhase.ROLLED_BACK: ("Warning", "RolledBack"),
+    RolloutPhase.FAILED: ("Warning", "RolloutFailed"),
+}
+
+
+async def _post_rollout_event(
+    ctx: Context, obj: dict[str, Any], before: dict[str, Any] | None, now: RolloutStatus
+) -> None:
+    """One Event per rollout phase entered (a first Complete, on a pipeline's creation, is not news)."""
+    if before is None and now.phase is RolloutPhase.COMPLETE:
+        return
+    if before is not None and before.get("phase") == now.phase.value and before.get("target") == now.target:
+        return
+    type_, reason = _ROLLOUT_EVENTS[now.phase]
+    message = now.message or f"every stage runs the generation of contract {now.target}"
+    await _event(ctx, obj, type_, reason, message)
+
+
+async def _delete_unused_group_configmaps(
+    ctx: Context,
+    live: dict[str, Any],
+    resolved: Any,
+    groups: dict[str, list[str]],
+    live_stages: dict[str, dict[str, Any]],
+) -> None:
+    """The pod groups' generation ConfigMaps that neither the current generation nor a still-running older
+    one reads (as the OmniStages report them) are removed, if ours."""
+    name, namespace = live["metadata"]["name"], live["metadata"]["namespace"]
+    wanted = {group_configmap_name(name, root, group_contract(resolved, members)) for root, members in groups.items()}
+    for root, stage in live_stages.items():
+        for generation in (stage.get("status") or {}).get("generations", []):
+            if generation.get("contract"):
+                wanted.add(group_configmap_name(name, root, generation["contract"]))
+    for existing in await ctx.kube.list(
+        "v1", "ConfigMap", namespace, label_selector=f"{LABEL_PIPELINE}={name},{LABEL_COMPONENT}=stage-config"
+    ):
+        if existing["metadata"]["name"] not in wanted and _owned_by(existing, live["metadata"]["uid"]):
+            ctx.writes += 1
+            log.info("deleting ConfigMap %s/%s: no generation reads it", namespace, existing["metadata"]["name"])
+            await ctx.kube.delete("v1", "ConfigMap", existing["metadata"]["name"], namespace)
 
 
 async def _ensure_connector_servers(
@@ -421,8 +536,12 @@ async def reconcile_stage(ctx: Context, namespace: str, name: str) -> float | No
     stage = OmniStage.model_validate(live)
     collision: Condition | None = None
     deployment = None
+    desired = build_stage_deployment(stage)
+    # Older generations first: once the pipeline releases them they go before the current one grows to its
+    # full count, so the stage never runs more than its replicas plus the surge.
+    older = await _older_generations(ctx, stage, desired["metadata"]["name"])
     try:
-        deployment = await _ensure(ctx, build_stage_deployment(stage), generation_seen=seen)
+        deployment = await _ensure(ctx, desired, generation_seen=seen)
     except NameCollision as exc:
         collision = exc.condition()
     try:
@@ -435,7 +554,8 @@ async def reconcile_stage(ctx: Context, namespace: str, name: str) -> float | No
     except NameCollision as exc:
         collision = collision or exc.condition()
     selector = stage_selector(stage)
-    pods = await ctx.kube.list("v1", "Pod", namespace, label_selector=selector_string(selector))
+    # The current generation's pods: an older generation's trouble is not the new one's, and it goes anyway.
+    pods = await ctx.kube.list("v1", "Pod", namespace, label_selector=selector_string(generation_selector(stage)))
     counts, wanted = stage_conditions(live, deployment, pods, problem=collision, autoscaler_problem=autoscaler_problem)
     conditions, flipped = _merge_conditions(live, wanted)
     status = {
@@ -443,8 +563,46 @@ async def reconcile_stage(ctx: Context, namespace: str, name: str) -> float | No
         **counts,
         "selector": selector_string(selector),
         "workloadGeneration": deployment["metadata"].get("generation") if deployment else seen,
+        "generations": [_generation(d, current=True) for d in ([deployment] if deployment else [])]
+        + [_generation(d, current=False) for d in older],
         "conditions": conditions,
     }
     if await _write_status(ctx, live, status):
         await _post_events(ctx, live, flipped)
     return AUTOSCALER_RECHECK_SECONDS if autoscaler_problem is not None else None
+
+
+async def _older_generations(ctx: Context, stage: OmniStage, current_name: str) -> list[dict[str, Any]]:
+    """The stage's Deployments other than its current generation's, as they are now. While the pipeline holds
+    them (`spec.rollout.keepOlder`: its new generation is not whole yet) they keep serving, untouched; then
+    they are deleted, and their pods drain what they run (SIGTERM) and go."""
+    meta = stage.metadata
+    found = [
+        d
+        for d in await ctx.kube.list(
+            "apps/v1", "Deployment", meta.namespace, label_selector=selector_string(stage_selector(stage))
+        )
+        if d["metadata"]["name"] != current_name and _owned_by(d, meta.uid)
+    ]
+    if stage.spec.rollout is not None and stage.spec.rollout.keep_older:
+        return found
+    for old in found:
+        ctx.writes += 1
+        log.info(
+            "deleting Deployment %s/%s: an older generation of stage %s (its pods drain)",
+            meta.namespace, old["metadata"]["name"], stage.spec.stage,
+        )  # fmt: skip
+        await ctx.kube.delete("apps/v1", "Deployment", old["metadata"]["name"], meta.namespace)
+    return []
+
+
+def _generation(deployment: dict[str, Any], *, current: bool) -> dict[str, Any]:
+    meta, spec, ds = deployment["metadata"], deployment.get("spec", {}), deployment.get("status", {})
+    return GenerationStatus(
+        contract=(meta.get("labels") or {}).get(GENERATION_LABEL, ""),
+        deployment=meta["name"],
+        current=current,
+        replicas=spec.get("replicas", 0),
+        ready_replicas=ds.get("readyReplicas", 0),
+        created=meta.get("creationTimestamp", ""),
+    ).to_dict()

@@ -19,11 +19,11 @@ from pydantic import ValidationError
 from omni_operator.api import OmniPipeline, OmniStage, validation_messages
 from omni_operator.builders.autoscaler import build_stage_autoscaler
 from omni_operator.builders.connector_servers import build_connector_server_objects
-from omni_operator.builders.pipeline_objects import build_omnistages, build_pipeline_configmap
+from omni_operator.builders.pipeline_objects import build_group_configmap, build_omnistages, build_pipeline_configmap
 from omni_operator.builders.router import build_router_objects
 from omni_operator.builders.stage_workload import build_stage_deployment, build_stage_service
 from omni_operator.builders.trust import build_network_policies
-from omni_operator.resolve import resolve_cluster_pipeline
+from omni_operator.resolve import group_members, resolve_cluster_pipeline
 from omni_runtime.registry import PipelineRegistry
 from omni_runtime.spec import SpecError
 
@@ -70,8 +70,8 @@ def render_pipeline(
     owner_references: bool = True,
     model_root: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """The ConfigMap, NetworkPolicies, OmniStages, their Deployments, Services and autoscalers, and the
-    router objects."""
+    """The ConfigMaps (the router's, and each pod group's generation), NetworkPolicies, OmniStages, their
+    Deployments, Services and autoscalers, and the router objects."""
     owner = {**manifest, "metadata": {"namespace": "default", **manifest.get("metadata", {})}}
     owner["metadata"].setdefault("uid", PLACEHOLDER_UID)
     try:
@@ -81,7 +81,11 @@ def render_pipeline(
         raise RenderError("\n".join(validation_messages(exc))) from None
     except SpecError as exc:
         raise RenderError(str(exc)) from None
-    objects = [build_pipeline_configmap(owner, resolved), *build_network_policies(owner, resolved)]
+    objects = [
+        build_pipeline_configmap(owner, resolved),
+        *(build_group_configmap(owner, resolved, root, members) for root, members in group_members(resolved).items()),
+        *build_network_policies(owner, resolved),
+    ]
     for stage_manifest in build_omnistages(owner, pipeline, resolved):
         objects.append(stage_manifest)
         stage = OmniStage.model_validate(stage_manifest)

@@ -76,11 +76,11 @@ async def run_operator(config: OperatorConfig) -> None:
         result = "error"
         try:
             if kind == PIPELINE:
-                await reconcile_pipeline(ctx, namespace, name)
+                again = await reconcile_pipeline(ctx, namespace, name)
             else:
                 again = await reconcile_stage(ctx, namespace, name)
-                if again is not None:
-                    queue.add_after(key, again)
+            if again is not None:
+                queue.add_after(key, again)
             result = "ok"
         except KubeError as exc:
             if exc.namespace_terminating:

@@ -49,6 +49,9 @@ NEUTRAL = frozenset(
         "connectors.mooncake.globalSegmentSize",
         "connectors.mooncake.localBufferSize",
         "connectors.startTimeoutSeconds",
+        "rollout.maxSurge",  # how a contract change rolls, not what it is
+        "rollout.progressDeadlineSeconds",
+        "rollout.autoRollback",
         "stages[].name",  # which stage the entry's fields apply to: those fields are classified
         "stages[].replicas",
         "stages[].samplingParams",

@@ -42,6 +42,7 @@ from omni_operator.api.common import (
     unique_env_rule,
 )
 from omni_operator.api.engine_args_doc import engine_args_description
+from omni_operator.api.rollout import Rollout, RolloutStatus
 from omni_operator.api.router import (
     RouterSpec,
 )
@@ -289,6 +290,11 @@ class OmniPipelineSpec(KubeModel):
     connectors: ConnectorsConfig = Field(
         default_factory=ConnectorsConfig, description="How stage outputs travel between stages."
     )
+    rollout: Rollout = Field(
+        default_factory=Rollout,
+        description="How a change to the pipeline's contract rolls: a new generation of the stages it changes "
+        "beside the old one, each request within one generation.",
+    )
     stages: list[PipelineStage] = Field(
         default_factory=list,
         max_length=MAX_STAGES,
@@ -368,6 +374,7 @@ class OmniPipelineStatus(KubeModel):
         "sampling defaults and router limits are out of it. Each stage's pods carry their stage's part as the "
         "label contract.omnikube.io/<stage>, and the router never runs one request on replicas of two contracts.",
     )
+    rollout: RolloutStatus | None = Field(None, description="The rollout of the last change to the contract.")
 
 
 class OmniPipeline(CustomResource):
@@ -395,6 +402,8 @@ class OmniPipeline(CustomResource):
             ),
             PrinterColumn("Stages", ".status.stagesReady", description="Stages ready / stages."),
             PrinterColumn("Endpoint", ".status.endpoint", description="OpenAI-compatible API URL."),
+            PrinterColumn("Serving", ".status.rollout.serving", description="Contract digest that serves requests."),
+            PrinterColumn("Rollout", ".status.rollout.phase", description="Complete, Surging, RolledBack..."),
             PrinterColumn("Age", ".metadata.creationTimestamp", type="date"),
             PrinterColumn(
                 "Pipeline", ".status.topology.pipeline", priority=1, description="Resolved registry topology."

@@ -37,6 +37,7 @@ from omni_operator.api.common import (
     grace_field,
     unique_env_rule,
 )
+from omni_operator.api.rollout import GenerationStatus, StageRollout
 from omni_runtime.spec import StageKind
 
 __all__ = ["OmniStage", "OmniStageSpec", "OmniStageStatus"]
@@ -64,7 +65,17 @@ class OmniStageSpec(Placement):
     )
     model: str = Field(min_length=1, max_length=4096, description="Model path the stage loads from.")
     config_map: ObjectName = Field(
-        description="ConfigMap holding the resolved pipeline JSON (key resolved.json) the stage server reads."
+        description="ConfigMap holding the resolved pipeline JSON (key resolved.json) the stage server reads: "
+        "one per generation of the pod group, so a pod of an older generation that restarts reads what it ran."
+    )
+    contract: str = Field(
+        "",
+        max_length=64,
+        description="The pod group's contract digest (over its stages' contract.omnikube.io labels): it names the "
+        "generation's Deployment, so a change to it brings up a new Deployment beside the old one.",
+    )
+    rollout: StageRollout | None = Field(
+        None, description="Set by the pipeline while a change to its contract rolls; absent otherwise."
     )
     colocated: list[StageName] = Field(
         default_factory=list,
@@ -112,6 +123,11 @@ class OmniStageStatus(KubeModel):
         ge=0,
         description="metadata.generation of the stage Deployment as the operator last wrote it; a "
         "different live generation means someone edited the Deployment, and the operator restores it.",
+    )
+    generations: list[GenerationStatus] = Field(
+        default_factory=list,
+        json_schema_extra=list_map("contract"),
+        description="Each generation of the stage's pods that still exists, the current one first.",
     )
     conditions: list[Condition] = Field(
         default_factory=list,

@@ -6,6 +6,7 @@ from typing import Any
 
 from omni_operator.api import API_VERSION, KubeModel, OmniPipeline, OmniStage, OmniStageSpec, PipelineStage
 from omni_operator.api.common import DEFAULT_GRACE_SECONDS, Placement
+from omni_operator.api.rollout import StageRollout
 from omni_operator.builders.meta import (
     child_name,
     content_hash,
@@ -18,10 +19,14 @@ from omni_runtime.spec import ResolvedPipeline
 from omni_runtime.spec.contract import CONTRACT_LABEL_DOMAIN, pipeline_contract
 
 __all__ = [
+    "GENERATION_LABEL",
     "CONFIG_KEY",
     "CONFIG_HASH_ANNOTATION",
     "KEY_VERSION_ANNOTATION",
+    "build_group_configmap",
     "build_pipeline_configmap",
+    "group_configmap_name",
+    "group_contract",
     "build_omnistages",
     "configmap_name",
     "omnistage_name",
@@ -35,6 +40,10 @@ CONFIG_HASH_ANNOTATION = "omnikube.io/config-hash"
 """On an OmniStage: hash of the resolved config its pods read (its stages and their edges)."""
 KEY_VERSION_ANNOTATION = "omnikube.io/key-version"
 """On an OmniStage: the uid of the pipeline key Secret its pods mount (a new Secret rolls them)."""
+GENERATION_LABEL = "omnikube.io/generation"
+"""On a pod group's generation ConfigMap, Deployment and pods: the group's contract digest (`group_contract`)."""
+GENERATION_NAME_CHARS = 10
+"""Characters of the group's contract digest in the names of its generation's Deployment and ConfigMap."""
 
 
 def configmap_name(pipeline: str) -> str:
@@ -49,6 +58,18 @@ def router_name(pipeline: str) -> str:
     return child_name(pipeline, "router")
 
 
+def group_contract(resolved: ResolvedPipeline, members: list[str]) -> str:
+    """The contract digest of a pod group (its stages' digests): equal exactly when none of its stages'
+    contracts changed, so a change elsewhere in the pipeline leaves the group's pods as they are."""
+    contract = pipeline_contract(resolved)
+    return content_hash({m: contract.stages[m].digest for m in members})
+
+
+def group_configmap_name(pipeline: str, root: str, contract: str) -> str:
+    """The ConfigMap the pods of one generation of pod group `root` read."""
+    return child_name(pipeline, root, contract[:GENERATION_NAME_CHARS])
+
+
 def build_pipeline_configmap(owner: dict[str, Any], resolved: ResolvedPipeline) -> dict[str, Any]:
     """The resolved pipeline as JSON, read by the router and every stage server."""
     name = owner["metadata"]["name"]
@@ -60,6 +81,29 @@ def build_pipeline_configmap(owner: dict[str, Any], resolved: ResolvedPipeline) 
                 "name": configmap_name(name),
                 "namespace": owner["metadata"]["namespace"],
                 "labels": labels(name, "config"),
+                "ownerReferences": [owner_reference(owner)],
+            },
+            "data": {CONFIG_KEY: resolved.model_dump_json(by_alias=True, indent=2)},
+        }
+    )
+
+
+def build_group_configmap(
+    owner: dict[str, Any], resolved: ResolvedPipeline, root: str, members: list[str]
+) -> dict[str, Any]:
+    """The resolved pipeline for the pods of pod group `root`'s current generation. Each generation has its
+    own (named by the group's contract digest): an older generation's pod that restarts mid-rollout, or after
+    a rolled-back one, reads what it ran, not the new spec."""
+    name = owner["metadata"]["name"]
+    contract = group_contract(resolved, members)
+    return with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": group_configmap_name(name, root, contract),
+                "namespace": owner["metadata"]["namespace"],
+                "labels": {**labels(name, "stage-config", root), GENERATION_LABEL: contract},
                 "ownerReferences": [owner_reference(owner)],
             },
             "data": {CONFIG_KEY: resolved.model_dump_json(by_alias=True, indent=2)},
@@ -86,16 +130,23 @@ def group_config_hash(resolved: ResolvedPipeline, members: list[str]) -> str:
 
 
 def build_omnistages(
-    owner: dict[str, Any], pipeline: OmniPipeline, resolved: ResolvedPipeline, *, key_version: str = ""
+    owner: dict[str, Any],
+    pipeline: OmniPipeline,
+    resolved: ResolvedPipeline,
+    *,
+    key_version: str = "",
+    rollouts: dict[str, StageRollout] | None = None,
 ) -> list[dict[str, Any]]:
     """One OmniStage per pod group (a stage and those colocated with it), fully resolved. `key_version`:
-    the uid of the pipeline's key Secret (empty when rendering offline)."""
+    the uid of the pipeline's key Secret (empty when rendering offline). `rollouts`: what the pipeline's
+    rollout tells each pod group, by its root stage (`rollout.plan_rollout`); none in steady state."""
     name = owner["metadata"]["name"]
     overrides = {s.name: s for s in pipeline.spec.stages}
     contract = pipeline_contract(resolved)
     out = []
     for root, members in group_members(resolved).items():
         spec = omnistage_spec(pipeline, resolved, members, overrides.get(root) or PipelineStage(name=root))
+        spec.rollout = (rollouts or {}).get(root)
         out.append(
             with_hash(
                 {
@@ -129,6 +180,7 @@ def omnistage_spec(
     root = members[0]
     stage = resolved.topology.stage(root)
     runtime = pipeline.spec.runtime
+    contract = group_contract(resolved, members)
     return OmniStageSpec(
         pipeline=pipeline.metadata.name,
         stage=root,
@@ -138,7 +190,8 @@ def omnistage_spec(
         image_pull_policy=runtime.image_pull_policy,
         image_pull_secrets=list(runtime.image_pull_secrets),
         model=resolved.model,
-        config_map=configmap_name(pipeline.metadata.name),
+        config_map=group_configmap_name(pipeline.metadata.name, root, contract),
+        contract=contract,
         colocated=members[1:],
         shm_size=override.shm_size or runtime.shm_size,
         autoscaling=override.autoscaling,

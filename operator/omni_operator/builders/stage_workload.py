@@ -8,13 +8,20 @@ from omni_operator.api import AcceleratorType, OmniStage
 from omni_operator.builders.drain import drain_timeout
 from omni_operator.builders.meta import (
     TEMPLATE_HASH_ANNOTATION,
+    child_name,
     content_hash,
     labels,
     owner_reference,
     selector_labels,
     with_hash,
 )
-from omni_operator.builders.pipeline_objects import CONFIG_HASH_ANNOTATION, CONFIG_KEY, KEY_VERSION_ANNOTATION
+from omni_operator.builders.pipeline_objects import (
+    CONFIG_HASH_ANNOTATION,
+    CONFIG_KEY,
+    GENERATION_LABEL,
+    GENERATION_NAME_CHARS,
+    KEY_VERSION_ANNOTATION,
+)
 from omni_operator.builders.trust import KEY_FILE, key_volume
 from omni_operator.resolve import stage_ports
 from omni_runtime.spec.contract import CONTRACT_LABEL_DOMAIN
@@ -24,6 +31,8 @@ __all__ = [
     "CONFIG_MOUNT",
     "build_stage_deployment",
     "build_stage_service",
+    "generation_deployment_name",
+    "generation_selector",
     "container_security_context",
     "pod_container_env",
     "pod_security_context",
@@ -71,7 +80,19 @@ def scratch_volumes() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 
 
 def stage_selector(stage: OmniStage) -> dict[str, str]:
+    """The pods of every generation of the stage: what its Service, /scale and an HPA count."""
     return selector_labels(stage.spec.pipeline, "stage", stage.spec.stage)
+
+
+def generation_selector(stage: OmniStage) -> dict[str, str]:
+    """The pods of the stage's current generation: its Deployment's selector."""
+    return {**stage_selector(stage), GENERATION_LABEL: stage.spec.contract}
+
+
+def generation_deployment_name(stage: OmniStage) -> str:
+    """The Deployment of the stage's current generation: the OmniStage's name and its contract digest, so a
+    change to the contract brings up a new Deployment beside the old one instead of rolling it."""
+    return child_name(stage.metadata.name, stage.spec.contract[:GENERATION_NAME_CHARS])
 
 
 def pod_container_env(
@@ -181,7 +202,8 @@ def _container(
 
 
 def build_stage_deployment(stage: OmniStage) -> dict[str, Any]:
-    """The stage's Deployment: one container per stage of the pod group, sharing the pod's IPC."""
+    """The Deployment of the stage's current generation: one container per stage of the pod group, sharing
+    the pod's IPC; while older generations still serve, at most `spec.rollout.maxReplicas` replicas."""
     spec = stage.spec
     volumes, mounts = model_volume(spec.model_cache.to_dict() if spec.model_cache else None)
     key_vol, key_mount = key_volume(spec.pipeline)
@@ -217,7 +239,7 @@ def build_stage_deployment(stage: OmniStage) -> dict[str, Any]:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
     # Pods roll when what they run changes: the spec minus replicas/autoscaling, plus their config.
     template_inputs = stage.spec.to_dict()
-    for key in ("replicas", "autoscaling"):
+    for key in ("replicas", "autoscaling", "rollout"):
         template_inputs.pop(key, None)
     template_hash = content_hash(
         {
@@ -230,25 +252,27 @@ def build_stage_deployment(stage: OmniStage) -> dict[str, Any]:
     pod_labels = labels(spec.pipeline, "stage", spec.stage)
     # each stage's contract digest (spec.contract): which generation of the pipeline its pods belong to
     contracts = {k: v for k, v in stage.metadata.labels.items() if k.startswith(f"{CONTRACT_LABEL_DOMAIN}/")}
+    generation = {GENERATION_LABEL: spec.contract}
+    replicas = spec.replicas if spec.rollout is None else min(spec.replicas, spec.rollout.max_replicas)
     return with_hash(
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
             "metadata": {
-                "name": stage.metadata.name,
+                "name": generation_deployment_name(stage),
                 "namespace": stage.metadata.namespace,
-                "labels": pod_labels,
+                "labels": {**pod_labels, **generation},
                 "ownerReferences": [owner_reference(stage)],
             },
             "spec": {
-                "replicas": spec.replicas,
-                "selector": {"matchLabels": stage_selector(stage)},
+                "replicas": replicas,
+                "selector": {"matchLabels": generation_selector(stage)},
                 # Bring a new replica up before taking an old one down: a stage never drops to zero.
                 "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
                 "revisionHistoryLimit": 3,
                 "template": {
                     "metadata": {
-                        "labels": {**pod_labels, **contracts},
+                        "labels": {**pod_labels, **contracts, **generation},
                         "annotations": {TEMPLATE_HASH_ANNOTATION: template_hash},
                     },
                     "spec": pod_spec,

@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from omni_operator.api import validation_messages
+from omni_operator.api.rollout import RolloutPhase, RolloutStatus
 from omni_operator.status.conditions import Condition, get_condition
 from omni_operator.status.reasons import Reason, reason_of
 from omni_runtime.spec import SpecError
@@ -27,6 +28,8 @@ class PipelineObservation:
         stage_names: list[str] | None = None,
         groups: dict[str, str] | None = None,
         router: dict[str, Any] | None = None,
+        rollout: RolloutStatus | None = None,
+        rollout_problem: Condition | None = None,
     ) -> None:
         self.spec_problem = spec_problem
         self.secret_problem = secret_problem
@@ -36,6 +39,10 @@ class PipelineObservation:
         self.stage_names = stage_names or []
         self.groups = groups or {}
         self.router = router
+        self.rollout = rollout
+        """The rollout of the last contract change (`rollout.plan_rollout`)."""
+        self.rollout_problem = rollout_problem
+        """Degraded RolloutFailed: the new generation failed; the old one serves."""
 
 
 def spec_problem(exc: ValidationError | SpecError) -> Condition:
@@ -97,6 +104,7 @@ def pipeline_conditions(obs: PipelineObservation) -> tuple[list[dict[str, Any]],
         obs.spec_problem
         or obs.secret_problem
         or obs.collision_problem
+        or obs.rollout_problem
         or (stage_problems[0] if stage_problems else None)
     )
     degraded = problem or Condition("Degraded", "False", Reason.AS_EXPECTED, "")
@@ -115,5 +123,17 @@ def pipeline_conditions(obs: PipelineObservation) -> tuple[list[dict[str, Any]],
         ready = Condition("Ready", "False", reason, message)
         progressing = Condition(
             "Progressing", "False" if problem else "True", Reason.STALLED if problem else Reason.ROLLING_OUT, message
+        )
+    rollout = obs.rollout
+    if rollout is not None and rollout.phase in (RolloutPhase.ROLLED_BACK, RolloutPhase.FAILED):
+        progressing = Condition("Progressing", "False", Reason.ROLLOUT_FAILED, rollout.message)
+    elif rollout is not None and rollout.phase is not RolloutPhase.COMPLETE and not obs.spec_problem:
+        moving = f"; stages moving: {', '.join(rollout.moving)}" if rollout.moving else ""
+        progressing = Condition(
+            "Progressing",
+            "True",
+            Reason.ROLLING_OUT,
+            f"{rollout.phase.value}: contract {rollout.serving or '(before)'} serves, rolling to {rollout.target}"
+            f"{moving}. {rollout.message}",
         )
     return per_stage, stages_ready, [ready, progressing, degraded]

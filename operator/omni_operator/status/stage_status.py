@@ -121,6 +121,18 @@ def stage_conditions(
     so Ready still follows them."""
     name = stage["spec"]["stage"]
     desired = stage["spec"].get("replicas", 1)
+    rollout = stage["spec"].get("rollout")
+    if rollout is not None and rollout.get("maxReplicas", desired) == 0 < desired:
+        ds = (deployment or {}).get("status", {})
+        counts = {"replicas": ds.get("replicas", 0), "readyReplicas": ds.get("readyReplicas", 0)}
+        message = f"stage {name}: its new generation failed and was scaled to zero; its older generation serves"
+        return counts, [
+            Condition("Ready", "False", Reason.ROLLED_BACK, message),
+            Condition("Progressing", "False", Reason.ROLLED_BACK, message),
+            problem or autoscaler_problem or Condition("Degraded", "False", Reason.AS_EXPECTED),
+        ]
+    if rollout is not None:
+        desired = min(desired, rollout.get("maxReplicas", desired))  # the surge its pipeline allows for now
     if problem is not None:
         ds = (deployment or {}).get("status", {})
         counts = {"replicas": ds.get("replicas", 0), "readyReplicas": ds.get("readyReplicas", 0)}

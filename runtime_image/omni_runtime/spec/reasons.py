@@ -53,6 +53,12 @@ class Reason(str, Enum):
     """A stage's engine failed to load, failed its self-check (one tiny request, so every request would
     fail), or died while serving (a sequence-parallel rank died); the message says what to change or what
     died."""
+    ROLLOUT_FAILED = "RolloutFailed"
+    """The new generation of a change to the pipeline's contract never became whole (a stage of it crash-looped,
+    failed its self-check, could not be scheduled, or missed rollout.progressDeadlineSeconds); the old
+    generation keeps serving."""
+    ROLLED_BACK = "RolledBack"
+    """A stage's new generation was scaled to zero after its rollout failed (rollout.autoRollback)."""
     AUTOSCALER_UNAVAILABLE = "AutoscalerUnavailable"
     """A stage asks for a KEDA ScaledObject and the cluster has no KEDA CRDs."""
     STAGE_DEGRADED = "StageDegraded"
