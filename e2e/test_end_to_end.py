@@ -391,7 +391,18 @@ def _roll(
         current = status.get("observedGeneration") == obj["metadata"]["generation"]
         return new == wanted and not (old & set(now)) and current and bool(ready) and ready[0]["status"] == "True"
 
-    wait_for(rolled, READY_TIMEOUT, f"{name}: {sorted(wanted)} rolled and their old pods gone")
+    def state() -> str:
+        stages = kubectl_json(env.cluster, "get", "omnistages", "-n", env.ns, "-l", f"omnikube.io/pipeline={name}")
+        return "\n".join(
+            [
+                json.dumps((env.get("omnipipeline", name) or {}).get("status"), indent=1),
+                *(json.dumps({s["metadata"]["name"]: s.get("status")}, indent=1) for s in stages["items"]),
+                json.dumps({n: (_component(p), p["status"].get("phase")) for n, p in _pods(env, name).items()}),
+                env.operator.log()[-3000:],
+            ]
+        )
+
+    wait_for(rolled, READY_TIMEOUT, f"{name}: {sorted(wanted)} rolled and their old pods gone", state)
     done = load.ok()
     wait_for(lambda: load.ok() >= done + 4, 300, "requests succeeding after the roll")
     return before, {n: _component(p) for n, p in _pods(env, name).items()}
@@ -412,7 +423,8 @@ def test_a_killed_stage_restarts_and_serves_then_its_roll_under_steady_load_fail
 
     - the enhancer's max_model_len (outside the contract) rolls that stage in place: the old replica drains
       (no new work, what it runs finishes), the new one takes over, in the same Deployment;
-    - the dit's torch_dtype (in the contract) brings up a new generation of the dit in a Deployment of its own
+    - the dit's torch_dtype (in the contract: float32 where the topology asks bfloat16, which a CPU without
+      fast bfloat16 runs as float32 anyway) brings up a new generation of the dit in a Deployment of its own
       beside the old one; the router moves new requests to it once it is ready, and the old one drains and
       goes. Every response names the stage digests it ran on (x-omnikube-contract): one enhancer digest
       throughout (its contract did not change), the dit's old one and then its new one, never a third.
@@ -448,7 +460,7 @@ def test_a_killed_stage_restarts_and_serves_then_its_roll_under_steady_load_fail
     load = SteadyLoad(lambda: url, [noting, noting, noting]).start()
     edited = json.loads(json.dumps(PIPELINES[2]))
     edited["spec"]["stages"][0]["engineArgs"] = {**AR_ARGS, "max_model_len": 384}
-    edited["spec"]["stages"][1]["engineArgs"] = {"torch_dtype": "bfloat16"}
+    edited["spec"]["stages"][1]["engineArgs"] = {"torch_dtype": "float32"}  # the topology asks bfloat16
     workloads = _stage_deployments(env, "enhanced")
     try:
         before, after = _roll(env, edited, load, {"enhancer", "dit"})
