@@ -894,7 +894,9 @@ def test_max_surge_zero_stops_the_world(cluster, operator, namespace) -> None:
     try:
         time.sleep(1)
         apply(cluster, namespace, {**spec, "spec": {**spec["spec"], "model": "/models/stw-v2"}})
-        wait_for(lambda: deployments(cluster, namespace, "stw")["stw-llm"]["metadata"]["name"] != old, 30, "new")
+        # Between the two there is no Deployment of the stage at all: that is stopping the world.
+        wait_for(lambda: (deployments(cluster, namespace, "stw").get("stw-llm") or {"metadata": {"name": old}})[
+            "metadata"]["name"] != old, 30, "the new generation's Deployment")  # fmt: skip
         wait_ready(cluster, operator, namespace, "stw", showing=rollout_phase("Complete"))
     finally:
         events = watch.stop()
