@@ -291,11 +291,9 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> float |
         }
         contract = pipeline_contract(resolved).digest
         old_status = live.get("status") or {}
+        targets = {root: group_contract(resolved, members) for root, members in groups.items()}
         plan = plan_rollout(
-            [
-                _group_view(root, group_contract(resolved, members), live_stages.get(root))
-                for root, members in groups.items()
-            ],
+            [_group_view(root, target, live_stages.get(root)) for root, target in targets.items()],
             pipeline.spec.rollout,
             target=contract,
             previous=RolloutStatus.model_validate(old_status["rollout"]) if old_status.get("rollout") else None,
@@ -328,7 +326,7 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> float |
             else:
                 await ensure(_ensure, desired)
         await _ensure_connector_servers(ctx, live, pipeline, resolved, ensure)
-        await _delete_unused_group_configmaps(ctx, live, resolved, groups, live_stages)
+        await _delete_unused_group_configmaps(ctx, live, targets, live_stages)
         if collisions:
             observation.collision_problem = collisions[0].condition()
         observation.stages, observation.router = stages, router
@@ -410,16 +408,13 @@ async def _post_rollout_event(
 
 
 async def _delete_unused_group_configmaps(
-    ctx: Context,
-    live: dict[str, Any],
-    resolved: Any,
-    groups: dict[str, list[str]],
-    live_stages: dict[str, dict[str, Any]],
+    ctx: Context, live: dict[str, Any], targets: dict[str, str], live_stages: dict[str, dict[str, Any]]
 ) -> None:
-    """The pod groups' generation ConfigMaps that neither the current generation nor a still-running older
-    one reads (as the OmniStages report them) are removed, if ours."""
+    """The pod groups' generation ConfigMaps that neither the current generation (`targets`: each group's
+    contract digest, by root stage) nor a still-running older one reads (as the OmniStages report them) are
+    removed, if ours."""
     name, namespace = live["metadata"]["name"], live["metadata"]["namespace"]
-    wanted = {group_configmap_name(name, root, group_contract(resolved, members)) for root, members in groups.items()}
+    wanted = {group_configmap_name(name, root, contract) for root, contract in targets.items()}
     for root, stage in live_stages.items():
         for generation in (stage.get("status") or {}).get("generations", []):
             if generation.get("contract"):
@@ -541,6 +536,8 @@ async def reconcile_stage(ctx: Context, namespace: str, name: str) -> float | No
     # full count, so the stage never runs more than its replicas plus the surge.
     older = await _older_generations(ctx, stage, desired["metadata"]["name"])
     try:
+        # Read by name, not taken from the list of our Deployments: someone else's object of that name must be
+        # found (and left alone, NameCollision), and it carries none of our labels.
         deployment = await _ensure(ctx, desired, generation_seen=seen)
     except NameCollision as exc:
         collision = exc.condition()
@@ -577,13 +574,10 @@ async def _older_generations(ctx: Context, stage: OmniStage, current_name: str) 
     them (`spec.rollout.keepOlder`: its new generation is not whole yet) they keep serving, untouched; then
     they are deleted, and their pods drain what they run (SIGTERM) and go."""
     meta = stage.metadata
-    found = [
-        d
-        for d in await ctx.kube.list(
-            "apps/v1", "Deployment", meta.namespace, label_selector=selector_string(stage_selector(stage))
-        )
-        if d["metadata"]["name"] != current_name and _owned_by(d, meta.uid)
-    ]
+    listed = await ctx.kube.list(
+        "apps/v1", "Deployment", meta.namespace, label_selector=selector_string(stage_selector(stage))
+    )
+    found = [d for d in listed if d["metadata"]["name"] != current_name and _owned_by(d, meta.uid)]
     if stage.spec.rollout is not None and stage.spec.rollout.keep_older:
         return found
     for old in found:

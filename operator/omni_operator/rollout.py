@@ -100,7 +100,9 @@ def plan_rollout(
     if not changing:
         return RolloutPlan(stages={}, status=RolloutStatus(phase=RolloutPhase.COMPLETE, serving=target, target=target))
     surge = {g.stage: surge_replicas(settings.max_surge, g.replicas) for g in changing}
-    needed = {g.stage: min(g.replicas, surge[g.stage]) if surge[g.stage] else g.replicas for g in changing}
+    # What must be ready before the older generations go: the surge (never more than the replicas), or with
+    # no surge at all (stop the world) the full count.
+    needed = {g.stage: surge[g.stage] or g.replicas for g in changing}
 
     def ready(g: GroupView) -> bool:
         new = g.new
