@@ -631,12 +631,12 @@ def test_hand_deleted_omnistage_and_hand_edited_deployment_are_restored(cluster,
     wait_ready(cluster, operator, namespace, "heal")
 
 
-class SecretWatch:
-    """`kubectl get secrets --watch -o name` in one namespace, its lines read by a thread as they come."""
+class KubectlWatch:
+    """`kubectl <args>` (a --watch), its lines read by a thread as they come."""
 
-    def __init__(self, cluster, namespace: str) -> None:
+    def __init__(self, cluster, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [cluster.binary("kubectl"), "get", "secrets", "-n", namespace, "--watch", "-o", "name"],
+            [cluster.binary("kubectl"), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
@@ -644,7 +644,8 @@ class SecretWatch:
             start_new_session=True,
         )
         self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -663,8 +664,14 @@ class SecretWatch:
                 return line
         raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
-    def stop(self) -> None:
+    def stop(self) -> list[str]:
+        """Stop kubectl; the lines read and not yet taken by `wait_for`."""
         stop_process_group(self.proc)
+        self._reader.join(10)  # what kubectl printed before it stopped is all read
+        left = []
+        while not self.lines.empty():
+            left.append(self.lines.get())
+        return left
 
 
 def test_operator_restart_mid_reconcile_converges_without_duplicates(cluster, operator, namespace) -> None:
@@ -676,7 +683,7 @@ def test_operator_restart_mid_reconcile_converges_without_duplicates(cluster, op
     names = [f"many-{i}" for i in range(12)]
     docs = [pipeline(n, "prompt-enhanced-t2i", []) for n in names]
     keys = {key_secret_name(n): n for n in names}
-    watch = SecretWatch(cluster, namespace)
+    watch = KubectlWatch(cluster, "get", "secrets", "-n", namespace, "--watch", "-o", "name")
     try:
         # Once the watch prints a Secret made after it started, it sees every later one as it is made.
         cluster.kubectl("create", "secret", "generic", "watch-marker", "-n", namespace, "--from-literal=x=1")
@@ -711,31 +718,25 @@ def test_operator_restart_mid_reconcile_converges_without_duplicates(cluster, op
 
 
 class DeploymentWatch:
-    """`kubectl get deployments --watch --output-watch-events` for one pipeline: every write to its Deployments,
-    in order, as (event type, name, spec.replicas, status.readyReplicas), read by a thread as they come."""
+    """Every write to one pipeline's Deployments, in order, as (event type, name, spec.replicas,
+    status.readyReplicas): `kubectl get deployments --watch --output-watch-events` through `KubectlWatch`."""
 
     FORMAT = "jsonpath={.type} {.object.metadata.name} {.object.spec.replicas} {.object.status.readyReplicas}{'\\n'}"
 
     def __init__(self, cluster, namespace: str, pipeline_name: str) -> None:
-        self.proc = subprocess.Popen(
-            [cluster.binary("kubectl"), "get", "deployments", "-n", namespace, "-l",
-             f"omnikube.io/pipeline={pipeline_name}", "--watch", "--output-watch-events", "-o", self.FORMAT],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=cluster.env(), start_new_session=True,
+        self.watch = KubectlWatch(
+            cluster, "get", "deployments", "-n", namespace, "-l", f"omnikube.io/pipeline={pipeline_name}",
+            "--watch", "--output-watch-events", "-o", self.FORMAT,
         )  # fmt: skip
-        self.events: list[tuple[str, str, int, int]] = []
-        threading.Thread(target=self._read, daemon=True).start()
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
+    def stop(self) -> list[tuple[str, str, int, int]]:
+        events = []
+        for line in self.watch.stop():
             parts = line.split()
             if len(parts) >= 3:
                 ready = int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else 0
-                self.events.append((parts[0], parts[1], int(parts[2]), ready))
-
-    def stop(self) -> list[tuple[str, str, int, int]]:
-        stop_process_group(self.proc)
-        return list(self.events)
+                events.append((parts[0], parts[1], int(parts[2]), ready))
+        return events
 
 
 def stage_configmaps(cluster, namespace: str, pipeline_name: str) -> set[str]:
