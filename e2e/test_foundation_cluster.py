@@ -38,14 +38,15 @@ def _valid_pipeline(name: str = "valid") -> dict:
 
 
 def _mutate(path: str, value: object):
-    """A function that sets `value` at a dotted path (`spec.stages.0.replicas`) in a copy of a valid CR."""
+    """A function that sets `value` at a dotted path (`spec.stages.0.replicas`) in a copy of a valid CR (missing
+    objects on the way are made)."""
 
     def apply(obj: dict) -> dict:
         obj = copy.deepcopy(obj)
         *parents, last = path.split(".")
         node = obj
         for key in parents:
-            node = node[int(key)] if isinstance(node, list) else node[key]
+            node = node[int(key)] if isinstance(node, list) else node.setdefault(key, {})
         if value is _DELETE:
             del node[last]
         elif isinstance(node, list):
@@ -65,6 +66,13 @@ INVALID = [
     ("empty-model", _mutate("spec.model", ""), "spec.model"),
     ("negative-replicas", _mutate("spec.stages.0.replicas", -1), "spec.stages[0].replicas"),
     ("replicas-wrong-type", _mutate("spec.stages.0.replicas", "two"), "spec.stages[0].replicas"),
+    ("max-surge-past-100", _mutate("spec.rollout.maxSurge", "150%"), "spec.rollout.maxSurge"),
+    ("max-surge-words", _mutate("spec.rollout.maxSurge", "ten"), "spec.rollout.maxSurge"),
+    (
+        "progress-deadline-zero",
+        _mutate("spec.rollout.progressDeadlineSeconds", 0),
+        "spec.rollout.progressDeadlineSeconds",
+    ),
     (
         "unknown-accelerator",
         _mutate("spec.stages.0.accelerator.type", "nvidia.com/gpu-typo"),

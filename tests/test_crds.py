@@ -602,6 +602,12 @@ INVALID = {
         "spec.router.limits.maxConcurrentRequests",
         "greater than or equal to 1",
     ),
+    "max surge past 100%": (_pipeline(rollout={"maxSurge": "150%"}), "spec.rollout.maxSurge", "0% to 100%"),
+    "progress deadline 0": (
+        _pipeline(rollout={"progressDeadlineSeconds": 0}),
+        "spec.rollout.progressDeadlineSeconds",
+        "greater than or equal to 1",
+    ),
     "wrong kind": ({**_pipeline(), "kind": "OmniStage"}, "", "kind: 'OmniStage' is not OmniPipeline"),
 }
 

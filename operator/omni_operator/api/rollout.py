@@ -46,7 +46,7 @@ def _check_surge(value: Any) -> int | str:
 Surge = Annotated[
     int | str,
     PlainValidator(_check_surge),
-    WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": r"^[0-9]+%?$"}),
+    WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": r"^(100|[1-9]?[0-9])%$"}),
 ]
 """Replicas (an integer) or a percentage of a stage's replicas ("25%")."""
 
