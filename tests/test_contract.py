@@ -2,16 +2,17 @@
 within one generation of stage replicas.
 
 The router cases run stage servers with the EchoEngine (tests/servelib.py says why) behind the real router app,
-two generations of one two-stage pipeline (`a -> b`, whose edge window differs: a contract change) discovered
-by the same router, as during a rollout.
+three generations of one two-stage pipeline (`a -> b`) discovered by the same router, as during a rollout: B
+changes the edge's window (both stages' contract), C an engine arg of `b`'s own (only `b`'s).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
@@ -105,8 +106,16 @@ def test_the_model_folders_identity_is_its_config_and_weights_index(tmp_path) ->
 # -- the router keeps a request within one generation -----------------------------------------------
 
 
+def b_changed(topology):
+    """`topology` with an engine arg of stage `b` changed that is in its contract (vLLM's dtype)."""
+    changed = {"engine_args": {"dtype": "float32"}}
+    stages = [s.model_copy(update=changed) if s.name == "b" else s for s in topology.stages]
+    return topology.model_copy(update={"stages": stages})
+
+
 class TwoGenerations:
-    """Replicas of `a` and `b` of generations A (window 2) and B (window 3) behind one router."""
+    """Replicas of `a` and `b` of generations A (window 2), B (window 3) and C (A with `b`'s dtype float32)
+    behind one router, which discovers A's at first."""
 
     async def start(self) -> TwoGenerations:
         import uvicorn
@@ -122,6 +131,7 @@ class TwoGenerations:
         self.pipelines = {
             "A": echo_pipeline(windowed_topology(window=2)),
             "B": echo_pipeline(windowed_topology(window=3)),
+            "C": echo_pipeline(b_changed(windowed_topology(window=2))),
         }
         self.servers: dict[tuple[str, str], StageServer] = {}
         self.engines: dict[tuple[str, str], EchoEngine] = {}
@@ -145,8 +155,6 @@ class TwoGenerations:
         self.base = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
         self._server.install_signal_handlers = lambda: None
-        import asyncio
-
         self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]))
         await until(lambda: self._server.started and all(self.pool.ready().values()), timeout=10.0)
         return self
@@ -235,6 +243,103 @@ async def test_no_whole_generation_is_a_retriable_503_naming_what_each_lacks() -
         message = reply.json()["error"]["message"]
         assert "never runs across two generations" in message and "lacks ['b']" in message and "lacks ['a']" in message
         assert ran_on(cluster, "split") == set()
+
+
+async def run_a_while(cluster: TwoGenerations, roll: Callable[[], Awaitable[None]]) -> httpx.Response:
+    """A request whose `a` (of A) runs slowly (a second a word); once `a` has it, and before `b` has, `roll()`
+    does what a rollout does to `b`. The router's reply."""
+    body = {"model": "echo", "messages": [{"role": "user", "content": "w w w"}],
+            "sampling_params_list": [{"delay": 1.0}, {}]}  # fmt: skip
+    async with httpx.AsyncClient(base_url=cluster.base, timeout=30) as http:
+        call = asyncio.create_task(http.post("/v1/chat/completions", json=body))
+        await until(lambda: cluster.engines["A", "a"].seen, timeout=10.0)
+        await roll()
+        assert not any(cluster.engines[g, "b"].seen for g in "ABC"), "b started before the roll; make `a` slower"
+        return await call
+
+
+async def b_of(cluster: TwoGenerations, gen: str) -> None:
+    """Discovery lists `gen`'s `b` beside A's, and the router has it up."""
+    cluster.discover("b", "A", gen)
+    await until(lambda: cluster.address(gen, "b") in {c.address for c in cluster.pool["b"].usable()}, timeout=10.0)
+
+
+async def killed(cluster: TwoGenerations, gen: str, stage: str) -> None:
+    """`gen`'s replica of `stage` dies (its process is gone; the router sees its connection drop)."""
+    await cluster.servers[gen, stage].stop()
+    address = cluster.address(gen, stage)
+    await until(lambda: not cluster.pool[stage].replicas[address].finishing, timeout=10.0)
+
+
+@pytest.mark.timeout(60)
+async def test_a_request_finishes_in_its_generation_on_a_draining_replica_that_waits_for_it() -> None:
+    """The operator deletes the old generation once the new one is ready: A's `b` drains (SIGTERM) while a
+    request that began in A still runs `a`, and C (whose `a` is A's) is whole. The request still runs `b` on
+    A's draining replica, which waits for it (the router's pings count it: `Ping.awaited`) and only then ends
+    its drain."""
+    async with two_generations() as cluster:
+        drain: list[asyncio.Task] = []
+
+        async def sigterm(server) -> bool:  # what `omnikube stage` does on SIGTERM
+            try:
+                return await server.drain(20)
+            finally:
+                await server.stop()
+
+        async def roll() -> None:
+            await b_of(cluster, "C")
+            drain.append(asyncio.create_task(sigterm(cluster.servers["A", "b"])))
+            await until(lambda: cluster.pool["b"].replicas[cluster.address("A", "b")].stage_draining, timeout=10.0)
+            assert cluster.servers["A", "b"].awaited() == 1, "the router told the draining replica it awaits it"
+
+        reply = await run_a_while(cluster, roll)
+        assert reply.status_code == 200, reply.text
+        assert ran_on(cluster, "w w") == {("A", "a"), ("A", "b")}
+        assert json.loads(reply.headers["x-omnikube-contract"]) == {s: cluster.servers["A", s].contract for s in "ab"}
+        assert await drain[0] is True, "the drain ended in time, once the request was done"
+        assert cluster.pool.awaited("b", cluster.servers["A", "b"].contract) == 0
+        await chat(cluster, "after")  # new requests run on C
+        assert ran_on(cluster, "after") == {("A", "a"), ("C", "b")}
+
+
+@pytest.mark.timeout(60)
+async def test_a_request_whose_next_stage_lost_its_generation_goes_on_in_one_that_agrees_on_what_it_ran() -> None:
+    """A's `b` is killed while a request that began in A runs `a`. C changes only `b`'s contract, so A and C
+    agree on `a`: the request goes on with C's `b`, which reads what A's `a` sends. Both ends of every edge
+    carry it in their digests (`spec.contract`), so this is no crossing."""
+    async with two_generations() as cluster:
+        assert cluster.servers["A", "a"].contract == cluster.servers["C", "a"].contract
+        assert cluster.servers["A", "b"].contract != cluster.servers["C", "b"].contract
+
+        async def roll() -> None:
+            await b_of(cluster, "C")
+            await killed(cluster, "A", "b")
+
+        reply = await run_a_while(cluster, roll)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == "w w w "
+        assert ran_on(cluster, "w w") == {("A", "a"), ("C", "b")}
+        assert json.loads(reply.headers["x-omnikube-contract"]) == {
+            "a": cluster.servers["A", "a"].contract,
+            "b": cluster.servers["C", "b"].contract,
+        }
+
+
+@pytest.mark.timeout(60)
+async def test_a_request_whose_next_stage_lost_its_generation_fails_when_none_agrees_on_what_it_ran() -> None:
+    """B's `b` reads another window than A's `a` sends: the request that ran `a` of A has nowhere to go on once
+    A's `b` is killed. It fails with a retriable 503 (after the router's roll wait), and B's `b` never sees it."""
+    async with two_generations() as cluster:
+        cluster.pool.roll_wait_s = 0.5
+
+        async def roll() -> None:
+            await b_of(cluster, "B")
+            await killed(cluster, "A", "b")
+
+        reply = await run_a_while(cluster, roll)
+        assert reply.status_code == 503, reply.text
+        assert "no ready replica of the pipeline generation this request runs in" in reply.json()["error"]["message"]
+        assert ran_on(cluster, "w w") == {("A", "a")}
 
 
 @pytest.mark.timeout(60)

@@ -67,8 +67,12 @@ class ReplicaClient:
         key: PipelineKey,
         ping_interval_s: float = 0.5,
         ping_timeout_s: float = 10.0,
+        awaited: Callable[[str], int] | None = None,
     ) -> None:
+        """`awaited`: given the replica's stage digest, how many of the router's running requests will still
+        start work on a replica of that digest (`Ping.awaited`)."""
         self.pipeline = pipeline
+        self._awaited = awaited
         self.stage = stage
         self.address = address
         self.ping_interval_s = ping_interval_s
@@ -129,6 +133,12 @@ class ReplicaClient:
     def usable(self) -> bool:
         return self.state is ReplicaState.UP and not self.draining and not self.stage_draining and not self._closed
 
+    @property
+    def finishing(self) -> bool:
+        """Draining but still answering: no new request's work goes there, but a request already running in
+        its generation may still start its work there (the replica waits for those: `Ping.awaited`)."""
+        return self.state is ReplicaState.UP and (self.draining or self.stage_draining) and not self._closed
+
     def start(self) -> None:
         self._tasks = [
             asyncio.create_task(self._recv_loop(), name=f"recv-{self.stage}@{self.address}"),
@@ -169,7 +179,7 @@ class ReplicaClient:
     def submit(self, submit: P.Submit, payload: dict[str, Any] | None, sink: WorkSink) -> None:
         """Send a work; its messages go to `sink`. Raises ConnectionError when it cannot be sent, and
         OverflowError (nothing sent) when an integer in it does not fit msgpack's 64 bits."""
-        if not self.usable:
+        if not (self.usable or self.finishing):
             raise ConnectionError(f"stage {self.stage!r} replica {self.address} is {self.state.value}")
         self._sinks[submit.id] = sink
         self.outstanding += 1
@@ -262,6 +272,10 @@ class ReplicaClient:
             within = f", for up to {grace_s:g}s" if grace_s else ""
             log.info("stage %s replica %s is draining (%d work(s) of ours running%s): no new work goes there",
                      self.stage, self.address, self.outstanding, within)  # fmt: skip
+            self.stage_draining = True
+            # at once, not at the next tick: the count of requests that will still start there, which the
+            # replica waits for, includes every one bound to its generation before this router heard
+            self._ping()
         self.stage_draining = True
 
     def _on_pong(self, pong: P.Pong) -> None:
@@ -296,11 +310,15 @@ class ReplicaClient:
             return
         self._hello_at = time.monotonic()
 
+    def _ping(self) -> None:
+        awaited = self._awaited(self.contract) if self._awaited is not None else 0
+        self.try_send(P.Ping(nonce=next(self._nonce), sent_at=time.monotonic(), awaited=awaited))
+
     async def _ping_loop(self) -> None:
         resumed = 0.0  # when this process last ran again after a stall
         while True:
             if self._channel.established:
-                self.try_send(P.Ping(nonce=next(self._nonce), sent_at=time.monotonic()))
+                self._ping()
             elif self._hello_at is None or time.monotonic() - self._hello_at > HELLO_RETRY_S:
                 if self._hello_at is not None:
                     self.reason = (

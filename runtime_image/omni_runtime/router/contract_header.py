@@ -4,6 +4,11 @@ A request runs within one generation of the pipeline (`StagePool.choose_generati
 digest it was planned for against its own and refuses another, so the digests planned are the ones served.
 The header carries them as a JSON object, stage -> digest, for clients and tests that must know which
 generation answered (a rollout under load: no request's stages span two).
+
+A request whose generation lost its last replica of a stage it had not started yet goes on in a generation that
+agrees on every stage it started (`StagePool.continuation`); the header then names the digests it went on
+with. A streamed response's header leaves when its first event is ready: a stage that moved after that is
+named as planned.
 """
 
 from __future__ import annotations

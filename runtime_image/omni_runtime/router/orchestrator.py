@@ -19,9 +19,10 @@ from typing import Any
 from omni_runtime.connectors import ReleasedBy
 from omni_runtime.metrics import Router as M
 from omni_runtime.router.client import ReplicaClient
+from omni_runtime.router.contract_header import record_contracts
 from omni_runtime.router.errors import BadRequest, StageLost, StageUnavailable, from_stage_failure
 from omni_runtime.router.plan import PRIMARY, Plan, companion_inputs
-from omni_runtime.router.pool import Generation, StagePool
+from omni_runtime.router.pool import Generation, Reservation, StagePool
 from omni_runtime.spec import ResolvedPipeline
 from omni_runtime.wire import protocol as P
 
@@ -105,11 +106,15 @@ class _Run:
         self.pending: dict[str, list[tuple[P.Input, ReplicaClient]]] = {n: [] for n in self.plan.stages}
         self.result = RunResult()
         self.generation: Generation | None = request.generation
+        self.reservation: Reservation | None = None
+        """The stages this run has yet to start, awaited by their generation's replicas (`StagePool.reserve`)."""
 
     # -- main loop -----------------------------------------------------------------------------
 
     async def run(self) -> RunResult:
         try:
+            if self.generation is not None:
+                self.reservation = self.orch.pool.reserve(self.generation, self.plan.stages)
             for stage in self.plan.entry:
                 await self._start_entry(stage)
             while not self._all_done():
@@ -182,9 +187,22 @@ class _Run:
     async def _pick(self, stage: str) -> ReplicaClient:
         """A replica for new work, of the request's generation: never a draining one (it only finishes what it
         runs), never one whose payloads the request's other stages cannot read."""
+        pool = self.orch.pool
         if self.generation is None:
-            self.generation = await self.orch.pool.choose_generation(self.plan.stages)
-        client = await self.orch.pool.pick(stage, self.generation)
+            self.generation = await pool.choose_generation(self.plan.stages)
+            self.reservation = pool.reserve(self.generation, self.plan.stages)
+        # a generation that lost its last replica of `stage` mid-request hands the request to one that agrees
+        # with it on every stage started (`StagePool.continuation`): the rest run there
+        planned = self.generation
+        client, self.generation = await pool.pick(
+            stage, self.generation, started=set(self.works), stages=list(self.plan.stages)
+        )
+        if self.generation is not planned and self.generation is not None:
+            record_contracts({s: self.generation.get(s, "") for s in self.plan.stages})
+            if self.reservation is not None:
+                self.reservation.move(self.generation)
+        if self.reservation is not None:
+            self.reservation.started(stage)
         self.result.contracts[stage] = client.contract
         return client
 
@@ -304,6 +322,8 @@ class _Run:
     # -- cleanup -------------------------------------------------------------------------------
 
     def _cleanup(self) -> None:
+        if self.reservation is not None:
+            self.reservation.release()
         orphans = self._drain_queue()
         for roles in self.works.values():
             for work in roles.values():

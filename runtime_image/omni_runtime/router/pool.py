@@ -3,6 +3,13 @@
 During a roll the old replica drains (it says so, or discovery drops it) while the new one may not be
 known yet: the EndpointSlice update that lists it and the SIGTERM of the old pod race. `pick` then
 waits a little for the new replica instead of failing the request.
+
+A request runs in one generation of the pipeline (`choose_generation`). While it runs, the stages it has yet
+to start are counted per stage digest (`reserve`, a `Reservation`); every replica's pings carry its count
+(`Ping.awaited`), and a draining replica waits for them: when a rollout deletes the old generation, the
+requests that started in it still find its replicas for their later stages (`pick` takes a draining one for
+them). Should one be gone all the same (killed), a request goes on in a generation that agrees on every stage
+it started (`continuation`), or fails with a retriable 503.
 """
 
 from __future__ import annotations
@@ -11,7 +18,8 @@ import asyncio
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import zmq.asyncio
@@ -25,7 +33,7 @@ from omni_runtime.spec import ResolvedPipeline, StageDiscovery
 from omni_runtime.spec.image_bounds import ImageSizeBounds
 from omni_runtime.wire.auth import PipelineKey
 
-__all__ = ["Generation", "StagePool"]
+__all__ = ["Generation", "Reservation", "StagePool"]
 
 Generation = Mapping[str, str]
 """Stage -> the stage digest a request's works must run on (`spec.contract`); a generation of the pipeline.
@@ -38,6 +46,45 @@ ROLL_WAIT_S = 10.0
 discovered and not answering yet), before the request fails with 503."""
 ZERO_RETRY_AFTER_S = 10
 """Retry-After of a request that timed out waiting for a stage to scale up from zero (a replica loads)."""
+
+
+class Reservation:
+    """The stages one running request has yet to start, each with the digest its generation gives it, counted
+    in the pool's `awaited` tally until the stage starts, the request moves, or it ends (`release`)."""
+
+    def __init__(self, tally: Counter[tuple[str, str]], generation: Generation, stages: Iterable[str]) -> None:
+        self._tally = tally
+        self._waiting: dict[str, str] = {}
+        self._add(generation, stages)
+
+    def _add(self, generation: Generation, stages: Iterable[str]) -> None:
+        for stage in stages:
+            if stage in generation:  # a stage scaled to zero when the request started: no digest to wait on
+                self._waiting[stage] = generation[stage]
+                self._tally[stage, generation[stage]] += 1
+
+    def _drop(self, stage: str) -> None:
+        digest = self._waiting.pop(stage, None)
+        if digest is not None:
+            self._tally[stage, digest] -= 1
+            if self._tally[stage, digest] <= 0:
+                del self._tally[stage, digest]
+
+    def started(self, stage: str) -> None:
+        """The request's work on `stage` was sent: the stage waits on it no more."""
+        self._drop(stage)
+
+    def move(self, generation: Generation) -> None:
+        """The request goes on in `generation`: the stages it has yet to start wait on its digests."""
+        stages = list(self._waiting)
+        for stage in stages:
+            self._drop(stage)
+        self._add(generation, stages)
+
+    def release(self) -> None:
+        """The request ended: nothing waits on it."""
+        for stage in list(self._waiting):
+            self._drop(stage)
 
 
 class StagePool:
@@ -72,6 +119,8 @@ class StagePool:
         self._seen: dict[frozenset[tuple[str, str]], int] = {}
         """When each generation was first seen (a counter): new requests go to the newest complete one."""
         self._order = itertools.count()
+        self._awaited: Counter[tuple[str, str]] = Counter()
+        """(stage, digest) -> running requests that will still start work on a replica of that digest."""
 
     def __getitem__(self, stage: str) -> ReplicaSet[ReplicaClient]:
         return self.sets[stage]
@@ -97,6 +146,15 @@ class StagePool:
             # Every client closed its sockets above; linger 0 and destroy so that a socket still open by some
             # other path cannot hang the router's shutdown in term() (it did, until the reaper's close was fixed).
             self._ctx.destroy(linger=0)
+
+    def reserve(self, generation: Generation, stages: Iterable[str]) -> Reservation:
+        """Count a request that runs `stages` in `generation` as awaited by each of those stages' replicas of
+        its digests, until it starts there (`Reservation`)."""
+        return Reservation(self._awaited, generation, stages)
+
+    def awaited(self, stage: str, digest: str) -> int:
+        """Running requests that will still start work on a replica of `stage` with `digest` (`Ping.awaited`)."""
+        return self._awaited[stage, digest]
 
     def generation(self, stages: Iterable[str]) -> Generation | None:
         """The generation a new request over `stages` runs in: of those in which every stage has a usable
@@ -156,26 +214,72 @@ class StagePool:
             "across two generations"
         )
 
-    async def pick(self, stage: str, generation: Generation | None = None) -> ReplicaClient:
+    def continuation(
+        self, generation: Generation, started: Collection[str], stages: Iterable[str]
+    ) -> Generation | None:
+        """Where a request of `generation` goes on when a stage it has not started has no usable replica of
+        it any more (a rollout deleted the old generation's last replica while the request ran its first
+        stages): of the complete generations that give every `started` stage the digest `generation` gives,
+        the one seen first most recently; None when there is none.
+
+        Coherent by the contract's construction (`spec.contract`): a stage's digest covers its own spec and
+        every edge into or out of it, and a reader's covers the own spec of each stage it reads, so a started
+        stage whose digest is unchanged sends what the other generation's readers expect, and reads what its
+        writers send."""
+        wanted = list(stages)
+        fits = [
+            g
+            for g in self._generations(wanted)
+            if all(g.get(s, "") == generation.get(s, "") for s in started)
+            and all(self._has(s, g) for s in wanted if s not in started)
+        ]
+        if not fits:
+            return None
+        return max(fits, key=lambda g: self._seen[frozenset(g.items())])
+
+    async def pick(
+        self,
+        stage: str,
+        generation: Generation | None = None,
+        *,
+        started: Collection[str] = (),
+        stages: Collection[str] = (),
+    ) -> tuple[ReplicaClient, Generation | None]:
         """A usable replica of `stage` for new work (least outstanding first), of `generation` when given
-        and it names the stage (a stage scaled to zero when the request started may be named by none).
+        and it names the stage (a stage scaled to zero when the request started may be named by none), and
+        the generation the request runs in from now on.
 
-        While none is usable but the stage is between replicas (one draining, or one just discovered
-        and not answering yet), waits up to `roll_wait_s` for one; otherwise, or after that, raises
-        StageUnavailable describing every replica."""
+        When `generation` has no usable replica of `stage`, a request that has `started` some of its `stages`
+        takes a draining replica of its generation still answering (it waits for the request: `Ping.awaited`),
+        or else goes on in another generation that agrees with it on every started stage (`continuation`).
+        While none of those has one but the stage is between replicas (one draining, or one just discovered and
+        not answering yet), waits up to `roll_wait_s`; otherwise, or after that, raises StageUnavailable
+        describing every replica."""
         replicas = self.sets[stage]
-        want = None if generation is None else generation.get(stage)  # a stage it does not name: any replica
 
-        def ours(client: ReplicaClient) -> bool:
-            return want is None or client.contract == want
+        def of(gen: Generation | None) -> Callable[[ReplicaClient], bool]:
+            want = None if gen is None else gen.get(stage)  # a stage it does not name: any replica
+            return lambda client: want is None or client.contract == want
 
         if stage in self.pipeline.scale_from_zero and not replicas.replicas:
-            return await self._pick_after_zero(stage, ours)
+            return await self._pick_after_zero(stage, of(generation)), generation
         deadline: float | None = None
         while True:
             try:
-                return replicas.pick(where=ours)
+                return replicas.pick(where=of(generation)), generation
             except StageUnavailable:
+                finishing = [c for c in replicas.replicas.values() if c.finishing and of(generation)(c)]
+                if started and finishing:  # in flight: its generation's draining replica waits for it
+                    return min(finishing, key=lambda c: (c.outstanding, c.address)), generation
+                moved = None if generation is None or not stages else self.continuation(generation, started, stages)
+                if moved is not None and moved != generation:
+                    log.info(
+                        "stage %s has no usable replica of the request's generation %s: it goes on in %s, "
+                        "which agrees on the stages it started (%s)",
+                        stage, dict(generation or {}), dict(moved), sorted(started),
+                    )  # fmt: skip
+                    generation = moved
+                    continue
                 now = asyncio.get_running_loop().time()
                 deadline = deadline if deadline is not None else now + self.roll_wait_s
                 if now >= deadline or not self._between_replicas(stage):
@@ -259,6 +363,7 @@ class StagePool:
             client = ReplicaClient(
                 self._ctx, self.pipeline.name, stage, address, key=self.key,
                 ping_interval_s=self.ping_interval_s, ping_timeout_s=self.ping_timeout_s,
+                awaited=functools.partial(self.awaited, stage),
             )  # fmt: skip
             client.start()
             replicas[address] = client
@@ -271,11 +376,12 @@ class StagePool:
             replicas[address].draining = False
 
     async def _reap(self) -> None:
-        """Close draining replicas once no work of ours runs there."""
+        """Close draining replicas once no work of ours runs there and no running request of their generation
+        will still start there."""
         while True:
             await asyncio.sleep(1.0)
-            for replica_set in self.sets.values():
+            for stage, replica_set in self.sets.items():
                 for address, client in list(replica_set.replicas.items()):
-                    if client.draining and client.outstanding == 0:
+                    if client.draining and client.outstanding == 0 and not self.awaited(stage, client.contract):
                         del replica_set.replicas[address]
                         await client.close()

@@ -6,9 +6,10 @@ keeps house (router silence, engine stats, connector trim). Every accepted `Subm
 that task. See wire/PROTOCOL.md.
 
 Shutting down is a drain (`drain()`, on SIGTERM): the replica tells its routers it is draining, keeps
-running the works it has (their feeds included) until they end and the payloads it put are released,
-then stops; what still runs when the grace period ends fails `unavailable`, which the client sees as a
-retriable 503.
+running the works it has (their feeds included) until they end and the payloads it put are released, takes
+the works of requests its routers already run in its generation and have yet to start here (`Ping.awaited`:
+a rollout's old generation finishes its in-flight requests), then stops; what still runs when the grace
+period ends fails `unavailable`, which the client sees as a retriable 503.
 
 Only the pipeline's own router is heard: every message must carry a valid auth frame (`wire.auth`);
 anything else is dropped unanswered and counted in `omnikube_stage_protocol_messages_rejected`.
@@ -51,6 +52,9 @@ DRAIN_POLL_S = 0.05
 DRAIN_SETTLE_S = 0.25
 """A drain ends only after the replica stayed idle this long: a submit a router sent before it heard
 of the drain is still on the wire for about one round trip."""
+AWAITED_FRESH_S = 2.0
+"""A router's `Ping.awaited` holds a drain only while that router keeps pinging (every 0.5 s): one silent this
+long (gone, or done with this replica) holds nothing."""
 LINGER_MS = 2000
 """How long closing the socket may take to deliver the last messages (the final outputs of a drain)."""
 MAX_CHANNELS = 256
@@ -133,6 +137,9 @@ class StageServer:
         self._tasks: list[asyncio.Task] = []
         self._peers: dict[bytes, float] = {}
         """When each authenticated router connection was last heard from."""
+        self._awaited_by: dict[bytes, tuple[int, float]] = {}
+        """Each router connection's latest `Ping.awaited` and when it came."""
+        self._drain_began: float | None = None
         self._channels: dict[bytes, Channel] = {}
         self._hellos = HelloLedger()
         self._rejections = _RejectionLog(stage)
@@ -244,6 +251,7 @@ class StageServer:
         True when everything ended in time. Call `stop()` afterwards."""
         if not self.draining:
             self.draining = True
+            self._drain_began = time.monotonic()
             M.ready.labels(*self._labels).set(0)
             now = time.monotonic()
             routers = [p for p, seen in self._peers.items() if now - seen <= self.peer_timeout_s]
@@ -255,9 +263,15 @@ class StageServer:
                 await self._send(peer, P.Draining(stage=self.stage, grace_s=timeout_s))
         deadline = time.monotonic() + timeout_s
         idle_since: float | None = None
+        said_awaited = False
         while True:
             now = time.monotonic()
-            idle = not self.works and self.connectors.unreleased() == 0
+            awaited = self.awaited()
+            idle = not self.works and self.connectors.unreleased() == 0 and not awaited
+            if awaited and not self.works and not said_awaited:
+                said_awaited = True
+                log.info("stage %s: draining, and waiting for %d request(s) of its generation that routers are "
+                         "still running to start their work here", self.stage, awaited)  # fmt: skip
             idle_since = (idle_since or now) if idle else None
             if idle_since is not None and now - idle_since >= min(DRAIN_SETTLE_S, timeout_s):
                 log.info("stage %s: drained: every work finished and every payload was released", self.stage)
@@ -388,11 +402,25 @@ class StageServer:
     def _forget_peer(self, peer: bytes) -> None:
         self._channels.pop(peer, None)
         self._peers.pop(peer, None)
+        self._awaited_by.pop(peer, None)
+
+    def awaited(self) -> int:
+        """Requests the routers still running them will start here (`Ping.awaited`), by the routers' latest
+        pings. While draining, a router not heard from since the drain began counts 1: it may have bound one
+        before it heard (its answer to `Draining` comes at once)."""
+        now = time.monotonic()
+        began = self._drain_began if self._drain_began is not None else 0.0
+        total = 0
+        for count, at in self._awaited_by.values():
+            if now - at <= AWAITED_FRESH_S:
+                total += count if at >= began else 1
+        return total
 
     async def _dispatch(self, peer: bytes, message: P.Message, rest: list[Any]) -> None:
         if isinstance(message, P.Hello):
             await self._send(peer, P.Welcome(stage=self.stage))
         elif isinstance(message, P.Ping):
+            self._awaited_by[peer] = (message.awaited, time.monotonic())
             running = len(self.works)
             engine = self.engine if self.ready else None
             voices = engine.voices() if engine is not None else []

@@ -161,6 +161,11 @@ class Welcome(msgspec.Struct, frozen=True, kw_only=True, tag="welcome"):
 class Ping(msgspec.Struct, frozen=True, kw_only=True, tag="ping"):
     nonce: int
     sent_at: float = 0.0
+    awaited: int = 0
+    """Requests of this router running in a generation that gives this stage the replica's digest and that
+    have not started work on the stage yet. A draining replica waits until every router it told says 0:
+    the in-flight requests of its generation finish on it (a rollout's old generation goes only once they
+    are done)."""
 
 
 class Pong(msgspec.Struct, frozen=True, kw_only=True, tag="pong"):
