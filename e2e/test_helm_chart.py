@@ -240,7 +240,7 @@ def test_template_rbac_follows_watch_namespaces(cluster):
     assert find(objs, "PodDisruptionBudget", "omk-omnikube")
 
     objs = template(cluster, "watchNamespaces={team-a,team-b}", "replicas=1")
-    assert not find(objs, "ClusterRole") and not find(objs, "ClusterRoleBinding")
+    assert not find(objs, "ClusterRole", "omk-omnikube") and not find(objs, "ClusterRoleBinding", "omk-omnikube")
     for ns in ("team-a", "team-b"):
         [ns_role] = find(objs, "Role", "omk-omnikube", ns)
         assert ns_role["rules"] == role["rules"]
@@ -249,6 +249,21 @@ def test_template_rbac_follows_watch_namespaces(cluster):
     container = find(objs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
     assert [a for a in container["args"] if a.startswith("--namespace")] == ["--namespace=team-a", "--namespace=team-b"]
     assert not find(objs, "PodDisruptionBudget"), "one replica: no PodDisruptionBudget"
+
+
+def test_template_capacity_check_grants_listing_nodes_and_pods_in_either_mode(cluster):
+    """capacityCheck.enabled (the default): a ClusterRole of its own to list nodes and pods, with watchNamespaces
+    too (nodes belong to no namespace); off: none."""
+    for values in ((), ("watchNamespaces={team-a}",)):
+        objs = template(cluster, *values)
+        [role] = find(objs, "ClusterRole", "omk-omnikube-capacity")
+        assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes", "pods"], "verbs": ["list"]}]
+        [binding] = find(objs, "ClusterRoleBinding", "omk-omnikube-capacity")
+        assert binding["roleRef"]["name"] == "omk-omnikube-capacity"
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "omk-omnikube", "namespace": "omk-system"}]
+    objs = template(cluster, "capacityCheck.enabled=false")
+    assert not find(objs, "ClusterRole", "omk-omnikube-capacity")
+    assert not find(objs, "ClusterRoleBinding", "omk-omnikube-capacity")
 
 
 def test_template_deployment_is_locked_down(cluster):
@@ -530,7 +545,7 @@ def test_chart_rbac_is_all_the_operator_needs(cluster, release, sa_operator):
     since = time.time()
     op = sa_operator([])  # all namespaces: the ClusterRole
     # The token really is the ServiceAccount's: it may not read what the chart does not grant.
-    denied = cluster.kubectl("--kubeconfig", str(op.kubeconfig), "get", "nodes", check=False)
+    denied = cluster.kubectl("--kubeconfig", str(op.kubeconfig), "get", "namespaces", check=False)
     assert denied.returncode != 0 and "forbidden" in denied.stderr.lower()
     cluster.kubectl("create", "secret", "generic", "hf-token", "-n", release.apps, "--from-literal=token=x")
     pipeline = {
@@ -541,7 +556,7 @@ def test_chart_rbac_is_all_the_operator_needs(cluster, release, sa_operator):
             "model": "/models/x",
             "pipeline": "text-chat",
             "runtime": {"hfTokenSecret": {"name": "hf-token", "key": "token"}},  # exercises get secrets
-            "stages": [{"name": "llm", "replicas": 1}],
+            "stages": [{"name": "llm", "replicas": 1, "accelerator": {"type": "nvidia.com/gpu", "count": 1}}],
         },
     }
     apply(cluster, release.apps, pipeline)
@@ -574,6 +589,25 @@ def test_chart_rbac_is_all_the_operator_needs(cluster, release, sa_operator):
     assert status == 200, "the liveness endpoint the chart probes answers"
     status, body = op.get("/metrics", op.metrics_port)
     assert status == 200 and "omnikube_" in body, "the metrics endpoint the Service points at answers"
+    # A contract change of a GPU stage: before it makes the new generation the operator counts the free GPUs,
+    # listing nodes and every namespace's pods (capacityCheck.enabled), with the ServiceAccount's token.
+    first = ready["status"]["contract"]
+    apply(cluster, release.apps, {**pipeline, "spec": {**pipeline["spec"], "model": "/models/x2"}})
+    rolled = wait_for(
+        lambda: (lambda o: o if o and o["status"]["rollout"]["phase"] == "Complete" and o["status"]["contract"] != first
+                 else None)(pipeline_ready(cluster, release.apps, "helm-rbac")),
+        90, "the GPU stage rolled to its new generation", lambda: op.log()[-4000:],
+    )  # fmt: skip
+    assert rolled["status"]["rollout"]["serving"] == rolled["status"]["contract"]
+    user = f"system:serviceaccount:{release.namespace}:{release.service_account}"
+    listed = {
+        (e.get("objectRef", {}).get("resource"), e.get("objectRef", {}).get("namespace"))
+        for e in map(json.loads, cluster.audit_log.read_text().splitlines())
+        if e.get("user", {}).get("username") == user
+        and e.get("verb") == "list"
+        and e.get("stage") == "ResponseComplete"
+    }
+    assert ("nodes", None) in listed, "the free GPUs were counted (the audit policy records lists of nodes)"
     op.stop()
     assert_no_forbidden(cluster, release, op, since)
 

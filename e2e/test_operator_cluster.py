@@ -841,15 +841,15 @@ def test_a_contract_change_brings_up_a_new_generation_beside_the_old_and_retires
 def test_a_new_generation_that_cannot_run_is_rolled_back_and_the_old_one_keeps_serving(
     cluster, operator, namespace
 ) -> None:
-    """A new model whose pods ask for more GPUs than any node has: the rollout fails, the new generation goes to
-    zero replicas (autoRollback), the old one is never touched and the pipeline is Degraded RolloutFailed
-    naming the stage and why; reverting the spec ends it, the old generation still serving as before."""
+    """A new model whose pods no node will take (a nodeSelector no node matches): the rollout fails, the new
+    generation goes to zero replicas (autoRollback), the old one is never touched and the pipeline is Degraded
+    RolloutFailed naming the stage and why; reverting the spec ends it, the old generation still serving."""
     spec = pipeline("bad", "text-chat", [{"name": "llm"}])
     apply(cluster, namespace, spec)
     first = wait_ready(cluster, operator, namespace, "bad", showing=rollout_phase("Complete"))
     old = deployments(cluster, namespace, "bad")["bad-llm"]
-    huge = [{"name": "llm", "accelerator": {"type": "nvidia.com/gpu", "count": 64}}]
-    apply(cluster, namespace, pipeline("bad", "text-chat", huge, model="/models/bad-v2"))
+    nowhere = [{"name": "llm", "nodeSelector": {"omnikube.io/accelerator": "none-has-this"}}]
+    apply(cluster, namespace, pipeline("bad", "text-chat", nowhere, model="/models/bad-v2"))
 
     def rolled_back():
         obj = get(cluster, namespace, "omnipipeline", "bad") or {}
@@ -861,7 +861,7 @@ def test_a_new_generation_that_cannot_run_is_rolled_back_and_the_old_one_keeps_s
     obj = wait_for(rolled_back, 90, "the rollout rolled back", operator.log)
     degraded, progressing = condition(obj, "Degraded"), condition(obj, "Progressing")
     assert degraded["reason"] == "RolloutFailed", degraded
-    assert "stage llm" in degraded["message"] and "InsufficientAccelerator" in degraded["message"], degraded
+    assert "stage llm" in degraded["message"] and "Unschedulable" in degraded["message"], degraded
     assert first["status"]["contract"] in degraded["message"], "it names the generation that serves"
     assert (progressing["status"], progressing["reason"]) == ("False", "RolloutFailed")
     assert obj["status"]["rollout"]["serving"] == first["status"]["contract"]
@@ -883,6 +883,50 @@ def test_a_new_generation_that_cannot_run_is_rolled_back_and_the_old_one_keeps_s
     wait_for(lambda: get(cluster, namespace, "deployment", new_name) is None, 30, "the failed generation removed")
     back = get(cluster, namespace, "deployment", old["metadata"]["name"])
     assert back["metadata"]["uid"] == old["metadata"]["uid"], "the old generation served throughout"
+
+
+def test_a_surge_the_free_gpus_cannot_hold_is_reported_before_any_pod_and_max_surge_zero_gets_through(
+    cluster, operator, namespace
+) -> None:
+    """Two replicas of 5 GPUs fill the fleet's two 8-GPU nodes past what a second generation beside them needs:
+    the model change waits (phase WaitingForCapacity, Degraded InsufficientAccelerator, what it needs, what is
+    free, what to change) and no Deployment or pod of the new generation is made; the old one serves on. Doing
+    what the status says (maxSurge 0) gets the rollout through: the old generation goes, then the new one fits."""
+    stages = [{"name": "llm", "replicas": 2, "accelerator": {"type": "nvidia.com/gpu", "count": 5}}]
+    spec = pipeline("full", "text-chat", stages)
+    apply(cluster, namespace, spec)
+    first = wait_ready(cluster, operator, namespace, "full", showing=rollout_phase("Complete"))
+    old = deployments(cluster, namespace, "full")["full-llm"]
+    apply(cluster, namespace, {**spec, "spec": {**spec["spec"], "model": "/models/full-v2"}})
+    waiting = rollout_phase("WaitingForCapacity")
+
+    def waits() -> dict | None:
+        obj = get(cluster, namespace, "omnipipeline", "full")
+        return obj if obj and waiting(obj.get("status") or {}) else None
+
+    obj = wait_for(waits, 60, "the rollout waiting for capacity", operator.log)
+    degraded, progressing = condition(obj, "Degraded"), condition(obj, "Progressing")
+    assert (degraded["status"], degraded["reason"]) == ("True", "InsufficientAccelerator"), degraded
+    assert (progressing["status"], progressing["reason"]) == ("False", "InsufficientAccelerator"), progressing
+    message = obj["status"]["rollout"]["message"]
+    assert "stage llm needs 2 replica(s) with 5 nvidia.com/gpu" in message and "gpu-node-0: " in message, message
+    assert "set it to 0" in message and first["status"]["contract"] in message, message
+    assert obj["status"]["rollout"]["serving"] == first["status"]["contract"]
+    assert set(deployments(cluster, namespace, "full")) == {"full-llm", "full-router"}
+    assert deployments(cluster, namespace, "full")["full-llm"]["metadata"]["uid"] == old["metadata"]["uid"]
+    pods = kubectl_json(cluster, "get", "pods", "-n", namespace, "-l", "omnikube.io/pipeline=full,"
+                        "app.kubernetes.io/component=stage")["items"]  # fmt: skip
+    generation = "omnikube.io/generation"
+    assert {p["metadata"]["labels"][generation] for p in pods} == {old["metadata"]["labels"][generation]}
+    assert events_of(cluster, namespace, "full", "RolloutWaitingForCapacity")
+
+    apply(cluster, namespace, {**spec, "spec": {**spec["spec"], "model": "/models/full-v2",
+                                                "rollout": {"maxSurge": 0}}})  # fmt: skip
+    done = wait_ready(cluster, operator, namespace, "full", timeout=120, showing=rollout_phase("Complete"))
+    assert done["status"]["rollout"]["serving"] == done["status"]["contract"] != first["status"]["contract"]
+    assert condition(done, "Degraded")["status"] == "False"
+    now = deployments(cluster, namespace, "full")["full-llm"]
+    assert now["metadata"]["uid"] != old["metadata"]["uid"] and now["status"].get("readyReplicas") == 2
 
 
 def test_max_surge_zero_stops_the_world(cluster, operator, namespace) -> None:

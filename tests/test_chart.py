@@ -320,11 +320,11 @@ def test_defaults_are_the_documented_ones(
 # --- RBAC in step with the code --------------------------------------------------------------------
 
 
-def _operator_rules() -> list[dict[str, Any]]:
-    """The rules of templates/rbac.yaml's "omnikube.operatorRules" block (plain YAML, no directives)."""
+def _operator_rules(block_name: str = "operatorRules") -> list[dict[str, Any]]:
+    """The rules of templates/rbac.yaml's "omnikube.<block_name>" block (plain YAML, no directives)."""
     text = (CHART / "templates" / "rbac.yaml").read_text()
-    block = re.search(r'\{\{- define "omnikube\.operatorRules" -\}\}\n(.*?)\{\{- end \}\}', text, re.S)
-    assert block, "templates/rbac.yaml has no omnikube.operatorRules block"
+    block = re.search(r'\{\{- define "omnikube\.' + block_name + r'" -\}\}\n(.*?)\{\{- end \}\}', text, re.S)
+    assert block, f"templates/rbac.yaml has no omnikube.{block_name} block"
     return yaml.safe_load(block.group(1))
 
 
@@ -395,6 +395,41 @@ def test_operator_rules_are_exactly_what_the_code_needs():
     assert roles, "the samples should render a router Role"
     assert granted - needed == set(), f"granted but never used: {sorted(granted - needed)}"
     assert needed - granted == set(), f"used but not granted: {sorted(needed - granted)}"
+
+
+async def test_the_capacity_rules_are_exactly_what_counting_free_accelerators_lists() -> None:
+    """reconcile._count_free_accelerators lists nodes and every namespace's pods, nothing else, and only with
+    the capacity rules (their own ClusterRole: capacityCheck.enabled)."""
+    from omni_operator.api import OmniPipeline
+    from omni_operator.api.rollout import GenerationStatus
+    from omni_operator.reconcile import Context, _count_free_accelerators
+    from omni_operator.resolve import resolve_cluster_pipeline
+    from omni_operator.rollout import GroupView
+
+    class Recording:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, str, str | None]] = []
+
+        async def list(self, api_version, kind, namespace=None, label_selector=None, field_selector=None):
+            self.calls.append((api_version, kind, namespace))
+            return []
+
+    live = {"apiVersion": "omnikube.io/v1alpha1", "kind": "OmniPipeline",
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+            "spec": {"model": "/models/m", "pipeline": "text-chat",
+                     "stages": [{"name": "llm", "accelerator": {"type": "nvidia.com/gpu", "count": 2}}]}}  # fmt: skip
+    pipeline = OmniPipeline.model_validate(live)
+    registry = load_registry([])
+    resolved = resolve_cluster_pipeline(pipeline, registry, None)
+    kube = Recording()
+    ctx = Context(kube=kube, registry=registry)  # type: ignore[arg-type]
+    old = GenerationStatus(contract="old", deployment="p-llm-old", current=False, replicas=1, ready_replicas=1)
+    view = GroupView(stage="llm", target="new", replicas=1, generations=[old])
+    await _count_free_accelerators(ctx, live, pipeline, resolved, [view])
+    assert view.need is not None and (view.need.resource, view.need.count) == ("nvidia.com/gpu", 2)
+    listed = {(_group(av), {"Node": "nodes", "Pod": "pods"}[kind], "list") for av, kind, ns in kube.calls}
+    assert all(ns is None for _, _, ns in kube.calls), "cluster-wide lists"
+    assert listed == _grants(_operator_rules("capacityRules"))
 
 
 def test_operator_rules_stay_narrow():

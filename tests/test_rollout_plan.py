@@ -159,3 +159,92 @@ def test_the_pipelines_rollout_caps_the_new_deployment_without_changing_its_pods
     capped = build_stage_deployment(stage)
     assert (full["spec"]["replicas"], capped["spec"]["replicas"]) == (4, 1)
     assert capped["spec"]["template"] == full["spec"]["template"], "a rollout step never rolls the pods"
+
+
+# -- capacity: a new generation that would not fit is reported before any pod of it is made ------------------
+
+
+def _node(name: str, gpus: int, *, ready: bool = True, cordoned: bool = False) -> dict:
+    return {
+        "metadata": {"name": name},
+        "spec": {"unschedulable": True} if cordoned else {},
+        "status": {
+            "allocatable": {"nvidia.com/gpu": str(gpus), "cpu": "64"},
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def _pod(node: str | None, gpus: int, *, phase: str = "Running", limits_only: bool = False, init: int = 0) -> dict:
+    res = {"limits": {"nvidia.com/gpu": str(gpus)}} if limits_only else {"requests": {"nvidia.com/gpu": str(gpus)}}
+    spec: dict = {"containers": [{"name": "c", "resources": res}, {"name": "side", "resources": {}}]}
+    if node:
+        spec["nodeName"] = node
+    if init:
+        spec["initContainers"] = [{"name": "i", "resources": {"requests": {"nvidia.com/gpu": str(init)}}}]
+    return {"spec": spec, "status": {"phase": phase}}
+
+
+def test_free_accelerators_are_allocatable_less_what_bound_unfinished_pods_hold_on_schedulable_nodes() -> None:
+    from omni_operator.capacity import free_accelerators
+
+    nodes = [_node("a", 8), _node("b", 8), _node("down", 8, ready=False), _node("cordoned", 8, cordoned=True),
+             _node("cpu", 0)]  # fmt: skip
+    pods = [
+        _pod("a", 3), _pod("a", 2, limits_only=True),  # requests, or limits where there is no request
+        _pod("b", 1, init=6),  # an init container's ask counts when it is the larger
+        _pod("b", 8, phase="Succeeded"), _pod(None, 8, phase="Pending"),  # finished, and not bound: nothing held
+    ]  # fmt: skip
+    free = free_accelerators(nodes, pods, "nvidia.com/gpu")
+    assert dict(free.per_node) == {"a": 3, "b": 2}
+    assert free.replicas(2) == 2 and free.replicas(3) == 1 and free.replicas(4) == 0
+    assert free.describe() == "a: 3, b: 2"
+    assert free_accelerators([], [], "nvidia.com/gpu").describe() == "no schedulable node has nvidia.com/gpu"
+
+
+def _short_group(free_per_node: dict[str, int], *, made: bool = False) -> GroupView:
+    from omni_operator.capacity import AcceleratorNeed, FreeAccelerators
+
+    gens = [_gen("A", ready=2, replicas=2, current=not made)]
+    if made:
+        gens.insert(0, _gen("T", ready=0, replicas=2, current=True))
+    return GroupView("llm", "T", 2, gens, need=AcceleratorNeed("nvidia.com/gpu", 8),
+                     free=FreeAccelerators("nvidia.com/gpu", free_per_node))  # fmt: skip
+
+
+def test_a_surge_the_free_accelerators_cannot_hold_waits_and_says_what_to_change() -> None:
+    cpu_only = GroupView("enhancer", "U", 1, [_gen("B", ready=1, current=True)])
+    plan = _plan([_short_group({"a": 8, "b": 4}), cpu_only])
+    assert plan.status.phase is RolloutPhase.WAITING_FOR_CAPACITY and plan.status.moving[0] == "llm"
+    llm = plan.stages["llm"]
+    assert (llm.keep_older, llm.max_replicas, llm.waiting_for_capacity) == (True, 0, True), "no pod of it is made"
+    assert plan.stages["enhancer"].max_replicas == 1 and not plan.stages["enhancer"].waiting_for_capacity
+    message = plan.status.message
+    for told in ("stage llm needs 2 replica(s) with 8 nvidia.com/gpu", "for 1", "a: 8, b: 4", "maxSurge",
+                 "set it to 0 to stop the world", "S keeps serving"):  # fmt: skip
+        assert told in message, (told, message)
+    assert plan.problem is not None and plan.problem.reason == "InsufficientAccelerator"
+    assert plan.status.reason == "InsufficientAccelerator"
+    assert plan.recheck_seconds == 30.0, "nodes are not watched: it looks again"
+
+
+def test_a_surge_that_fits_a_smaller_max_surge_or_stop_the_world_does_not_wait() -> None:
+    assert _plan([_short_group({"a": 8, "b": 8})]).status.phase is RolloutPhase.SURGING
+    plan = _plan([_short_group({"a": 8})], max_surge=1)
+    assert plan.status.phase is RolloutPhase.SURGING and plan.stages["llm"].max_replicas == 1
+    assert _plan([_short_group({})], max_surge=0).status.phase is RolloutPhase.STOP_THE_WORLD
+    # Once its Deployment exists the scheduler's word counts (its pods' Degraded InsufficientAccelerator)
+    assert _plan([_short_group({}, made=True)]).status.phase is RolloutPhase.SURGING
+
+
+def test_a_waiting_generation_gets_no_deployment_and_the_stage_says_why() -> None:
+    from omni_operator.api.rollout import StageRollout
+    from omni_operator.status.stage_status import stage_conditions
+
+    waiting = StageRollout(keep_older=True, max_replicas=0, waiting_for_capacity=True)
+    stage = {"spec": {"stage": "llm", "replicas": 2, "rollout": waiting.to_dict()}}
+    counts, (ready, progressing, degraded) = stage_conditions(stage, None, [])
+    assert counts == {"replicas": 0, "readyReplicas": 0}
+    assert (ready.status, ready.reason) == ("False", "InsufficientAccelerator")
+    assert "older generation serves" in ready.message and progressing.status == "False"
+    assert degraded.status == "False", "the pipeline's status carries the problem, once"

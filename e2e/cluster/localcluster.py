@@ -231,6 +231,11 @@ rules:
   - level: Metadata
     verbs: ["get"]
     resources: [{group: omnikube.io, resources: ["omnipipelines"]}]
+  # Lists of nodes: the operator counts free accelerators before a rollout (e2e/test_helm_chart.py checks it
+  # does so with the chart's ServiceAccount).
+  - level: Metadata
+    verbs: ["list"]
+    resources: [{group: "", resources: ["nodes"]}]
   - level: None
 """
 

@@ -35,9 +35,11 @@ from omni_operator.builders.stage_workload import (
     build_stage_deployment,
     build_stage_service,
     generation_selector,
+    replica_accelerator,
     stage_selector,
 )
 from omni_operator.builders.trust import KEY_BYTES, build_key_secret, build_network_policies, key_secret_name
+from omni_operator.capacity import free_accelerators
 from omni_operator.kube import FIELD_MANAGER, KubeClient, KubeError
 from omni_operator.metrics import OperatorMetrics
 from omni_operator.resolve import group_members, resolve_cluster_pipeline
@@ -87,6 +89,9 @@ class Context:
     writes: int = 0
     metrics: OperatorMetrics | None = None
     """Where per-stage gauges go (the operator's registry); None in tests that need none."""
+    capacity_check: bool = True
+    """Count free accelerators before a rollout makes a new generation; turned off (until the operator
+    restarts) the first time listing nodes or pods is forbidden."""
 
 
 async def _ensure(
@@ -292,8 +297,10 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> float |
         contract = pipeline_contract(resolved).digest
         old_status = live.get("status") or {}
         targets = {root: group_contract(resolved, members) for root, members in groups.items()}
+        views = [_group_view(root, target, live_stages.get(root)) for root, target in targets.items()]
+        await _count_free_accelerators(ctx, live, pipeline, resolved, views)
         plan = plan_rollout(
-            [_group_view(root, target, live_stages.get(root)) for root, target in targets.items()],
+            views,
             pipeline.spec.rollout,
             target=contract,
             previous=RolloutStatus.model_validate(old_status["rollout"]) if old_status.get("rollout") else None,
@@ -361,6 +368,41 @@ async def reconcile_pipeline(ctx: Context, namespace: str, name: str) -> float |
     return plan.recheck_seconds if plan is not None else None
 
 
+async def _count_free_accelerators(
+    ctx: Context, live: dict[str, Any], pipeline: OmniPipeline, resolved: Any, views: list[GroupView]
+) -> None:
+    """Fill in, for each group about to make a new generation (an older one serves, the new one has no
+    Deployment yet) whose pods ask for an accelerator, what one replica needs and what the cluster has free.
+    Lists nodes and every namespace's pods, so only then; without the permission (chart value
+    capacityCheck.enabled) it counts nothing and a new generation that does not fit stays Pending."""
+    about_to = [v for v in views if v.older and v.new is None]
+    if not about_to or not ctx.capacity_check:
+        return
+    needs = {}
+    for desired in build_omnistages(live, pipeline, resolved, key_version="", rollouts={}):
+        root = desired["spec"]["stage"]
+        if root in {v.stage for v in about_to}:
+            needs[root] = replica_accelerator(OmniStage.model_validate(desired))
+    if not any(needs.values()):
+        return
+    try:
+        nodes = await ctx.kube.list("v1", "Node")
+        pods = await ctx.kube.list("v1", "Pod", field_selector="status.phase!=Succeeded,status.phase!=Failed")
+    except KubeError as exc:
+        if exc.status != 403:
+            raise
+        ctx.capacity_check = False
+        log.warning(
+            "not counting free accelerators before rollouts: the operator may not list nodes and pods (%s); "
+            "grant it with the chart value capacityCheck.enabled", exc,
+        )  # fmt: skip
+        return
+    for view in about_to:
+        need = needs.get(view.stage)
+        if need is not None:
+            view.need, view.free = need, free_accelerators(nodes, pods, need.resource)
+
+
 def _group_view(root: str, target: str, stage: dict[str, Any] | None) -> GroupView:
     """How the rollout planner sees a pod group: the contract wanted and what its OmniStage reports."""
     if stage is None:
@@ -391,6 +433,7 @@ _ROLLOUT_EVENTS = {
     RolloutPhase.COMPLETE: ("Normal", "RolloutComplete"),
     RolloutPhase.ROLLED_BACK: ("Warning", "RolledBack"),
     RolloutPhase.FAILED: ("Warning", "RolloutFailed"),
+    RolloutPhase.WAITING_FOR_CAPACITY: ("Warning", "RolloutWaitingForCapacity"),
 }
 
 
@@ -538,7 +581,11 @@ async def reconcile_stage(ctx: Context, namespace: str, name: str) -> float | No
     try:
         # Read by name, not taken from the list of our Deployments: someone else's object of that name must be
         # found (and left alone, NameCollision), and it carries none of our labels.
-        deployment = await _ensure(ctx, desired, generation_seen=seen)
+        if _waits_for_capacity(stage) and await ctx.kube.get("apps/v1", "Deployment", desired["metadata"]["name"],
+                                                              stage.metadata.namespace) is None:  # fmt: skip
+            deployment = None  # its pods would sit Pending: none is made until the accelerators are free
+        else:
+            deployment = await _ensure(ctx, desired, generation_seen=seen)
     except NameCollision as exc:
         collision = exc.condition()
     try:
@@ -567,6 +614,10 @@ async def reconcile_stage(ctx: Context, namespace: str, name: str) -> float | No
     if await _write_status(ctx, live, status):
         await _post_events(ctx, live, flipped)
     return AUTOSCALER_RECHECK_SECONDS if autoscaler_problem is not None else None
+
+
+def _waits_for_capacity(stage: OmniStage) -> bool:
+    return stage.spec.rollout is not None and stage.spec.rollout.waiting_for_capacity
 
 
 async def _older_generations(ctx: Context, stage: OmniStage, current_name: str) -> list[dict[str, Any]]:

@@ -16,6 +16,9 @@ reconcile, what every group does with its older generations (`StageRollout`):
   `autoRollback` the new one goes to zero replicas. It stays so until the spec changes again (the status
   remembers the failed target).
 - **StopTheWorld**: `maxSurge` 0: older generations go at once and the new one starts at full count.
+- **WaitingForCapacity**: before a group's new generation has a Deployment, the cluster has too few free
+  accelerators for its surge (`capacity`): none of its pods is made, older generations serve, the status
+  says what it needs and what to change, and the pipeline looks again every CAPACITY_RECHECK_S.
 
 Nothing here is stored outside the pipeline's status: no annotations, no finalizers.
 """
@@ -33,10 +36,15 @@ from omni_operator.api.rollout import (
     StageRollout,
     surge_replicas,
 )
+from omni_operator.capacity import AcceleratorNeed, FreeAccelerators
 from omni_operator.status.conditions import Condition, get_condition
 from omni_operator.status.reasons import Reason, reason_of
 
-__all__ = ["GroupView", "RolloutPlan", "plan_rollout"]
+__all__ = ["CAPACITY_RECHECK_S", "GroupView", "RolloutPlan", "plan_rollout"]
+
+CAPACITY_RECHECK_S = 30.0
+"""How often a rollout waiting for free accelerators looks again (nodes and other namespaces' pods are not
+watched)."""
 
 
 @dataclass
@@ -53,6 +61,10 @@ class GroupView:
     """Its generations as its OmniStage last reported them."""
     degraded: dict[str, str] | None = None
     """Its OmniStage's Degraded condition when True (it is about its current generation's pods)."""
+    need: AcceleratorNeed | None = None
+    """The accelerator one replica of the group asks for; None: none."""
+    free: FreeAccelerators | None = None
+    """That accelerator's free units in the cluster, where counted (a new generation not made yet)."""
 
     @property
     def older(self) -> list[GenerationStatus]:
@@ -145,6 +157,9 @@ def plan_rollout(
             status=status,
             problem=problem,
         )
+    short = [g for g in changing if _short(g, surge[g.stage])]
+    if short:
+        return _waiting_for_capacity(changing, short, surge, status)
     if not moving:
         # Whole: every group drops its older generations and scales the new one to its full count.
         status.message = f"the generation of contract {target} is ready; older generations drain"
@@ -157,6 +172,49 @@ def plan_rollout(
         stages={g.stage: StageRollout(keep_older=True, max_replicas=surge[g.stage]) for g in changing},
         status=status,
         recheck_seconds=_until_deadline(changing, moving, settings, now),
+    )
+
+
+def _short(g: GroupView, surge: int) -> bool:
+    """The group's new generation, not made yet, would not fit in the cluster's free accelerators."""
+    if g.new is not None or g.need is None or g.free is None:
+        return False
+    return g.free.replicas(g.need.count) < surge
+
+
+def _waiting_for_capacity(
+    changing: list[GroupView], short: list[GroupView], surge: dict[str, int], status: RolloutStatus
+) -> RolloutPlan:
+    parts = []
+    for g in short:
+        assert g.need is not None and g.free is not None
+        parts.append(
+            f"stage {g.stage} needs {surge[g.stage]} replica(s) with {g.need.count} {g.need.resource} each beside "
+            f"the generation serving, and the cluster has free {g.need.resource} for "
+            f"{g.free.replicas(g.need.count)} (free per node: {g.free.describe()})"
+        )
+    status.phase = RolloutPhase.WAITING_FOR_CAPACITY
+    status.reason = Reason.INSUFFICIENT_ACCELERATOR.value
+    status.moving = [g.stage for g in short] + [s for s in status.moving if s not in {g.stage for g in short}]
+    status.message = (
+        f"the rollout to contract {status.target} waits: {'; '.join(parts)}. None of its pods was made; contract "
+        f"{status.serving or '(before)'} keeps serving. Free or add accelerators (it goes on by itself), lower "
+        "rollout.maxSurge, or set it to 0 to stop the world (the old generation drains first, then the new one "
+        "starts; requests get 503 meanwhile)"
+    )[:2048]
+    waiting = {g.stage for g in short}
+    return RolloutPlan(
+        stages={
+            g.stage: StageRollout(
+                keep_older=True,
+                max_replicas=0 if g.stage in waiting else surge[g.stage],
+                waiting_for_capacity=g.stage in waiting,
+            )
+            for g in changing
+        },
+        status=status,
+        problem=Condition("Degraded", "True", Reason.INSUFFICIENT_ACCELERATOR, status.message),
+        recheck_seconds=CAPACITY_RECHECK_S,
     )
 
 

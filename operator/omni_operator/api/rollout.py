@@ -96,7 +96,14 @@ class StageRollout(KubeModel):
     max_replicas: Int = Field(
         ge=0,
         description="At most this many replicas of the stage's current generation while older ones serve "
-        "(the pipeline's rollout.maxSurge; 0 after a failed rollout was rolled back).",
+        "(the pipeline's rollout.maxSurge; 0 after a failed rollout was rolled back, or while the cluster lacks "
+        "the accelerators for it).",
+    )
+    waiting_for_capacity: Bool = Field(
+        False,
+        description="The cluster has too few free accelerators for the current generation's surge: none of its "
+        "pods is made (no Deployment yet) until it has them; the pipeline looks again every 30 s and says what "
+        "to change in its status.",
     )
 
 
@@ -113,6 +120,9 @@ class RolloutPhase(str, Enum):
     """The new generation failed and was scaled to zero; the old one serves. Change the spec to try again."""
     FAILED = "Failed"
     """The new generation failed; autoRollback is off, so it keeps its replicas; the old one serves."""
+    WAITING_FOR_CAPACITY = "WaitingForCapacity"
+    """The cluster lacks the free accelerators for the new generation's surge; none of its pods was made and
+    the old one serves. It goes on by itself once they are free (or with a smaller maxSurge, or 0)."""
 
 
 class GenerationStatus(KubeModel):
@@ -129,7 +139,9 @@ class GenerationStatus(KubeModel):
 class RolloutStatus(KubeModel):
     """The pipeline's rollout: which contract serves, which is wanted, and which stages still move."""
 
-    phase: RolloutPhase = Field(description="Complete, Surging, StopTheWorld, RolledBack or Failed.")
+    phase: RolloutPhase = Field(
+        description="Complete, Surging, StopTheWorld, RolledBack, Failed or WaitingForCapacity."
+    )
     serving: str = Field("", max_length=64, description="Contract digest of the generation that serves requests.")
     target: str = Field("", max_length=64, description="Contract digest of the spec (status.contract).")
     moving: list[str] = Field(

@@ -23,6 +23,7 @@ from omni_operator.builders.pipeline_objects import (
     KEY_VERSION_ANNOTATION,
 )
 from omni_operator.builders.trust import KEY_FILE, key_volume
+from omni_operator.capacity import AcceleratorNeed, pod_accelerator
 from omni_operator.resolve import stage_ports
 from omni_runtime.spec.contract import CONTRACT_LABEL_DOMAIN
 from omni_runtime.stage.settings import StageSettings
@@ -199,6 +200,12 @@ def _container(
     if any(resources.get(k) for k in ("requests", "limits")):
         container["resources"] = {k: v for k, v in resources.items() if v}
     return container
+
+
+def replica_accelerator(stage: OmniStage) -> AcceleratorNeed | None:
+    """The accelerator one replica of the stage's pod group asks for (its first container holds it), or None."""
+    first = _container(stage, stage.spec.stage, 0, with_accelerator=True, mounts=[])
+    return pod_accelerator({"containers": [first]})
 
 
 def build_stage_deployment(stage: OmniStage) -> dict[str, Any]:

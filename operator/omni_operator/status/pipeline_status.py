@@ -127,6 +127,8 @@ def pipeline_conditions(obs: PipelineObservation) -> tuple[list[dict[str, Any]],
     rollout = obs.rollout
     if rollout is not None and rollout.phase in (RolloutPhase.ROLLED_BACK, RolloutPhase.FAILED):
         progressing = Condition("Progressing", "False", Reason.ROLLOUT_FAILED, rollout.message)
+    elif rollout is not None and rollout.phase is RolloutPhase.WAITING_FOR_CAPACITY:
+        progressing = Condition("Progressing", "False", Reason.INSUFFICIENT_ACCELERATOR, rollout.message)
     elif rollout is not None and rollout.phase is not RolloutPhase.COMPLETE and not obs.spec_problem:
         moving = f"; stages moving: {', '.join(rollout.moving)}" if rollout.moving else ""
         progressing = Condition(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from omni_operator.capacity import ACCELERATORS
 from omni_operator.status.conditions import Condition
 from omni_operator.status.reasons import Reason
 from omni_runtime.stage.termination import Termination
@@ -12,7 +13,6 @@ from omni_runtime.stage.termination import Termination
 __all__ = ["stage_conditions", "pod_problem", "selector_string"]
 
 _INSUFFICIENT = re.compile(r"Insufficient ([\w.-]+/[\w-]+|[\w-]+)")
-_ACCELERATORS = ("nvidia.com/gpu", "huawei.com/Ascend910", "amd.com/gpu")
 
 
 def selector_string(match_labels: dict[str, str]) -> str:
@@ -40,7 +40,7 @@ def pod_problem(pods: list[dict[str, Any]], stage: str) -> Condition | None:
                         f"{message}); create the PersistentVolumeClaim or fix "
                         f"spec.runtime.modelCache",
                     )
-                missing = [r for r in _INSUFFICIENT.findall(message) if r in _ACCELERATORS]
+                missing = [r for r in _INSUFFICIENT.findall(message) if r in ACCELERATORS]
                 if missing:
                     return Condition(
                         "Degraded",
@@ -122,6 +122,16 @@ def stage_conditions(
     name = stage["spec"]["stage"]
     desired = stage["spec"].get("replicas", 1)
     rollout = stage["spec"].get("rollout")
+    if rollout is not None and rollout.get("waitingForCapacity") and deployment is None:
+        message = (
+            f"stage {name}: its new generation waits for free accelerators (its pipeline's status.rollout says "
+            "how many it needs); none of its pods was made, and its older generation serves"
+        )
+        return {"replicas": 0, "readyReplicas": 0}, [
+            Condition("Ready", "False", Reason.INSUFFICIENT_ACCELERATOR, message),
+            Condition("Progressing", "False", Reason.INSUFFICIENT_ACCELERATOR, message),
+            problem or autoscaler_problem or Condition("Degraded", "False", Reason.AS_EXPECTED),
+        ]
     if rollout is not None and rollout.get("maxReplicas", desired) == 0 < desired:
         ds = (deployment or {}).get("status", {})
         counts = {"replicas": ds.get("replicas", 0), "readyReplicas": ds.get("readyReplicas", 0)}
