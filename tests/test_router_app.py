@@ -276,7 +276,9 @@ async def test_a_lost_replica_fails_its_requests_and_the_next_go_to_the_live_one
             reply = await api.chat.completions.create(model="echo", messages=user("still here"))
             assert reply.choices[0].message.content == "still here "
         live = cluster.engines["llm"][1]
-        assert [len(live.seen), len(cluster.engines["llm"][0].seen)] == [5, 1]  # all four went to the live one
+        assert len(live.seen) == 5, "its own first request, then all four went to the live one"
+        # the victim's engine may not have started its work before the stop (a loaded machine): 0 or 1
+        assert len(cluster.engines["llm"][0].seen) <= 1
 
 
 # -- two stages: companions and handles ----------------------------------------------------------
