@@ -77,8 +77,7 @@ class Reservation:
     def move(self, generation: Generation) -> None:
         """The request goes on in `generation`: the stages it has yet to start wait on its digests."""
         stages = list(self._waiting)
-        for stage in stages:
-            self._drop(stage)
+        self.release()
         self._add(generation, stages)
 
     def release(self) -> None:
@@ -159,15 +158,8 @@ class StagePool:
     def generation(self, stages: Iterable[str]) -> Generation | None:
         """The generation a new request over `stages` runs in: of those in which every stage has a usable
         replica (a stage scaled to zero with no replica at all counts: its first replica is awaited), the one
-        seen first most recently; None when there is none."""
-        wanted = list(stages)
-        complete = []
-        for candidate in self._generations(wanted):
-            if all(self._has(stage, candidate) for stage in wanted):
-                complete.append(candidate)
-        if not complete:
-            return None
-        return max(complete, key=lambda g: self._seen[frozenset(g.items())])
+        seen first most recently; None when there is none. (A `continuation` of a request that started nothing.)"""
+        return self.continuation({}, (), stages)
 
     def _generations(self, stages: list[str]) -> list[dict[str, str]]:
         found: dict[frozenset[tuple[str, str]], dict[str, str]] = {}
