@@ -885,6 +885,67 @@ def test_a_new_generation_that_cannot_run_is_rolled_back_and_the_old_one_keeps_s
     assert back["metadata"]["uid"] == old["metadata"]["uid"], "the old generation served throughout"
 
 
+def test_a_generation_past_its_progress_deadline_fails_and_without_auto_rollback_keeps_its_pods(
+    cluster, operator, namespace
+) -> None:
+    """A new model whose pod is placed on a node with no kubelet (scheduled, never started: what a node that lost
+    its kubelet looks like to a rollout): once rollout.progressDeadlineSeconds passes the rollout fails, Degraded
+    RolloutFailed with ProgressDeadlineExceeded, the old generation serving; with autoRollback false the new
+    generation keeps its replica (phase Failed), for someone to look at; turning autoRollback on (outside the
+    contract) scales it to zero (phase RolledBack)."""
+    node = f"silent-{namespace}"[:63]
+    room = {"cpu": "8", "memory": "32Gi", "pods": "110"}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": node, "labels": {"kubernetes.io/hostname": node, "omnikube.io/silent": "true"}},
+        "status": {"capacity": room, "allocatable": room},
+    }))  # fmt: skip
+    try:
+        rollout = {"progressDeadlineSeconds": 5, "autoRollback": False}
+        spec = pipeline("late", "text-chat", [{"name": "llm"}], rollout=rollout)
+        apply(cluster, namespace, spec)
+        first = wait_ready(cluster, operator, namespace, "late", showing=rollout_phase("Complete"))
+        old = deployments(cluster, namespace, "late")["late-llm"]
+        tolerate = [{"key": f"node.kubernetes.io/{t}", "operator": "Exists"} for t in ("not-ready", "unreachable")]
+        silent = [{"name": "llm", "nodeSelector": {"omnikube.io/silent": "true"}, "tolerations": tolerate}]
+        apply(cluster, namespace, pipeline("late", "text-chat", silent, model="/models/late-v2", rollout=rollout))
+
+        def in_phase(phase: str) -> Callable[[], dict | None]:
+            def check() -> dict | None:
+                obj = get(cluster, namespace, "omnipipeline", "late") or {}
+                rolled = (obj.get("status") or {}).get("rollout") or {}
+                degraded = condition(obj, "Degraded").get("status") == "True"
+                return obj if rolled.get("phase") == phase and degraded else None
+
+            return check
+
+        obj = wait_for(in_phase("Failed"), 60, "the rollout failed at its deadline", operator.log)
+        degraded = condition(obj, "Degraded")
+        assert degraded["reason"] == "RolloutFailed", degraded
+        message = degraded["message"]
+        assert "stage llm: ProgressDeadlineExceeded" in message, message
+        assert obj["status"]["rollout"]["reason"] == "ProgressDeadlineExceeded", obj["status"]["rollout"]
+        assert "progressDeadlineSeconds (5 s)" in message and "autoRollback is off" in message, message
+        assert obj["status"]["rollout"]["serving"] == first["status"]["contract"] != obj["status"]["contract"]
+        new_name = stage_deployment(cluster, namespace, "late-llm")
+        assert new_name != old["metadata"]["name"]
+        assert get(cluster, namespace, "deployment", new_name)["spec"]["replicas"] == 1, "kept for a look"
+        pods = kubectl_json(cluster, "get", "pods", "-n", namespace, "-l", "omnikube.io/pipeline=late,"
+                            "app.kubernetes.io/component=stage")["items"]  # fmt: skip
+        waiting = [p for p in pods if p["spec"].get("nodeName") == node]
+        assert len(waiting) == 1 and waiting[0]["status"].get("phase") == "Pending", waiting
+        still = get(cluster, namespace, "deployment", old["metadata"]["name"])
+        assert still["metadata"]["uid"] == old["metadata"]["uid"] and still["status"].get("readyReplicas") == 1
+
+        rollout["autoRollback"] = True
+        apply(cluster, namespace, pipeline("late", "text-chat", silent, model="/models/late-v2", rollout=rollout))
+        obj = wait_for(in_phase("RolledBack"), 60, "the failed generation rolled back", operator.log)
+        assert obj["status"]["rollout"]["serving"] == first["status"]["contract"]
+        wait_for(lambda: get(cluster, namespace, "deployment", new_name)["spec"]["replicas"] == 0, 30, "new at zero")
+    finally:
+        cluster.kubectl("delete", "node", node, "--wait=false", check=False)
+
+
 def test_a_surge_the_free_gpus_cannot_hold_is_reported_before_any_pod_and_max_surge_zero_gets_through(
     cluster, operator, namespace
 ) -> None:

@@ -91,6 +91,9 @@ def test_a_new_generation_whose_pods_cannot_run_is_rolled_back_and_stays_so_unti
     quiet = GroupView("a", "T", 2, [_gen("T", ready=0, replicas=0, current=True), _gen("A", ready=2, replicas=2)])
     again = _plan([quiet], previous=plan.status)
     assert again.status.phase is RolloutPhase.ROLLED_BACK and again.stages["a"].max_replicas == 0
+    assert again.status == plan.status, "the same status every reconcile (no write in steady state)"
+    assert _plan([quiet], previous=again.status).status == plan.status
+    assert again.status.cause == "CrashLoop: keeps crashing" and again.status.message.count("keeps crashing") == 1
     # A new target starts afresh.
     fresh = plan_rollout(
         [GroupView("a", "T2", 2, [_gen("A", ready=2, replicas=2, current=True)])],
@@ -105,6 +108,12 @@ def test_without_auto_rollback_a_failed_generation_keeps_its_replicas() -> None:
     plan = _plan([group], auto_rollback=False)
     assert plan.status.phase is RolloutPhase.FAILED and plan.stages["a"].max_replicas == 2
     assert "autoRollback is off" in plan.status.message
+    assert _plan([group], previous=plan.status, auto_rollback=False).status == plan.status, "steady: no write"
+    # Turning autoRollback on afterwards (outside the contract: the same target) scales it to zero, same cause.
+    on = _plan([group], previous=plan.status)
+    assert on.status.phase is RolloutPhase.ROLLED_BACK and on.stages["a"].max_replicas == 0
+    assert on.status.cause == plan.status.cause and on.status.message.count("self-check failed") == 1
+    assert "scaled to zero" in on.status.message
 
 
 def test_a_generation_that_misses_its_progress_deadline_fails() -> None:

@@ -134,17 +134,18 @@ def plan_rollout(
         )
     failure = _failure(changing, moving, settings, previous, target, now)
     if failure is not None and moving:
-        stage, reason, message = failure
+        stage, reason, cause = failure
         rolled_back = settings.auto_rollback
         status.phase = RolloutPhase.ROLLED_BACK if rolled_back else RolloutPhase.FAILED
         status.reason, status.moving = reason, [stage] + [s for s in moving if s != stage]
+        status.cause = cause[:1536]
         then = (
             "its new generation was scaled to zero (rollout.autoRollback)"
             if rolled_back
             else "its new generation keeps its replicas (rollout.autoRollback is off)"
         )
         status.message = (
-            f"the rollout to contract {target} failed: stage {stage}: {message}. The generation of contract "
+            f"the rollout to contract {target} failed: stage {stage}: {status.cause}. The generation of contract "
             f"{serving or '(before)'} keeps serving every request; {then}. Fix the cause and change the spec to "
             "try again, or revert the change"
         )[:2048]
@@ -226,14 +227,16 @@ def _failure(
     target: str,
     now: dt.datetime,
 ) -> tuple[str, str, str] | None:
-    """(stage, reason, message) of the first failed group of the new generation, or None."""
+    """(stage, reason, cause) of the first failed group of the new generation, or None."""
     if (
         previous is not None
         and previous.target == target
         and previous.phase in (RolloutPhase.ROLLED_BACK, RolloutPhase.FAILED)
     ):
-        # Sticky: a rolled-back generation has no pods left to show why; the spec must change to try again.
-        return (previous.moving or ["?"])[0], previous.reason or Reason.ROLLOUT_FAILED.value, previous.message
+        # Sticky: a rolled-back generation has no pods left to show why; the spec must change to try again. The
+        # cause as first told (not the message, which wraps it: wrapping again would grow it every reconcile).
+        stage = (previous.moving or ["?"])[0]
+        return stage, previous.reason or Reason.ROLLOUT_FAILED.value, previous.cause or previous.message
     for g in changing:
         if g.stage not in moving:
             continue
@@ -246,9 +249,9 @@ def _failure(
             return (
                 g.stage,
                 "ProgressDeadlineExceeded",
-                f"its new generation had {new.ready_replicas if new else 0} ready replicas after "
-                f"rollout.progressDeadlineSeconds ({settings.progress_deadline_seconds} s); raise it if loading "
-                "the model takes longer",
+                f"ProgressDeadlineExceeded: its new generation had {new.ready_replicas if new else 0} ready "
+                f"replicas after rollout.progressDeadlineSeconds ({settings.progress_deadline_seconds} s); raise it "
+                "if loading the model takes longer",
             )
     return None
 

@@ -148,4 +148,10 @@ class RolloutStatus(KubeModel):
         default_factory=list, description="Stages whose new generation is not ready yet (or failed)."
     )
     reason: str = Field("", max_length=64, description="Why a failed rollout failed (the stage's Degraded reason).")
+    cause: str = Field(
+        "",
+        max_length=1536,
+        description="What failed the rollout, as its stage reported it (RolledBack or Failed): kept after the failed "
+        "generation's pods are gone, until the spec changes.",
+    )
     message: str = Field("", max_length=2048, description="What happened and what to do.")
