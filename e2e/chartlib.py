@@ -58,9 +58,17 @@ class ServiceAccountOperator:
     ServiceAccount: both its own client (--kubeconfig) and kopf's ($KUBECONFIG) use it."""
 
     def __init__(
-        self, cluster, release: Release, workdir: Path, namespaces: list[str], token_duration: str = "1h"
+        self,
+        cluster,
+        release: Release,
+        workdir: Path,
+        namespaces: list[str],
+        token_duration: str = "1h",
+        args: list[str] | None = None,
     ) -> None:
         self.cluster, self.release, self.workdir, self.namespaces = cluster, release, workdir, namespaces
+        self.args = args or []
+        """Flags beyond the local process's own (what a chart value adds to the Deployment's)."""
         self.token_duration = token_duration
         self.identity = f"helm-rbac-{uuid.uuid4().hex[:4]}"
         self.kubeconfig = workdir / "sa-kubeconfig.json"
@@ -132,6 +140,7 @@ class ServiceAccountOperator:
         ]
         for ns in self.namespaces:
             args += ["--namespace", ns]
+        args += self.args
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return self

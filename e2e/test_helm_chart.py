@@ -117,7 +117,7 @@ def release(cluster) -> Iterator[Release]:
 def sa_operator(cluster, release, tmp_path) -> Iterator[Callable[[list[str]], ServiceAccountOperator]]:
     started: list[ServiceAccountOperator] = []
 
-    def start(namespaces: list[str]) -> ServiceAccountOperator:
+    def start(namespaces: list[str], args: list[str] | None = None) -> ServiceAccountOperator:
         # The apiserver builds a custom resource's watch cache on its first use and answers 429 ("storage
         # is (re)initializing") meanwhile; the operator's first listing as leader does not survive that
         # yet (reported), so let the caches fill before it starts.
@@ -126,7 +126,7 @@ def sa_operator(cluster, release, tmp_path) -> Iterator[Callable[[list[str]], Se
             30,
             "the custom resources' storage",
         )
-        op = ServiceAccountOperator(cluster, release, tmp_path, namespaces).start()
+        op = ServiceAccountOperator(cluster, release, tmp_path, namespaces, args=args or []).start()
         started.append(op)
         return op
 
@@ -163,25 +163,32 @@ def test_refusals_are_read_from_the_api_servers_message_not_from_a_timestamp() -
     assert refusals(f"{fine}\n{refused}") == [refused]
 
 
-def assert_no_forbidden(cluster, release: Release, op: ServiceAccountOperator, since: float) -> None:
-    bad = refusals(op.log())
-    assert not bad, "the operator was refused something the chart's RBAC should grant:\n" + "\n".join(bad[:20])
-    # The audit log records writes with their response code: none of the ServiceAccount's was refused.
+def sa_requests(cluster, release: Release, since: float) -> list[tuple[str, str, str | None, int]]:
+    """(verb, resource, namespace, response code) of every request of the chart's ServiceAccount the audit log
+    recorded as complete since `since` (the policy records writes, and lists of nodes)."""
     user = f"system:serviceaccount:{release.namespace}:{release.service_account}"
-    refused = []
+    found = []
     for line in cluster.audit_log.read_text().splitlines():
         event = json.loads(line)
         if event.get("user", {}).get("username") != user or event.get("stage") != "ResponseComplete":
             continue
-        code = event.get("responseStatus", {}).get("code", 0)
         stamp = time.mktime(time.strptime(event["requestReceivedTimestamp"][:19], "%Y-%m-%dT%H:%M:%S"))
-        if code == 403 and stamp - time.timezone >= since - 1:
+        if stamp - time.timezone >= since - 1:
             ref = event.get("objectRef", {})
-            refused.append(
-                f"{event['verb']} {ref.get('resource')}/{ref.get('subresource', '')} "
-                f"{ref.get('namespace')}/{ref.get('name')}"
-            )
-    assert not refused, f"writes refused by RBAC: {refused}"
+            resource = ref.get("resource", "") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+            code = event.get("responseStatus", {}).get("code", 0)
+            found.append((event["verb"], resource, ref.get("namespace"), code))
+    return found
+
+
+def assert_no_forbidden(
+    cluster, release: Release, op: ServiceAccountOperator, since: float, *, expected: frozenset = frozenset()
+) -> None:
+    """Nothing the operator asked for since `since` was refused, but (verb, resource) pairs in `expected`."""
+    bad = [line for line in refusals(op.log()) if not any(f'"{resource}"' in line for _, resource in expected)]
+    assert not bad, "the operator was refused something the chart's RBAC should grant:\n" + "\n".join(bad[:20])
+    refused = [r for r in sa_requests(cluster, release, since) if r[3] == 403 and r[:2] not in expected]
+    assert not refused, f"requests refused by RBAC: {refused}"
 
 
 # --- lint and template (no release) ----------------------------------------------------------------
@@ -253,15 +260,22 @@ def test_template_rbac_follows_watch_namespaces(cluster):
 
 def test_template_capacity_check_grants_listing_nodes_and_pods_in_either_mode(cluster):
     """capacityCheck.enabled (the default): a ClusterRole of its own to list nodes and pods, with watchNamespaces
-    too (nodes belong to no namespace); off: none."""
+    too (nodes belong to no namespace); off: none, and the operator is told not to count (it would be refused)."""
+
+    def operator_args(objs: list[dict]) -> list[str]:
+        [deployment] = find(objs, "Deployment")
+        return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
     for values in ((), ("watchNamespaces={team-a}",)):
         objs = template(cluster, *values)
+        assert "--no-capacity-check" not in operator_args(objs)
         [role] = find(objs, "ClusterRole", "omk-omnikube-capacity")
         assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes", "pods"], "verbs": ["list"]}]
         [binding] = find(objs, "ClusterRoleBinding", "omk-omnikube-capacity")
         assert binding["roleRef"]["name"] == "omk-omnikube-capacity"
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "omk-omnikube", "namespace": "omk-system"}]
     objs = template(cluster, "capacityCheck.enabled=false")
+    assert "--no-capacity-check" in operator_args(objs)
     assert not find(objs, "ClusterRole", "omk-omnikube-capacity")
     assert not find(objs, "ClusterRoleBinding", "omk-omnikube-capacity")
 
@@ -599,14 +613,7 @@ def test_chart_rbac_is_all_the_operator_needs(cluster, release, sa_operator):
         90, "the GPU stage rolled to its new generation", lambda: op.log()[-4000:],
     )  # fmt: skip
     assert rolled["status"]["rollout"]["serving"] == rolled["status"]["contract"]
-    user = f"system:serviceaccount:{release.namespace}:{release.service_account}"
-    listed = {
-        (e.get("objectRef", {}).get("resource"), e.get("objectRef", {}).get("namespace"))
-        for e in map(json.loads, cluster.audit_log.read_text().splitlines())
-        if e.get("user", {}).get("username") == user
-        and e.get("verb") == "list"
-        and e.get("stage") == "ResponseComplete"
-    }
+    listed = {(r[1], r[2]) for r in sa_requests(cluster, release, since) if r[0] == "list"}
     assert ("nodes", None) in listed, "the free GPUs were counted (the audit policy records lists of nodes)"
     op.stop()
     assert_no_forbidden(cluster, release, op, since)
@@ -628,11 +635,15 @@ def test_upgrade_changes_deployment_and_rbac(cluster, release, sa_operator):
         "replicas=1",
         "--set",
         f"watchNamespaces={{{release.apps}}}",
+        "--set",
+        "capacityCheck.enabled=false",
     )
     deployment = kubectl_json(cluster, "get", "deployment", release.fullname, "-n", release.namespace)
     assert deployment["spec"]["replicas"] == 1
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert f"--namespace={release.apps}" in args
+    assert "--no-capacity-check" in args
+    assert not exists(cluster, "clusterrole", f"{release.fullname}-capacity")
     assert not exists(cluster, "clusterrole", release.fullname)
     assert not exists(cluster, "clusterrolebinding", release.fullname)
     assert not exists(cluster, "poddisruptionbudget", release.fullname, "-n", release.namespace)
@@ -642,7 +653,8 @@ def test_upgrade_changes_deployment_and_rbac(cluster, release, sa_operator):
     # The Role in the watched namespace is enough too; switching the topology also exercises the
     # delete of an OmniStage whose stage left it.
     since = time.time()
-    op = sa_operator([release.apps])
+    op = sa_operator([release.apps], ["--no-capacity-check"])  # what the chart's Deployment runs now
+    gpu = {"type": "nvidia.com/gpu", "count": 1}
     cluster.kubectl(
         "patch",
         "omnipipeline",
@@ -651,7 +663,7 @@ def test_upgrade_changes_deployment_and_rbac(cluster, release, sa_operator):
         release.apps,
         "--type=merge",
         "-p",
-        json.dumps({"spec": {"pipeline": "qwen-image", "stages": [{"name": "dit", "replicas": 1}]}}),
+        json.dumps({"spec": {"pipeline": "qwen-image", "stages": [{"name": "dit", "accelerator": gpu}]}}),
     )
     ready = wait_for(
         lambda: pipeline_ready(cluster, release.apps, "helm-rbac"),
@@ -666,8 +678,36 @@ def test_upgrade_changes_deployment_and_rbac(cluster, release, sa_operator):
         "the llm OmniStage deleted",
         lambda: op.log()[-4000:],
     )
+    # capacityCheck off: a contract change of the GPU stage rolls without counting free accelerators.
+    roll_to(cluster, release, "/models/x3", op)
+    assert not [r for r in sa_requests(cluster, release, since) if r[:2] == ("list", "nodes")], "nodes were listed"
     op.stop()
     assert_no_forbidden(cluster, release, op, since)
+
+    # An operator that would count (no --no-capacity-check) without the chart's capacity ClusterRole: refused once,
+    # it says so and what to set, stops counting, and the rollout goes on as with the check off.
+    since = time.time()
+    op = sa_operator([release.apps])
+    roll_to(cluster, release, "/models/x4", op)
+    roll_to(cluster, release, "/models/x5", op)
+    refused = [r for r in sa_requests(cluster, release, since) if r[3] == 403]
+    assert refused == [("list", "nodes", None, 403)], refused
+    [warning] = [line for line in op.log().splitlines() if "not counting free accelerators" in line]
+    assert "capacityCheck.enabled" in warning, warning
+    op.stop()
+    assert_no_forbidden(cluster, release, op, since, expected=frozenset({("list", "nodes")}))
+
+
+def roll_to(cluster, release: Release, model: str, op: ServiceAccountOperator) -> dict:
+    """Change helm-rbac's model (its contract) and wait until the new generation serves."""
+    first = kubectl_json(cluster, "get", "omnipipeline", "helm-rbac", "-n", release.apps)["status"]["contract"]
+    patch = json.dumps({"spec": {"model": model}})
+    cluster.kubectl("patch", "omnipipeline", "helm-rbac", "-n", release.apps, "--type=merge", "-p", patch)
+    return wait_for(
+        lambda: (lambda o: o if o and o["status"]["rollout"]["phase"] == "Complete" and o["status"]["contract"] != first
+                 else None)(pipeline_ready(cluster, release.apps, "helm-rbac")),
+        90, f"helm-rbac rolled to {model}", lambda: op.log()[-4000:],
+    )  # fmt: skip
 
 
 def test_uninstall_keeps_crds_and_pipelines(cluster, release):

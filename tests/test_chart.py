@@ -220,6 +220,7 @@ def _default_config() -> dict[str, Any]:
         "pipelines_dirs": [],
         "model_root": None,
         "kubeconfig": None,
+        "capacity_check": values["capacityCheck"]["enabled"],
     }
 
 
@@ -245,6 +246,7 @@ def _default_config() -> dict[str, Any]:
             {"workers": 3, "resync_seconds": 45.0, "liveness_port": 8181, "metrics_port": 9191},
             id="workers-resync-ports",
         ),
+        pytest.param({"capacityCheck": {"enabled": False}}, {"capacity_check": False}, id="no-capacity-check"),
     ],
 )
 def test_the_operator_runs_with_the_values_the_chart_was_given(

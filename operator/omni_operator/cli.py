@@ -42,6 +42,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     op.add_argument("--liveness-port", type=int, help="serve kopf's /healthz on this port")
     op.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    op.add_argument(
+        "--no-capacity-check",
+        action="store_true",
+        help="do not count free accelerators before a rollout makes a new generation (no listing of nodes and "
+        "pods; the chart's capacityCheck.enabled=false): a generation that does not fit then waits Pending until "
+        "rollout.progressDeadlineSeconds fails it",
+    )
     op.set_defaults(func=_run_operator)
 
     render = sub.add_parser("render", help="print every object the operator would create, as YAML")
@@ -72,6 +79,7 @@ def _run_operator(args: argparse.Namespace) -> int:
         liveness_port=args.liveness_port,
         metrics_port=args.metrics_port,
         lease_name=args.lease_name,
+        capacity_check=not args.no_capacity_check,
     )
     if args.lease_namespace:
         config.lease_namespace = args.lease_namespace

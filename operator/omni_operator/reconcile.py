@@ -90,8 +90,8 @@ class Context:
     metrics: OperatorMetrics | None = None
     """Where per-stage gauges go (the operator's registry); None in tests that need none."""
     capacity_check: bool = True
-    """Count free accelerators before a rollout makes a new generation; turned off (until the operator
-    restarts) the first time listing nodes or pods is forbidden."""
+    """Count free accelerators before a rollout makes a new generation (`--no-capacity-check` turns it off);
+    turned off too (until the operator restarts) the first time listing nodes or pods is forbidden."""
 
 
 async def _ensure(
@@ -373,8 +373,9 @@ async def _count_free_accelerators(
 ) -> None:
     """Fill in, for each group about to make a new generation (an older one serves, the new one has no
     Deployment yet) whose pods ask for an accelerator, what one replica needs and what the cluster has free.
-    Lists nodes and every namespace's pods, so only then; without the permission (chart value
-    capacityCheck.enabled) it counts nothing and a new generation that does not fit stays Pending."""
+    Lists nodes and every namespace's pods, so only then; turned off (chart value capacityCheck.enabled false:
+    `--no-capacity-check`) or without the permission it counts nothing and a new generation that does not fit
+    stays Pending."""
     about_to = [v for v in views if v.older and v.new is None]
     if not about_to or not ctx.capacity_check:
         return

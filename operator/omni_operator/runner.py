@@ -45,6 +45,8 @@ class OperatorConfig:
     identity: str = field(default_factory=lambda: os.environ.get("POD_NAME") or socket.gethostname())
     liveness_port: int | None = None
     metrics_port: int | None = None
+    capacity_check: bool = True
+    """Count free accelerators before a rollout makes a new generation (lists nodes and every namespace's pods)."""
 
 
 async def _list_all(kube: KubeClient, namespaces: list[str]) -> list[Key]:
@@ -64,7 +66,11 @@ async def run_operator(config: OperatorConfig) -> None:
     kube = await KubeClient.from_environment(config.kubeconfig)
     metrics = OperatorMetrics()
     ctx = Context(
-        kube=kube, registry=load_registry(config.pipelines_dirs), model_root=config.model_root, metrics=metrics
+        kube=kube,
+        registry=load_registry(config.pipelines_dirs),
+        model_root=config.model_root,
+        metrics=metrics,
+        capacity_check=config.capacity_check,
     )
     if config.metrics_port:
         metrics.serve(config.metrics_port)
