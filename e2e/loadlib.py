@@ -3,13 +3,56 @@ the pipeline under them (rolls, autoscaling), keeping every outcome."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections.abc import Callable
+from types import TracebackType
 
 import httpx
 import openai
 
-__all__ = ["SteadyLoad"]
+__all__ = ["RouterService", "SteadyLoad"]
+
+
+class RouterService:
+    """What a Service's endpoints give a client (kube-proxy has no stand-in here), as a callable: the base URL
+    (`.../v1`) of a ready router pod that is not terminating, followed while the router rolls. `router_pods`
+    lists the pipeline's router pods."""
+
+    def __init__(self, router_pods: Callable[[], list[dict]]) -> None:
+        self.router_pods = router_pods
+        self._url = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+
+    def _look(self) -> None:
+        ready = [
+            p for p in self.router_pods()
+            if not p["metadata"].get("deletionTimestamp") and p["status"].get("podIP")
+            and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
+        ]  # fmt: skip
+        if ready:
+            self._url = f"http://{ready[0]['status']['podIP']}:8000/v1"
+
+    def _follow(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):  # the API server is busy: the last URL still holds
+                self._look()
+            time.sleep(0.3)
+
+    def __call__(self) -> str:
+        return self._url
+
+    def __enter__(self) -> RouterService:
+        self._look()
+        assert self._url, "no ready router pod"
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self._stop.set()
+        self._thread.join(10)
 
 
 class SteadyLoad:

@@ -9,14 +9,12 @@ router, and the official `openai` client talking to the router pod's IP.
 from __future__ import annotations
 
 import base64
-import contextlib
 import copy
 import io
 import json
 import os
 import re
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,7 +26,7 @@ import pytest
 import yaml
 from chartlib import Release, ServiceAccountOperator, helm
 from clusterlib import REPO, apply, kubectl_json, wait_for
-from loadlib import SteadyLoad
+from loadlib import RouterService, SteadyLoad
 from PIL import Image
 from podrunner.node import RUNNER_LABEL
 from promlib import Prometheus, metric_names, pod_targets, prometheus_binary
@@ -36,7 +34,7 @@ from promlib import Prometheus, metric_names, pod_targets, prometheus_binary
 from omni_operator.metrics import STAGE_REPLICAS_DESIRED
 from omni_operator.render import render_pipeline
 from omni_runtime.registry import default_registry
-from omni_runtime.tiny_models import default_cache_dir, ensure
+from omni_runtime.tiny_models import PROMPT_ENHANCED_BROKEN, PROMPT_ENHANCED_R2, default_cache_dir, ensure
 
 pytestmark = [pytest.mark.cluster, pytest.mark.models]
 
@@ -479,39 +477,110 @@ def test_a_killed_stage_restarts_and_serves_then_its_roll_under_steady_load_fail
     _generate_image(env.client("enhanced"))  # the pipeline serves after the roll
 
 
+def _service(env: Env, name: str) -> RouterService:
+    """The router pods of `name` as a Service would pick one."""
+    return RouterService(lambda: [p for p in _pods(env, name).values() if _component(p) == "router"])
+
+
+def _condition(obj: dict, kind: str) -> dict:
+    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == kind), {})
+
+
+def test_a_new_model_revision_under_steady_load_keeps_each_request_whole_and_a_broken_one_leaves_it_serving(
+    env,
+) -> None:
+    """A new revision of the model (other weights in another folder: every stage's contract changes) applied
+    while three image clients run: both stages' new generation comes up beside the old one (and the router rolls,
+    its config naming the model), not one request fails, and every response ran on one generation end to end
+    (x-omnikube-contract: the old enhancer digest with the old dit digest, or both new ones, never a mix); the
+    same seeded request draws another image after. Then a broken revision (its dit's tokenizer outgrows its text
+    encoder: it loads and fails its self-check) under the same load: the rollout is rolled back (Degraded
+    RolloutFailed naming the stage and the self-check, the new generation at zero replicas), the revision before
+    keeps every request and none fails."""
+    ensure(PROMPT_ENHANCED_R2)
+    ensure(PROMPT_ENHANCED_BROKEN)
+
+    def seeded(client: openai.OpenAI) -> str:
+        kwargs = {"model": "enhanced", "prompt": "a dog", "size": "64x64", "response_format": "b64_json"}
+        return client.images.generate(**kwargs, extra_body={"seed": 5}).data[0].b64_json
+
+    first_image = seeded(env.client("enhanced"))
+    live = env.get("omnipipeline", "enhanced")
+    assert live is not None
+    first_contract = live["status"]["contract"]
+
+    def revision(model: str) -> dict:
+        return {"apiVersion": live["apiVersion"], "kind": live["kind"], "metadata": {"name": "enhanced"},
+                "spec": {**live["spec"], "model": model}}  # fmt: skip
+
+    served: list[dict[str, str]] = []
+    noting = _generate_image_noting(served)
+    with _service(env, "enhanced") as url:
+        load = SteadyLoad(url, [noting, noting, noting]).start()
+        try:
+            _roll(env, revision(PROMPT_ENHANCED_R2), load, {"enhancer", "dit", "router"})
+            rolled = env.get("omnipipeline", "enhanced")
+            assert rolled is not None
+            new_contract = rolled["status"]["contract"]
+            assert new_contract != first_contract and rolled["status"]["rollout"]["serving"] == new_contract
+            after_roll = len(served)
+            workloads = _stage_deployments(env, "enhanced")
+
+            apply(env.cluster, env.ns, revision(PROMPT_ENHANCED_BROKEN))
+
+            def rolled_back() -> dict | None:
+                obj = env.get("omnipipeline", "enhanced") or {}
+                phase = ((obj.get("status") or {}).get("rollout") or {}).get("phase")
+                return obj if phase == "RolledBack" and _condition(obj, "Degraded").get("status") == "True" else None
+
+            failed_roll = wait_for(rolled_back, READY_TIMEOUT, "the broken revision rolled back", env.operator.log)
+            done = load.ok()
+            wait_for(lambda: load.ok() >= done + 4, 300, "requests succeeding after the rollback")
+        finally:
+            failed = load.stop()
+    assert failed == [], f"{len(failed)} of {len(load.outcomes)} requests failed during the rolls: {failed[:10]}"
+
+    # One generation per request: the digests pair up, old with old and new with new.
+    ran = [(c["enhancer"], c["dit"]) for c in served]
+    pairs = list(dict.fromkeys(ran))
+    assert len(pairs) == 2, f"the old pair of digests, then the new one, never a mix: {pairs}"
+    assert len({e for e, _ in pairs}) == 2 and len({d for _, d in pairs}) == 2, pairs
+    assert ran[0] == pairs[0] and ran[-1] == pairs[1], pairs
+    assert all(r == pairs[1] for r in ran[after_roll:]), "the broken revision took no request"
+    assert seeded(env.client("enhanced")) != first_image, "the new revision's weights draw the seeded request"
+
+    degraded = _condition(failed_roll, "Degraded")
+    assert degraded["reason"] == "RolloutFailed", degraded
+    message = degraded["message"]
+    assert "stage dit" in message and "EngineFailed" in message and "self-check" in message, message
+    assert new_contract in message and failed_roll["status"]["rollout"]["serving"] == new_contract
+
+    def broken() -> list[dict]:
+        selector = "omnikube.io/pipeline=enhanced,app.kubernetes.io/component=stage"
+        items = kubectl_json(env.cluster, "get", "deployments", "-n", env.ns, "-l", selector)["items"]
+        return [d for d in items if d["metadata"]["name"] not in workloads.values()]
+
+    assert {d["metadata"]["labels"]["omnikube.io/stage"] for d in broken()} == {"enhancer", "dit"}, "its own generation"
+    wait_for(lambda: all(d["spec"]["replicas"] == 0 for d in broken()), 60, "the broken generation at zero replicas")
+    for stage, name in workloads.items():
+        kept = env.get("deployment", name)
+        assert kept is not None and kept["status"].get("readyReplicas", 0) >= 1, f"{stage}: {name} kept serving"
+
+
 def test_a_router_roll_under_steady_load_fails_no_request(env) -> None:
     """Streaming and non-streaming clients while the chat router rolls. Clients reach a router that is
-    ready and not terminating, as a Service would send them (kube-proxy has no stand-in here): the old
-    router keeps serving through its preStop sleep while they move, then finishes what it runs."""
-    current = {"url": env.router_url("chat")}
-    stop = threading.Event()
-
-    def follow() -> None:  # what the Service's endpoints do: the ready, not terminating router pods
-        while not stop.is_set():
-            with contextlib.suppress(Exception):
-                pods = [
-                    p for p in _pods(env, "chat").values()
-                    if _component(p) == "router" and not p["metadata"].get("deletionTimestamp")
-                    and p["status"].get("podIP")
-                    and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
-                ]  # fmt: skip
-                if pods:
-                    current["url"] = f"http://{pods[0]['status']['podIP']}:8000/v1"
-            time.sleep(0.3)
-
-    follower = threading.Thread(target=follow, daemon=True)
-    follower.start()
-    load = SteadyLoad(lambda: current["url"], [_chat(True), _chat(True), _chat(False), _chat(False)]).start()
+    ready and not terminating, as a Service would send them: the old router keeps serving through its
+    preStop sleep while they move, then finishes what it runs."""
     live = env.get("omnipipeline", "chat")
     assert live is not None
     edited = {"apiVersion": live["apiVersion"], "kind": live["kind"], "metadata": {"name": "chat"}}
     edited["spec"] = {**live["spec"], "router": {**live["spec"]["router"], "resources": {"requests": {"cpu": "10m"}}}}
-    try:
-        before, after = _roll(env, edited, load, "router")
-    finally:
-        failed = load.stop()
-        stop.set()
-        follower.join(10)
+    with _service(env, "chat") as url:
+        load = SteadyLoad(url, [_chat(True), _chat(True), _chat(False), _chat(False)]).start()
+        try:
+            before, after = _roll(env, edited, load, "router")
+        finally:
+            failed = load.stop()
     assert failed == [], f"{len(failed)} of {len(load.outcomes)} requests failed during the roll: {failed[:10]}"
     assert {c for n, c in before.items() if n not in after} == {"router"}, (before, after)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import wave
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,11 +30,12 @@ import openai
 import pytest
 from chartlib import Release, ServiceAccountOperator
 from clusterlib import apply, wait_for
+from loadlib import RouterService, SteadyLoad
 from pipelinelib import PipelineEnv
 from podrunner.node import RUNNER_LABEL
 from promlib import Prometheus, dashboard_panels, dashboard_variables, pod_targets, prometheus_binary
 
-from omni_runtime.tiny_models import default_cache_dir, ensure
+from omni_runtime.tiny_models import QWEN3_OMNI_R2, default_cache_dir, ensure
 
 pytestmark = [pytest.mark.cluster, pytest.mark.models]
 
@@ -378,4 +380,79 @@ def test_talker_pod_killed_mid_request_fails_it_retriably_and_the_next_succeeds(
             )  # fmt: skip
         )
     assert "audio" in order and "text" in order and len(pcm) > 0, order
+    env.wait_payloads_released()
+
+
+@only_qwen3
+def test_a_new_model_revision_under_steady_speech_load_keeps_each_request_within_one_generation(env: Env) -> None:
+    """Another revision of Qwen3-Omni (other weights in another folder: every stage's contract changes) applied
+    while clients ask for text and speech, one of them streaming: a new thinker, talker and code2wav come up beside
+    the old ones (and the router rolls, its config naming the model), the router moves new requests to them once
+    all are ready, and the old ones drain. Not one request fails, streamed audio included, and every response ran
+    on one generation end to end (x-omnikube-contract: the thinker's, talker's and code2wav's digests all old or
+    all new); the same greedy request speaks other audio after."""
+    ensure(QWEN3_OMNI_R2)
+
+    def spoken(api: openai.OpenAI) -> bytes:
+        reply = api.chat.completions.create(
+            model=env.name, messages=user("Say something."), modalities=["text", "audio"],
+            audio={"voice": env.m.voice, "format": "wav"}, max_tokens=6, temperature=0.0,
+            extra_body={"ignore_eos": True, "sampling_params_list": [{}, {"max_tokens": 12, "seed": 0}]},
+        )  # fmt: skip
+        return base64.b64decode(reply.choices[0].message.audio.data)
+
+    with env.client() as api:
+        first_audio = spoken(api)
+        assert spoken(api) == first_audio, "a greedy thinker and a seeded talker say the same twice"
+    served: list[dict[str, str]] = []
+    body = {"messages": user("Tell me about the sea."), "modalities": ["text", "audio"], "max_tokens": 8,
+            "extra_body": {"ignore_eos": True, "sampling_params_list": [{}, {"max_tokens": 12}]}}  # fmt: skip
+
+    def whole(api: openai.OpenAI) -> None:
+        raw = api.chat.completions.with_raw_response.create(
+            model=env.name, audio={"voice": env.m.voice, "format": "wav"}, **body
+        )
+        assert wav_frames(base64.b64decode(raw.parse().choices[0].message.audio.data)) > 0
+        served.append(json.loads(raw.headers["x-omnikube-contract"]))
+
+    def streamed(api: openai.OpenAI) -> None:
+        raw = api.chat.completions.with_raw_response.create(
+            model=env.name, audio={"format": "pcm16"}, stream=True, **body
+        )
+        order, pcm = stream_order(raw.parse())  # an error event mid-stream raises
+        assert "audio" in order and len(pcm) > 0, order
+        served.append(json.loads(raw.headers["x-omnikube-contract"]))
+
+    live = env.pipeline()
+
+    def rolling() -> set[str]:  # the stage and router pods (the Mooncake master is not part of the roll)
+        return {p["metadata"]["name"] for c in ("stage", "router")
+                for p in env.objects("pods", f"app.kubernetes.io/component={c}")}  # fmt: skip
+
+    before = rolling()
+    edited = {"apiVersion": live["apiVersion"], "kind": live["kind"], "metadata": {"name": env.name},
+              "spec": {**live["spec"], "model": QWEN3_OMNI_R2}}  # fmt: skip
+    with RouterService(lambda: env.objects("pods", "app.kubernetes.io/component=router")) as url:
+        load = SteadyLoad(url, [whole, whole, streamed]).start()
+        try:
+            wait_for(lambda: load.ok() >= 3, 300, "requests succeeding before the roll")
+            apply(env.cluster, env.ns, edited)
+            rolled = env.wait_ready(since=before)
+            wait_for(lambda: before.isdisjoint(rolling()), 300, "the old generation's pods gone", env.describe)
+            done = load.ok()
+            wait_for(lambda: load.ok() >= done + 3, 300, "requests succeeding after the roll")
+        finally:
+            failed = load.stop()
+    assert failed == [], f"{len(failed)} of {len(load.outcomes)} requests failed during the roll: {failed[:10]}"
+    assert rolled["status"]["contract"] != live["status"]["contract"]
+    assert rolled["status"]["rollout"]["serving"] == rolled["status"]["contract"]
+    stages = ("thinker", "talker", "code2wav")
+    assert all(set(c) == set(stages) for c in served), served[:3]
+    ran = [tuple(c[s] for s in stages) for c in served]
+    generations = list(dict.fromkeys(ran))
+    assert len(generations) == 2, f"the old digests, then the new ones, never a mix: {generations}"
+    assert all(len({g[i] for g in generations}) == 2 for i in range(len(stages))), generations
+    assert ran[0] == generations[0] and ran[-1] == generations[1], generations
+    with env.client() as api:
+        assert spoken(api) != first_audio, "the new revision's weights speak the same greedy request"
     env.wait_payloads_released()

@@ -24,6 +24,9 @@
   (`BagelForConditionalGeneration`), `engines.diffusion.bagel` its generation path.
 - `tiny-z-image`: ZImagePipeline (Z-Image-Turbo's layout: single-stream DiT, Qwen3Model text encoder, FLUX.1's
   VAE shape); loads with `DiffusionPipeline.from_pretrained`.
+- `tiny-prompt-enhanced-t2i-r2`, `tiny-qwen3-omni-r2`: another revision of each (every weight moved by seeded
+  noise, `revisions`), `tiny-prompt-enhanced-t2i-broken` one whose diffusion stage fails its self-check: what
+  a model roll brings, for the rollout tests.
 - `tiny-glm-image`: GlmImagePipeline (the AR `GlmImageForConditionalGeneration` as `vision_language_encoder`,
   the DiT `GlmImageTransformer2DModel`); loads with `DiffusionPipeline.from_pretrained`, t2i and i2i.
 
@@ -85,6 +88,7 @@ from omni_runtime.tiny_models import (
     qwen2_chat,
     qwen3_omni,
     qwen_image,
+    revisions,
     sd3,
     sd3_img2img,
     wan,
@@ -92,7 +96,17 @@ from omni_runtime.tiny_models import (
 )
 from omni_runtime.tiny_models._build import build_atomically, default_cache_dir, read_stamp
 
-__all__ = ["MODELS", "TinyModel", "build_all", "default_cache_dir", "ensure", "read_stamp"]
+__all__ = [
+    "MODELS",
+    "PROMPT_ENHANCED_BROKEN",
+    "PROMPT_ENHANCED_R2",
+    "QWEN3_OMNI_R2",
+    "TinyModel",
+    "build_all",
+    "default_cache_dir",
+    "ensure",
+    "read_stamp",
+]
 
 
 @dataclass(frozen=True)
@@ -113,6 +127,16 @@ def _build_sd3_img2img(out: Path, cache_dir: Path) -> None:
 
 def _build_prompt_enhanced(out: Path, cache_dir: Path) -> None:
     prompt_enhanced_t2i.build(out, ensure(qwen2_chat.NAME, cache_dir), ensure(sd3.NAME, cache_dir))
+
+
+def _retrained(base: str) -> Callable[[Path, Path], None]:
+    return lambda out, cache_dir: revisions.build_retrained(out, ensure(base, cache_dir))
+
+
+PROMPT_ENHANCED_R2 = f"{prompt_enhanced_t2i.NAME}-r2"
+_PROMPT_ENHANCED_R2_VERSION = f"1+{prompt_enhanced_t2i.NAME}@{prompt_enhanced_t2i.VERSION}"
+QWEN3_OMNI_R2 = f"{qwen3_omni.NAME}-r2"
+PROMPT_ENHANCED_BROKEN = f"{prompt_enhanced_t2i.NAME}-broken"
 
 
 MODELS: dict[str, TinyModel] = {
@@ -203,6 +227,27 @@ MODELS: dict[str, TinyModel] = {
             bagel.VERSION,
             lambda out, _cache: bagel.build(out),
             "BAGEL (MoT: und + gen experts, SigLIP, FLUX AE) in the BAGEL-7B-MoT layout (vLLM thinker + torch dit)",
+        ),
+        TinyModel(
+            PROMPT_ENHANCED_R2,
+            _PROMPT_ENHANCED_R2_VERSION,
+            _retrained(prompt_enhanced_t2i.NAME),
+            "tiny-prompt-enhanced-t2i with other weights (a model roll's new revision)",
+            depends_on=(prompt_enhanced_t2i.NAME,),
+        ),
+        TinyModel(
+            PROMPT_ENHANCED_BROKEN,
+            f"1+{PROMPT_ENHANCED_R2}@{_PROMPT_ENHANCED_R2_VERSION}",
+            lambda out, cache_dir: revisions.build_broken_tokenizer(out, ensure(PROMPT_ENHANCED_R2, cache_dir)),
+            "tiny-prompt-enhanced-t2i-r2 whose dit tokenizer outgrows its text encoder: fails the self-check",
+            depends_on=(PROMPT_ENHANCED_R2,),
+        ),
+        TinyModel(
+            QWEN3_OMNI_R2,
+            f"1+{qwen3_omni.NAME}@{qwen3_omni.VERSION}",
+            _retrained(qwen3_omni.NAME),
+            "tiny-qwen3-omni with other weights (a model roll's new revision)",
+            depends_on=(qwen3_omni.NAME,),
         ),
     )
 }
