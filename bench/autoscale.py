@@ -42,9 +42,7 @@ sys.path[:0] = [str(REPO / "e2e"), str(REPO / "e2e" / "cluster")]
 from chartlib import operator_release  # noqa: E402
 from clusterlib import apply, condition, kubectl_json, wait_for  # noqa: E402
 from kedalib import Keda, chat_pipeline  # noqa: E402
-from podrunner.containers import Backoff  # noqa: E402
-from podrunner.node import NodeConfig  # noqa: E402
-from podrunner.runner import PodRunner  # noqa: E402
+from podcluster import RUNNER_NODES, pod_cluster  # noqa: E402
 from promlib import Prometheus, prometheus_binary  # noqa: E402
 
 from localcluster import LocalCluster  # noqa: E402
@@ -197,34 +195,30 @@ def main() -> int:
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="omnikube-autoscale-") as tmp:
         work = Path(tmp)
-        with LocalCluster(workdir=work / "cluster") as cluster:
-            cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-            cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/omnistages.omnikube.io")
-            nodes = [NodeConfig("runner-node-0"), NodeConfig("runner-node-1")]
-            with PodRunner(cluster.kubeconfig, nodes, work / "runner", backoff=Backoff(1.0, 8.0), volume_sync_s=2.0):
-                node = kubectl_json(cluster, "get", "node", "runner-node-0")
-                bridge = next(a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP")
-                keda = Keda(cluster)
-                (work / "prometheus").mkdir()
-                prometheus = Prometheus(prometheus_binary(), work / "prometheus", host=bridge)
-                try:
-                    keda.install()
-                    prometheus.start()
-                    with operator_release(cluster, "bench", work) as (release, _operator):
-                        ns = release.apps
-                        stop = prometheus.follow(lambda: kubectl_json(cluster, "get", "pods", "-n", ns)["items"])
-                        try:
-                            if args.off_first:  # the machine's load drifts: swap the order to see how much
-                                off = run_once(cluster, ns, prometheus, "fixed", False, args)
-                                on = run_once(cluster, ns, prometheus, "scaled", True, args)
-                            else:
-                                on = run_once(cluster, ns, prometheus, "scaled", True, args)
-                                off = run_once(cluster, ns, prometheus, "fixed", False, args)
-                        finally:
-                            stop()
-                finally:
-                    prometheus.stop()
-                    keda.uninstall()
+        with pod_cluster(work) as cluster:
+            node = kubectl_json(cluster, "get", "node", RUNNER_NODES[0])
+            bridge = next(a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP")
+            keda = Keda(cluster)
+            (work / "prometheus").mkdir()
+            prometheus = Prometheus(prometheus_binary(), work / "prometheus", host=bridge)
+            try:
+                keda.install()
+                prometheus.start()
+                with operator_release(cluster, "bench", work) as (release, _operator):
+                    ns = release.apps
+                    stop = prometheus.follow(lambda: kubectl_json(cluster, "get", "pods", "-n", ns)["items"])
+                    try:
+                        if args.off_first:  # the machine's load drifts: swap the order to see how much
+                            off = run_once(cluster, ns, prometheus, "fixed", False, args)
+                            on = run_once(cluster, ns, prometheus, "scaled", True, args)
+                        else:
+                            on = run_once(cluster, ns, prometheus, "scaled", True, args)
+                            off = run_once(cluster, ns, prometheus, "fixed", False, args)
+                    finally:
+                        stop()
+            finally:
+                prometheus.stop()
+                keda.uninstall()
     print("# bench/autoscale.py " + " ".join(sys.argv[1:]))
     print(
         f"# {os.cpu_count()} CPUs; load average {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end; "
