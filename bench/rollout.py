@@ -53,7 +53,7 @@ from chartlib import operator_release  # noqa: E402
 from clusterlib import apply, condition, kubectl_json, wait_for  # noqa: E402
 from loadlib import RouterService  # noqa: E402
 from podcluster import pod_cluster  # noqa: E402
-from podrunner.node import RUNNER_LABEL  # noqa: E402
+from podrunner.node import ON_RUNNER  # noqa: E402
 
 from localcluster import LocalCluster  # noqa: E402
 from omni_operator.api.rollout import surge_replicas  # noqa: E402
@@ -61,10 +61,6 @@ from omni_runtime.tiny_models import PROMPT_ENHANCED_R2, default_cache_dir, ensu
 
 NAME = "enhanced"
 MODEL = "tiny-prompt-enhanced-t2i"
-ON_RUNNER = {
-    "nodeSelector": {RUNNER_LABEL: "true"},
-    "tolerations": [{"key": RUNNER_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
-}
 AR_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 256 * 1024**2}
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 from clusterlib import REPO, go_module_dir, wait_established, wait_for
 from podrunner.fixtures import on_runner
-from podrunner.node import RUNNER_LABEL
+from podrunner.node import ON_RUNNER
 
 from omni_runtime.tiny_models import default_cache_dir
 
@@ -179,10 +179,6 @@ def hpa_of(cluster: Any, namespace: str, scaled_object: str) -> dict[str, Any] |
     return json.loads(out.stdout) if out.returncode == 0 else None
 
 
-ON_RUNNER = {
-    "nodeSelector": {RUNNER_LABEL: "true"},
-    "tolerations": [{"key": RUNNER_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
-}
 AR_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 256 * 1024**2}
 
 

@@ -28,7 +28,7 @@ import pytest
 from clusterlib import apply
 from PIL import Image
 from pipelinelib import PipelineEnv
-from podrunner.node import RUNNER_LABEL
+from podrunner.node import ON_RUNNER
 
 from omni_runtime.tiny_models import default_cache_dir, ensure
 
@@ -39,10 +39,6 @@ THINKER_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 64 * 1024**2}
 DIT = {"num_inference_steps": 3, "height": 64, "width": 64}
 PROMPT = "a red fox in the snow"
 LONG_DRAWING = 5000
-ON_RUNNER = {
-    "nodeSelector": {RUNNER_LABEL: "true"},
-    "tolerations": [{"key": RUNNER_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
-}
 PIPELINE = {
     "apiVersion": "omnikube.io/v1alpha1",
     "kind": "OmniPipeline",

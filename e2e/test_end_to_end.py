@@ -25,10 +25,10 @@ import psutil
 import pytest
 import yaml
 from chartlib import Release, ServiceAccountOperator, helm
-from clusterlib import REPO, apply, kubectl_json, wait_for
+from clusterlib import REPO, apply, condition, kubectl_json, wait_for
 from loadlib import RouterService, SteadyLoad
 from PIL import Image
-from podrunner.node import RUNNER_LABEL
+from podrunner.node import ON_RUNNER
 from promlib import Prometheus, metric_names, pod_targets, prometheus_binary
 
 from omni_operator.metrics import STAGE_REPLICAS_DESIRED
@@ -38,10 +38,6 @@ from omni_runtime.tiny_models import PROMPT_ENHANCED_BROKEN, PROMPT_ENHANCED_R2,
 
 pytestmark = [pytest.mark.cluster, pytest.mark.models]
 
-ON_RUNNER = {
-    "nodeSelector": {RUNNER_LABEL: "true"},
-    "tolerations": [{"key": RUNNER_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
-}
 AR_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 256 * 1024**2}
 READY_TIMEOUT = 900  # vLLM on two shared cores loads in about a minute; several stages load at once
 
@@ -482,10 +478,6 @@ def _service(env: Env, name: str) -> RouterService:
     return RouterService(lambda: [p for p in _pods(env, name).values() if _component(p) == "router"])
 
 
-def _condition(obj: dict, kind: str) -> dict:
-    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == kind), {})
-
-
 def test_a_new_model_revision_under_steady_load_keeps_each_request_whole_and_a_broken_one_leaves_it_serving(
     env,
 ) -> None:
@@ -531,7 +523,7 @@ def test_a_new_model_revision_under_steady_load_keeps_each_request_whole_and_a_b
             def rolled_back() -> dict | None:
                 obj = env.get("omnipipeline", "enhanced") or {}
                 phase = ((obj.get("status") or {}).get("rollout") or {}).get("phase")
-                return obj if phase == "RolledBack" and _condition(obj, "Degraded").get("status") == "True" else None
+                return obj if phase == "RolledBack" and condition(obj, "Degraded").get("status") == "True" else None
 
             failed_roll = wait_for(rolled_back, READY_TIMEOUT, "the broken revision rolled back", env.operator.log)
             done = load.ok()
@@ -549,7 +541,7 @@ def test_a_new_model_revision_under_steady_load_keeps_each_request_whole_and_a_b
     assert all(r == pairs[1] for r in ran[after_roll:]), "the broken revision took no request"
     assert seeded(env.client("enhanced")) != first_image, "the new revision's weights draw the seeded request"
 
-    degraded = _condition(failed_roll, "Degraded")
+    degraded = condition(failed_roll, "Degraded")
     assert degraded["reason"] == "RolloutFailed", degraded
     message = degraded["message"]
     assert "stage dit" in message and "EngineFailed" in message and "self-check" in message, message

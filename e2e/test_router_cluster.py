@@ -27,16 +27,12 @@ import pytest
 from chartlib import Release, ServiceAccountOperator
 from clusterlib import apply, condition, kubectl_json, wait_for
 from PIL import Image
-from podrunner.node import RUNNER_LABEL
+from podrunner.node import ON_RUNNER
 
 from omni_runtime.tiny_models import default_cache_dir, ensure
 
 pytestmark = [pytest.mark.cluster, pytest.mark.models]
 
-ON_RUNNER = {
-    "nodeSelector": {RUNNER_LABEL: "true"},
-    "tolerations": [{"key": RUNNER_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
-}
 NAME = "guarded"
 READY_TIMEOUT = 600
 

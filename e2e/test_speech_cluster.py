@@ -32,7 +32,7 @@ from chartlib import Release, ServiceAccountOperator
 from clusterlib import apply, wait_for
 from loadlib import RouterService, SteadyLoad
 from pipelinelib import PipelineEnv
-from podrunner.node import RUNNER_LABEL
+from podrunner.node import ON_RUNNER
 from promlib import Prometheus, dashboard_panels, dashboard_variables, pod_targets, prometheus_binary
 
 from omni_runtime.tiny_models import QWEN3_OMNI_R2, default_cache_dir, ensure
@@ -43,10 +43,6 @@ THINKER_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 64 * 1024**2, "se
 SIZES = {"globalSegmentSize": "64Mi", "localBufferSize": "16Mi"}
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 SAMPLE_RATE = 24000
-ON_RUNNER = {
-    "nodeSelector": {RUNNER_LABEL: "true"},
-    "tolerations": [{"key": RUNNER_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
-}
 
 
 @dataclass(frozen=True)

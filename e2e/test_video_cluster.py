@@ -16,7 +16,7 @@ import av
 import openai
 import pytest
 from clusterlib import apply, kubectl_json, wait_for
-from podrunner.node import RUNNER_LABEL
+from podrunner.node import ON_RUNNER
 from test_end_to_end import Env
 
 from omni_runtime.tiny_models import default_cache_dir, ensure
@@ -27,10 +27,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning"),  # the client warns; the API is ours
 ]
 
-ON_RUNNER = {
-    "nodeSelector": {RUNNER_LABEL: "true"},
-    "tolerations": [{"key": RUNNER_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
-}
 PIPELINE = {
     "apiVersion": "omnikube.io/v1alpha1",
     "kind": "OmniPipeline",

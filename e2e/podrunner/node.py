@@ -14,12 +14,18 @@ from dataclasses import dataclass, field
 from podrunner.downward import now
 from podrunner.kube import MERGE_PATCH, Kube, KubeError
 
-__all__ = ["NodeConfig", "NodeKeeper", "RUNNER_LABEL", "RUNNER_TAINT"]
+__all__ = ["ON_RUNNER", "NodeConfig", "NodeKeeper", "RUNNER_LABEL", "RUNNER_TAINT"]
 
 log = logging.getLogger("omnikube.e2e.podrunner")
 
 RUNNER_LABEL = "omnikube.io/podrunner"
 RUNNER_TAINT = {"key": RUNNER_LABEL, "value": "true", "effect": "NoSchedule"}
+ON_RUNNER = {
+    "nodeSelector": {RUNNER_LABEL: "true"},
+    "tolerations": [{"key": RUNNER_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
+}
+"""What a pod spec (or an OmniPipeline's router and stage entries) carries to be placed on a runner node: its
+label, and a toleration of its taint."""
 LEASE_SECONDS = 40
 RENEW_EVERY = 10.0
 STATUS_EVERY = 60.0
