@@ -23,9 +23,7 @@ Other processes of the machine (the router, the clients, other people's work) ar
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -39,10 +37,10 @@ import openai
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "e2e"), str(REPO / "e2e" / "cluster")]
 
+from benchlib import RUNNER_NODES, p90, pipeline_ready, pod_cluster  # noqa: E402
 from chartlib import operator_release  # noqa: E402
-from clusterlib import apply, condition, kubectl_json, wait_for  # noqa: E402
+from clusterlib import apply, kubectl_json, wait_for  # noqa: E402
 from kedalib import Keda, chat_pipeline  # noqa: E402
-from podcluster import RUNNER_NODES, pod_cluster  # noqa: E402
 from promlib import Prometheus, prometheus_binary  # noqa: E402
 
 from localcluster import LocalCluster  # noqa: E402
@@ -95,23 +93,6 @@ class Clients:
             self._threads.pop().join(180)
 
 
-def p90(values: list[float]) -> float:
-    if len(values) < 2:
-        return values[0] if values else float("nan")
-    return statistics.quantiles(values, n=10, method="inclusive")[8]
-
-
-def ready(cluster: LocalCluster, ns: str, name: str) -> bool:
-    out = cluster.kubectl("get", "omnipipeline", name, "-n", ns, "-o", "json", check=False)
-    if out.returncode != 0:
-        return False
-    obj = json.loads(out.stdout)
-    return (
-        condition(obj, "Ready").get("status") == "True"
-        and (obj.get("status") or {}).get("observedGeneration") == obj["metadata"]["generation"]
-    )
-
-
 def stage_pods(cluster: LocalCluster, ns: str, name: str) -> list[dict[str, Any]]:
     items = kubectl_json(cluster, "get", "pods", "-n", ns, "-l", f"omnikube.io/pipeline={name}")["items"]
     return [p for p in items if p["metadata"]["labels"].get("omnikube.io/stage") == "llm"]
@@ -141,7 +122,7 @@ def run_once(
             "prometheusAddress": prometheus.url,
         }
     apply(cluster, ns, chat_pipeline(name, scaling, resources))
-    wait_for(lambda: ready(cluster, ns, name), 900, f"{name} Ready")
+    wait_for(lambda: pipeline_ready(cluster, ns, name), 900, f"{name} Ready")
     first = {p["metadata"]["name"] for p in stage_pods(cluster, ns, name)}
     clients = Clients(router_url(cluster, ns, name), name)
     clients.set_count(1)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -49,10 +48,10 @@ import openai
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "e2e"), str(REPO / "e2e" / "cluster")]
 
+from benchlib import p90, pipeline_ready, pod_cluster  # noqa: E402
 from chartlib import operator_release  # noqa: E402
 from clusterlib import apply, condition, kubectl_json, wait_for  # noqa: E402
 from loadlib import RouterService  # noqa: E402
-from podcluster import pod_cluster  # noqa: E402
 from podrunner.node import ON_RUNNER  # noqa: E402
 
 from localcluster import LocalCluster  # noqa: E402
@@ -146,21 +145,8 @@ class Load:
             thread.join(200)
 
 
-def p90(values: list[float]) -> float:
-    if len(values) < 2:
-        return values[0] if values else float("nan")
-    return statistics.quantiles(values, n=10, method="inclusive")[8]
-
-
 def pipeline_status(cluster: LocalCluster, ns: str) -> dict[str, Any]:
     return kubectl_json(cluster, "get", "omnipipeline", NAME, "-n", ns)
-
-
-def ready(obj: dict[str, Any]) -> bool:
-    return (
-        condition(obj, "Ready").get("status") == "True"
-        and (obj.get("status") or {}).get("observedGeneration") == obj["metadata"]["generation"]
-    )
 
 
 def pods(cluster: LocalCluster, ns: str) -> list[dict[str, Any]]:
@@ -183,11 +169,7 @@ def beside(
     copy["metadata"]["name"] = copy["spec"]["servedModelName"] = "beside"
     apply(cluster, ns, copy)
 
-    def copy_ready() -> bool:
-        out = cluster.kubectl("get", "omnipipeline", "beside", "-n", ns, "-o", "json", check=False)
-        return out.returncode == 0 and ready(json.loads(out.stdout))
-
-    wait_for(copy_ready, 900, "the copy Ready")
+    wait_for(lambda: pipeline_ready(cluster, ns, "beside"), 900, "the copy Ready")
     cluster.kubectl("delete", "omnipipeline", "beside", "-n", ns, "--wait=false")
     selector = "omnikube.io/pipeline=beside"
     wait_for(lambda: not kubectl_json(cluster, "get", "pods", "-n", ns, "-l", selector)["items"], 300, "its pods gone")
@@ -229,11 +211,11 @@ def roll(
         ):
             new_ready_at = time.monotonic()
         old_left = [n for n, c in before_pods.items() if c in rolls and n in {p["metadata"]["name"] for p in now}]
-        obj = pipeline_status(cluster, ns)
-        if not old_left and new_ready_at is not None and ready(obj):
+        if not old_left and new_ready_at is not None and pipeline_ready(cluster, ns, NAME):
             break
         if time.monotonic() - changed > 1200:
-            raise TimeoutError(f"the roll did not end in 20 minutes: {json.dumps(obj.get('status'))[:2000]}")
+            status = pipeline_status(cluster, ns).get("status")
+            raise TimeoutError(f"the roll did not end in 20 minutes: {json.dumps(status)[:2000]}")
         time.sleep(1)
     ended = time.monotonic()
     time.sleep(args.after)
@@ -290,7 +272,7 @@ def main() -> int:
                 ns = release.apps
                 spec = manifest(surge)
                 apply(cluster, ns, spec)
-                wait_for(lambda: ready(pipeline_status(cluster, ns)), 900, f"{NAME} Ready")
+                wait_for(lambda: pipeline_ready(cluster, ns, NAME), 900, f"{NAME} Ready")
                 routers = RouterService(lambda: [p for p in pods(cluster, ns) if stage_of(p) == "router"])
                 with routers:
                     load = Load(routers, args.images, args.chats).start()
