@@ -755,6 +755,17 @@ def rollout_phase(phase: str, target: str | None = None) -> Callable[[dict], boo
     return showing
 
 
+def degraded_in_phase(cluster, namespace: str, name: str, phase: str) -> Callable[[], dict | None]:
+    """A `wait_for` check: the pipeline, once its rollout is in `phase` and it is Degraded; else None."""
+
+    def check() -> dict | None:
+        obj = get(cluster, namespace, "omnipipeline", name) or {}
+        rollout = (obj.get("status") or {}).get("rollout") or {}
+        return obj if rollout.get("phase") == phase and condition(obj, "Degraded").get("status") == "True" else None
+
+    return check
+
+
 def events_of(cluster, namespace: str, name: str, reason: str) -> list[dict]:
     return kubectl_json(
         cluster, "get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name},reason={reason}"
@@ -851,14 +862,9 @@ def test_a_new_generation_that_cannot_run_is_rolled_back_and_the_old_one_keeps_s
     nowhere = [{"name": "llm", "nodeSelector": {"omnikube.io/accelerator": "none-has-this"}}]
     apply(cluster, namespace, pipeline("bad", "text-chat", nowhere, model="/models/bad-v2"))
 
-    def rolled_back():
-        obj = get(cluster, namespace, "omnipipeline", "bad") or {}
-        rollout = (obj.get("status") or {}).get("rollout") or {}
-        return (
-            obj if rollout.get("phase") == "RolledBack" and condition(obj, "Degraded").get("status") == "True" else None
-        )
-
-    obj = wait_for(rolled_back, 90, "the rollout rolled back", operator.log)
+    obj = wait_for(
+        degraded_in_phase(cluster, namespace, "bad", "RolledBack"), 90, "the rollout rolled back", operator.log
+    )
     degraded, progressing = condition(obj, "Degraded"), condition(obj, "Progressing")
     assert degraded["reason"] == "RolloutFailed", degraded
     assert "stage llm" in degraded["message"] and "Unschedulable" in degraded["message"], degraded
@@ -910,16 +916,12 @@ def test_a_generation_past_its_progress_deadline_fails_and_without_auto_rollback
         silent = [{"name": "llm", "nodeSelector": {"omnikube.io/silent": "true"}, "tolerations": tolerate}]
         apply(cluster, namespace, pipeline("late", "text-chat", silent, model="/models/late-v2", rollout=rollout))
 
-        def in_phase(phase: str) -> Callable[[], dict | None]:
-            def check() -> dict | None:
-                obj = get(cluster, namespace, "omnipipeline", "late") or {}
-                rolled = (obj.get("status") or {}).get("rollout") or {}
-                degraded = condition(obj, "Degraded").get("status") == "True"
-                return obj if rolled.get("phase") == phase and degraded else None
-
-            return check
-
-        obj = wait_for(in_phase("Failed"), 60, "the rollout failed at its deadline", operator.log)
+        obj = wait_for(
+            degraded_in_phase(cluster, namespace, "late", "Failed"),
+            60,
+            "the rollout failed at its deadline",
+            operator.log,
+        )
         degraded = condition(obj, "Degraded")
         assert degraded["reason"] == "RolloutFailed", degraded
         message = degraded["message"]
@@ -939,7 +941,12 @@ def test_a_generation_past_its_progress_deadline_fails_and_without_auto_rollback
 
         rollout["autoRollback"] = True
         apply(cluster, namespace, pipeline("late", "text-chat", silent, model="/models/late-v2", rollout=rollout))
-        obj = wait_for(in_phase("RolledBack"), 60, "the failed generation rolled back", operator.log)
+        obj = wait_for(
+            degraded_in_phase(cluster, namespace, "late", "RolledBack"),
+            60,
+            "the failed generation rolled back",
+            operator.log,
+        )
         assert obj["status"]["rollout"]["serving"] == first["status"]["contract"]
         wait_for(lambda: get(cluster, namespace, "deployment", new_name)["spec"]["replicas"] == 0, 30, "new at zero")
     finally:
